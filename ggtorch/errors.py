@@ -1,0 +1,25 @@
+"""Errors a user can act on.
+
+Every message names the problem and the fix. The CLI prints ``str(error)`` on one line and
+exits non-zero; nothing below the CLI prints or exits.
+"""
+
+
+class GGTorchError(Exception):
+    """Base of every error ggtorch raises on purpose."""
+
+
+class BadGGUF(GGTorchError):
+    """A GGUF file that is missing, truncated, malformed or lacks a required key."""
+
+
+class Unsupported(GGTorchError):
+    """A well-formed input that ggtorch does not handle (architecture, ggml type, ...)."""
+
+
+class BadFlag(GGTorchError):
+    """A command-line flag or config value out of range or inconsistent with another."""
+
+
+class BadData(GGTorchError):
+    """Training or evaluation data that cannot be used as given."""

@@ -1,0 +1,52 @@
+"""Session fixtures: paths into ../shared and test models built (and quantized by llama.cpp) once."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.llama_models import RandomLlamaShape, quantize_with_llama_cpp, write_random_llama
+
+SHARED = Path(os.environ.get("GGTORCH_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+
+
+@pytest.fixture(scope="session")
+def shared() -> Path:
+    if not (SHARED / "models" / "stories260K.gguf").is_file():
+        pytest.fail(f"../shared not found at {SHARED}; set GGTORCH_SHARED to its path")
+    return SHARED
+
+
+@pytest.fixture(scope="session")
+def stories260k(shared: Path) -> Path:
+    return shared / "models" / "stories260K.gguf"
+
+
+@pytest.fixture(scope="session")
+def spm_vocab(shared: Path) -> Path:
+    return shared / "vocab" / "ggml-vocab-llama-spm.gguf"
+
+
+@pytest.fixture(scope="session")
+def random_llama(tmp_path_factory: pytest.TempPathFactory, spm_vocab: Path) -> Callable[..., Path]:
+    """``random_llama(ftype="Q4_0", shape=RandomLlamaShape(...), seed=0)`` → path of a GGUF.
+
+    The F32 file is written once per (shape, seed); each quantized variant is made from it
+    by llama.cpp once per session.
+    """
+    cache: dict[tuple, Path] = {}
+    root = tmp_path_factory.mktemp("llamas")
+
+    def make(ftype: str = "F32", shape: RandomLlamaShape = RandomLlamaShape(), seed: int = 0) -> Path:
+        base_key = ("F32", shape, seed)
+        if base_key not in cache:
+            cache[base_key] = write_random_llama(root / f"llama-{len(cache)}-f32.gguf", spm_vocab, shape, seed)
+        key = (ftype, shape, seed)
+        if key not in cache:
+            cache[key] = quantize_with_llama_cpp(cache[base_key], root / f"llama-{len(cache)}-{ftype}.gguf", ftype)
+        return cache[key]
+
+    return make

@@ -1,0 +1,101 @@
+"""Test models: random-weight llamas around a real vocabulary, quantized by llama.cpp itself.
+
+Nothing here uses ggtorch's own quantization or model code, so the files are an
+independent reference: the GGUF is written with gguf-py's writer (through ggtorch's thin
+``write_gguf``), and every quantized type comes from llama.cpp's ``llama_model_quantize``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from ggtorch.gguf_io import TensorOut, read_gguf, write_gguf
+
+
+@dataclass(frozen=True)
+class RandomLlamaShape:
+    n_embd: int = 256
+    n_ff: int = 768
+    n_layer: int = 2
+    n_head: int = 8
+    n_head_kv: int = 4
+    n_ctx: int = 512
+    tied_output: bool = False
+    rope_freq_base: float = 10000.0
+    rms_eps: float = 1e-5
+    logit_scale: float = 4.0
+    """Std of the logits at init: big enough that argmax is not a coin flip between ties."""
+
+
+def write_random_llama(path: Path, vocab_gguf: Path, shape: RandomLlamaShape = RandomLlamaShape(),
+                       seed: int = 0) -> Path:
+    """Write an F32 llama GGUF with random weights and ``vocab_gguf``'s tokenizer."""
+    vocab = read_gguf(vocab_gguf)
+    tok_keys = {k: v for k, v in vocab.metadata.items() if k.startswith("tokenizer.")}
+    n_vocab = len(tok_keys["tokenizer.ggml.tokens"])
+    s = shape
+    head_dim = s.n_embd // s.n_head
+    metadata = {
+        "general.name": f"random-llama-{s.n_embd}x{s.n_layer}",
+        "general.file_type": 0,
+        "llama.context_length": s.n_ctx,
+        "llama.embedding_length": s.n_embd,
+        "llama.feed_forward_length": s.n_ff,
+        "llama.block_count": s.n_layer,
+        "llama.attention.head_count": s.n_head,
+        "llama.attention.head_count_kv": s.n_head_kv,
+        "llama.rope.dimension_count": head_dim,
+        "llama.rope.freq_base": float(s.rope_freq_base),
+        "llama.attention.layer_norm_rms_epsilon": float(s.rms_eps),
+        "llama.vocab_size": n_vocab,
+        **tok_keys,
+    }
+    value_types = {k: v for k, v in vocab.value_types.items() if k in tok_keys}
+
+    rng = np.random.default_rng(seed)
+
+    def linear(n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((n_out, n_in), dtype=np.float32) * (gain / np.sqrt(n_in))).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    kv = head_dim * s.n_head_kv
+    arrays: dict[str, np.ndarray] = {
+        "token_embd.weight": rng.standard_normal((n_vocab, s.n_embd), dtype=np.float32),
+        "output_norm.weight": norm(s.n_embd),
+    }
+    if not s.tied_output:
+        arrays["output.weight"] = linear(n_vocab, s.n_embd, s.logit_scale)
+    for i in range(s.n_layer):
+        arrays |= {
+            f"blk.{i}.attn_norm.weight": norm(s.n_embd),
+            f"blk.{i}.attn_q.weight": linear(s.n_embd, s.n_embd),
+            f"blk.{i}.attn_k.weight": linear(kv, s.n_embd),
+            f"blk.{i}.attn_v.weight": linear(kv, s.n_embd),
+            f"blk.{i}.attn_output.weight": linear(s.n_embd, s.n_embd, 0.5),
+            f"blk.{i}.ffn_norm.weight": norm(s.n_embd),
+            f"blk.{i}.ffn_gate.weight": linear(s.n_ff, s.n_embd),
+            f"blk.{i}.ffn_up.weight": linear(s.n_ff, s.n_embd),
+            f"blk.{i}.ffn_down.weight": linear(s.n_embd, s.n_ff, 0.5),
+        }
+    tensors = [TensorOut(name, GGMLQuantizationType.F32, a.shape, a) for name, a in arrays.items()]
+    write_gguf(path, "llama", metadata, tensors, value_types)
+    return path
+
+
+def quantize_with_llama_cpp(src: Path, dst: Path, ftype: str) -> Path:
+    """Quantize ``src`` to ``dst`` with llama.cpp's own quantizer (``LLAMA_FTYPE_MOSTLY_<ftype>``)."""
+    import llama_cpp  # test-only dependency: the reference implementation
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = 2
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({ftype}) failed with {rc}")
+    return dst
