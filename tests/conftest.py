@@ -40,7 +40,8 @@ def random_llama(tmp_path_factory: pytest.TempPathFactory, spm_vocab: Path) -> C
     cache: dict[tuple, Path] = {}
     root = tmp_path_factory.mktemp("llamas")
 
-    def make(ftype: str = "F32", shape: RandomLlamaShape = RandomLlamaShape(), seed: int = 0) -> Path:
+    def make(ftype: str = "F32", shape: RandomLlamaShape | None = None, seed: int = 0) -> Path:
+        shape = shape or RandomLlamaShape()
         base_key = ("F32", shape, seed)
         if base_key not in cache:
             cache[base_key] = write_random_llama(root / f"llama-{len(cache)}-f32.gguf", spm_vocab, shape, seed)

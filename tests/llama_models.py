@@ -31,9 +31,10 @@ class RandomLlamaShape:
     """Std of the logits at init: big enough that argmax is not a coin flip between ties."""
 
 
-def write_random_llama(path: Path, vocab_gguf: Path, shape: RandomLlamaShape = RandomLlamaShape(),
+def write_random_llama(path: Path, vocab_gguf: Path, shape: RandomLlamaShape | None = None,
                        seed: int = 0) -> Path:
     """Write an F32 llama GGUF with random weights and ``vocab_gguf``'s tokenizer."""
+    shape = shape or RandomLlamaShape()
     vocab = read_gguf(vocab_gguf)
     tok_keys = {k: v for k, v in vocab.metadata.items() if k.startswith("tokenizer.")}
     n_vocab = len(tok_keys["tokenizer.ggml.tokens"])
