@@ -24,6 +24,8 @@ LAYERS: dict[str, int] = {
     "data": 6,
     "optim": 6,
     "checkpoint": 7,
+    "finetune_config": 7,
+    "train_log": 7,
     "trainer": 8,
     "export": 8,
     "api": 9,

@@ -1,0 +1,206 @@
+"""FinetuneConfig: every option of a LoRA finetune, flat, named after llama.cpp's flags.
+
+One flat dataclass keeps three views of the same options identical: the CLI (`--adam-alpha`
+→ ``adam_alpha``), config files under ``configs/`` (YAML/TOML keys are field names) and the
+Python API (``FinetuneConfig(adam_alpha=...)``). The sub-configs the machinery needs
+(:class:`~ggtorch.optim.AdamConfig`, :class:`~ggtorch.lora.LoraConfig`,
+:class:`~ggtorch.data.DataOptions`) are built from it by the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import BadFlag
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class FinetuneConfig:
+    """Options of ``ggtorch finetune``; defaults are the old llama.cpp finetune's."""
+
+    # --- files -------------------------------------------------------------------------
+    model_base: str = ""
+    """Base model GGUF (any supported ggml type; quantized bases stay quantized)."""
+    train_data: str = "shakespeare.txt"
+    """Training text (UTF-8)."""
+    checkpoint_in: str = "checkpoint.gguf"
+    """Resume from this checkpoint when it exists; start fresh when it does not."""
+    checkpoint_out: str = "checkpoint-ITERATION.gguf"
+    """Where to save checkpoints ('' disables); the pattern becomes the iteration, and a second copy uses fn_latest."""
+    lora_out: str = "ggml-lora-ITERATION-f32.gguf"
+    """Where to save the adapter in today's llama.cpp GGUF LoRA format ('' disables)."""
+    pattern_fn_it: str = "ITERATION"
+    """Text in output file names replaced by the iteration number."""
+    fn_latest: str = "LATEST"
+    """Text that replaces the pattern in the second, always-current copy of each output."""
+    save_every: int = 10
+    """Save checkpoint and adapter every N iterations (<= 0: only at the end)."""
+    only_write_lora: bool = False
+    """Load the checkpoint (or a fresh adapter), write the adapter, and exit without training."""
+    log_file: str | None = None
+    """JSON-lines training log; default: beside the checkpoint/adapter output."""
+
+    # --- run -----------------------------------------------------------------------------
+    seed: int = -1
+    """RNG seed for LoRA init and data shuffling; -1 uses the current time (printed)."""
+    ctx: int = 128
+    """Training context length in tokens."""
+    batch: int = 8
+    """Sequences per micro-batch."""
+    grad_acc: int = 1
+    """Micro-batches accumulated per optimizer step (effective batch = batch × grad_acc)."""
+    threads: int | None = None
+    """torch intra-op threads (default: torch's choice)."""
+    adam_iter: int = 256
+    """Optimizer steps in this run (a resumed run continues the iteration count)."""
+    epochs: int = -1
+    """Stop after this many epochs over the samples (<= 0: no limit)."""
+    use_checkpointing: bool = True
+    """Gradient checkpointing per transformer block (less memory, ~30% more compute)."""
+    device: str = "cpu"
+    """cpu, cuda, cuda:N or mps."""
+    dtype: str = "f32"
+    """Compute dtype: f32, or bf16/f16 autocast."""
+    base_dtype: str = "quantized"
+    """How base weights are held: 'quantized' (raw ggml blocks, dequantized on the fly) or f32/bf16/f16."""
+    val_split: float = 0.0
+    """Fraction of the training text held out for a validation loss (0: none)."""
+    val_data: str | None = None
+    """Separate text file for the validation loss."""
+    eval_every: int = 0
+    """Compute the validation loss every N iterations (0: only at the end)."""
+
+    # --- model overrides ----------------------------------------------------------------
+    norm_rms_eps: float | None = None
+    rope_freq_base: float | None = None
+    rope_freq_scale: float | None = None
+
+    # --- LoRA --------------------------------------------------------------------------
+    lora_r: int = 4
+    """Default rank of every adapted matrix."""
+    lora_alpha: float | None = None
+    """LoRA alpha; the adapter's scale is alpha / r (default: alpha = r, scale 1)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input (0: none)."""
+    rank_att_norm: int = 0
+    """Rank of the attn_norm adapters (0: not trained; the old finetune used 1)."""
+    rank_ffn_norm: int = 0
+    """Rank of the ffn_norm adapters (0: not trained)."""
+    rank_out_norm: int = 0
+    """Rank of the output_norm adapter (0: not trained)."""
+    rank_tok_embd: int | None = None
+    rank_out: int | None = None
+    rank_wq: int | None = None
+    rank_wk: int | None = None
+    rank_wv: int | None = None
+    rank_wo: int | None = None
+    rank_ffn_gate: int | None = None
+    rank_ffn_down: int | None = None
+    rank_ffn_up: int | None = None
+
+    # --- optimizer (ggml AdamW) ---------------------------------------------------------
+    adam_alpha: float = 1e-3
+    adam_min_alpha: float = 0.0
+    adam_decay: float = 0.1
+    adam_decay_min_ndim: int = 2
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_gclip: float = 1.0
+    adam_epsf: float = 0.0
+    warmup: int = 100
+    cos_decay_steps: int = 1000
+    cos_decay_restart: float = 1.1
+    cos_decay_min: float = 0.1
+    enable_restart: bool = False
+    opt_past: int = 0
+    opt_delta: float = 1e-5
+    opt_max_no_improvement: int = 0
+
+    # --- data (old finetune sampling) ----------------------------------------------------
+    sample_start: str = ""
+    include_sample_start: bool = False
+    escape: bool = False
+    overlapping_samples: bool = False
+    fill_with_next_samples: bool = False
+    separate_with_eos: bool = False
+    separate_with_bos: bool = True
+    sample_random_offsets: bool = False
+    force_reshuffle: bool = False
+
+    def __post_init__(self) -> None:
+        positive = ("ctx", "batch", "adam_iter", "lora_r")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise BadFlag(f"{_flag(name)} must be at least 1, got {getattr(self, name)}")
+        if self.grad_acc < 1:
+            self.grad_acc = 1  # the old finetune clamped --grad-acc to >= 1
+        if self.threads is not None and self.threads < 1:
+            raise BadFlag(f"--threads must be at least 1, got {self.threads}")
+        if not 0.0 <= self.val_split < 1.0:
+            raise BadFlag(f"--val-split must be in [0, 1), got {self.val_split}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise BadFlag(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise BadFlag(f"--lora-alpha must be a positive number, got {self.lora_alpha}")
+        for f in fields(self):
+            if f.name.startswith("rank_"):
+                value = getattr(self, f.name)
+                if value is not None and value < 0:
+                    raise BadFlag(f"{_flag(f.name)} must be >= 0, got {value}")
+        if self.dtype not in ("f32", "bf16", "f16"):
+            raise BadFlag(f"--dtype must be f32, bf16 or f16, got '{self.dtype}'")
+        if self.base_dtype not in ("quantized", "f32", "bf16", "f16"):
+            raise BadFlag(f"--base-dtype must be quantized, f32, bf16 or f16, got '{self.base_dtype}'")
+        if self.val_split and self.val_data:
+            raise BadFlag("--val-split and --val-data exclude each other; pass one of them")
+
+    @property
+    def alpha(self) -> float:
+        return float(self.lora_alpha) if self.lora_alpha is not None else float(self.lora_r)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], **overrides: Any) -> FinetuneConfig:
+        """Read a YAML or TOML config (keys are field names, '-' allowed); ``overrides`` win."""
+        return cls(**{**read_config_file(path, cls.field_names()), **overrides})
+
+    def replace(self, **changes: Any) -> FinetuneConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def read_config_file(path: str | os.PathLike[str], known: set[str]) -> dict[str, Any]:
+    """Options from a YAML or TOML file, keys normalized to field names and checked against ``known``."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadFlag(f"--config: no such file '{path}'")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix.lower() == ".toml":
+            raw = tomllib.loads(text)
+        else:
+            raw = yaml.safe_load(text) or {}
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
+        raise BadFlag(f"--config {path}: cannot parse it ({e})") from None
+    if not isinstance(raw, dict):
+        raise BadFlag(f"--config {path}: expected a mapping of option names to values")
+    options = {str(k).replace("-", "_"): v for k, v in raw.items()}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise BadFlag(f"--config {path}: unknown option(s) {', '.join(unknown)}; "
+                      "keys are the long flag names (e.g. adam-alpha or adam_alpha)")
+    return options

@@ -1,0 +1,91 @@
+"""The machine-readable training log (JSON lines) and its loss-curve plot.
+
+One JSON object per line, flushed as it is written, so a log survives a crash and can be
+plotted while a run is still going. Records carry a ``kind``: ``start`` (the run's
+options), ``iter`` (one per optimizer step), ``eval`` (validation loss), ``save`` (files
+written) and ``end`` (summary).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, TextIO
+
+from .errors import BadData
+
+
+class TrainLog:
+    """Append-only JSON-lines writer; a no-op when ``path`` is None (e.g. non-zero DDP ranks)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+        self.path = Path(path) if path else None
+        self._file: TextIO | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
+
+    def write(self, kind: str, **fields: Any) -> None:
+        if self._file is None:
+            return
+        self._file.write(json.dumps({"kind": kind, **fields}, default=str) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All records of a log; a torn last line (crash mid-write) is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadData(f"{path}: no such log file; pass the .jsonl written beside the training outputs")
+    records = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines):
+                break
+            raise BadData(f"{path}:{i}: not a JSON line; is this a ggtorch training log?") from None
+    return records
+
+
+def plot_loss(log_path: str | os.PathLike[str], png_path: str | os.PathLike[str] | None = None,
+              ax: Any = None) -> Path | None:
+    """Draw training (and validation) loss per iteration; save a PNG, or draw into ``ax`` (notebooks)."""
+    import matplotlib
+
+    if ax is None:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_log(log_path)
+    iters = [(r["iteration"], r["loss"]) for r in records if r.get("kind") == "iter"]
+    evals = [(r["iteration"], r["loss"]) for r in records if r.get("kind") == "eval"]
+    if not iters and not evals:
+        raise BadData(f"{log_path}: the log holds no iterations yet")
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 4))
+    if iters:
+        ax.plot(*zip(*iters, strict=True), label="train loss", linewidth=1)
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="validation loss")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss (cross-entropy, nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if fig is None:
+        return None
+    out = Path(png_path) if png_path else Path(log_path).with_suffix(".png")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
