@@ -1,0 +1,112 @@
+"""Dequantization of ggml tensors in torch, bit-exact with llama.cpp.
+
+``dequantize(raw, ggml_type, shape)`` turns the raw bytes of a GGUF tensor into floats on
+whatever device ``raw`` lives on. Each ggml type has one small decoder (in ``floats``,
+``legacy``, ``kquants``, ``iquants``) that works on a ``(n_blocks, type_size)`` uint8 view
+and returns ``(n_blocks, block_size)`` float32; the plain dict ``DEQUANTIZERS`` maps types
+to decoders. The values are computed in f32 with the operation order of llama.cpp's
+``dequantize_row_*`` and only then cast to the requested dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ..errors import BadGGUF, Unsupported
+from .floats import dequantize_bf16, dequantize_f16, dequantize_f32
+from .legacy import dequantize_q4_0, dequantize_q4_1, dequantize_q5_0, dequantize_q5_1, dequantize_q8_0
+
+T = GGMLQuantizationType
+
+DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+    T.F32: dequantize_f32,
+    T.F16: dequantize_f16,
+    T.BF16: dequantize_bf16,
+    T.Q4_0: dequantize_q4_0,
+    T.Q4_1: dequantize_q4_1,
+    T.Q5_0: dequantize_q5_0,
+    T.Q5_1: dequantize_q5_1,
+    T.Q8_0: dequantize_q8_0,
+}
+
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(DEQUANTIZERS)
+
+CHUNK_VALUES = 1 << 18
+"""Values decoded per step: big enough to amortize per-op overhead, small enough that a
+decoder's temporaries stay in cache on CPU and a huge tensor never needs several copies of
+itself in memory at once."""
+
+
+def block_size(ggml_type: GGMLQuantizationType) -> int:
+    """Values per block (1 for F32/F16/BF16, 32 for Q4_0, 256 for K-quants, ...)."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][0]
+
+
+def type_size(ggml_type: GGMLQuantizationType) -> int:
+    """Bytes per block."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][1]
+
+
+def row_nbytes(ggml_type: GGMLQuantizationType, n_cols: int) -> int:
+    """Bytes of one row of ``n_cols`` values; ``n_cols`` must be a whole number of blocks."""
+    bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    if n_cols % bs:
+        raise ValueError(f"a row of {n_cols} values is not a whole number of "
+                         f"{GGMLQuantizationType(ggml_type).name} blocks of {bs}")
+    return n_cols // bs * ts
+
+
+def _label(name: str | None) -> str:
+    return f"tensor '{name}'" if name else "a tensor"
+
+
+def _decoder(ggml_type: GGMLQuantizationType | int, name: str | None
+             ) -> tuple[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]]:
+    try:
+        qtype = GGMLQuantizationType(ggml_type)
+    except ValueError:
+        raise Unsupported(f"{_label(name)} has unknown ggml type {int(ggml_type)}; "
+                          "the file needs a newer reader or is corrupt") from None
+    fn = DEQUANTIZERS.get(qtype)
+    if fn is None:
+        supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+        raise Unsupported(f"{_label(name)} has ggml type {qtype.name}, which ggtorch cannot dequantize "
+                          f"(supported: {supported}); requantize the model to one of these with llama-quantize")
+    return qtype, fn
+
+
+def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, ...],
+               dtype: torch.dtype = torch.float32, name: str | None = None) -> torch.Tensor:
+    """Decode whole rows of ggml blocks into a ``shape`` tensor of ``dtype`` on ``raw.device``.
+
+    ``raw`` is uint8 of any leading shape holding exactly the tensor's bytes. Values are
+    computed in f32 and cast to ``dtype`` at the end. For F32 in f32 the result may share
+    memory with ``raw``.
+    """
+    qtype, fn = _decoder(ggml_type, name)
+    if raw.dtype != torch.uint8:
+        raise TypeError(f"{_label(name)}: raw ggml data must be a uint8 tensor, got {raw.dtype}")
+    shape = tuple(int(n) for n in shape)
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    n_values = math.prod(shape)
+    if shape and shape[-1] % bs:
+        raise BadGGUF(f"{_label(name)}: rows of {shape[-1]} values are not a whole number of "
+                      f"{qtype.name} blocks of {bs}; the tensor's shape or type is wrong")
+    expected = n_values // bs * ts
+    if raw.numel() != expected:
+        raise BadGGUF(f"{_label(name)}: {raw.numel()} bytes of data, but {qtype.name} {shape} takes "
+                      f"{expected}; the file is truncated or the shape/type is wrong")
+
+    blocks = raw.reshape(-1, ts)
+    n_blocks = blocks.shape[0]
+    step = max(1, CHUNK_VALUES // bs)
+    if n_blocks <= step:
+        return fn(blocks).reshape(shape).to(dtype)
+    out = torch.empty((n_blocks, bs), dtype=dtype, device=raw.device)
+    for start in range(0, n_blocks, step):
+        out[start:start + step] = fn(blocks[start:start + step])
+    return out.reshape(shape)

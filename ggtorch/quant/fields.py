@@ -1,0 +1,75 @@
+"""Reading the fields of ggml blocks in torch: the pieces every per-type decoder shares.
+
+A decoder gets its blocks as a ``(n_blocks, type_size)`` uint8 tensor and splits fields by
+byte offset, as gguf-py does with numpy. Everything here stays on the blocks' device (no
+host round trip) and uses only ops CUDA has for uint8 (shifts, masks, ``view`` of a
+contiguous copy), so the same decoder runs on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def split(blocks: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """Split ``(n_blocks, type_size)`` into column groups of the given byte sizes (last: the rest)."""
+    cuts = list(sizes) + [blocks.shape[-1] - sum(sizes)]
+    return torch.split(blocks, cuts, dim=-1)
+
+
+def f16(field: torch.Tensor) -> torch.Tensor:
+    """Little-endian f16 fields ``(n, 2k)`` uint8 → ``(n, k)`` float32 (exact, like GGML_FP16_TO_FP32).
+
+    The column slice is made contiguous first: viewing two bytes as float16 needs them
+    adjacent and 2-byte aligned, which a slice at an odd offset of an 18-byte block is not.
+    """
+    return field.contiguous().view(torch.float16).to(torch.float32)
+
+
+def u16(field: torch.Tensor) -> torch.Tensor:
+    """Little-endian uint16 fields ``(n, 2k)`` uint8 → ``(n, k)`` int32."""
+    pairs = field.reshape(*field.shape[:-1], -1, 2).to(torch.int32)
+    return pairs[..., 0] | (pairs[..., 1] << 8)
+
+
+def u32(field: torch.Tensor) -> torch.Tensor:
+    """Little-endian uint32 fields ``(n, 4k)`` uint8 → ``(n, k)`` int64 (no sign trouble at bit 31)."""
+    quads = field.reshape(*field.shape[:-1], -1, 4).to(torch.int64)
+    return quads[..., 0] | (quads[..., 1] << 8) | (quads[..., 2] << 16) | (quads[..., 3] << 24)
+
+
+def nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """``(..., k)`` bytes → ``(..., 2, k)``: all low nibbles, then all high nibbles.
+
+    This is the order of the legacy and K-quant layouts: byte j holds element j in its low
+    nibble and element j + k in its high nibble.
+    """
+    return torch.stack((qs & 0x0F, qs >> 4), dim=-2)
+
+
+def crumbs(qs: torch.Tensor, bits: int) -> torch.Tensor:
+    """``(..., k)`` bytes → ``(..., 8 // bits, k)``: field i holds ``(qs >> bits*i) & mask``."""
+    mask = (1 << bits) - 1
+    return torch.stack([(qs >> shift) & mask for shift in range(0, 8, bits)], dim=-2)
+
+
+def bits_lsb_first(field: torch.Tensor) -> torch.Tensor:
+    """``(n, k)`` bytes → ``(n, 8k)`` single bits, bit i of a little-endian integer at index i."""
+    return torch.stack([(field >> i) & 1 for i in range(8)], dim=-1).reshape(*field.shape[:-1], -1)
+
+
+_TABLES: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def table(name: str, values: Sequence[float] | torch.Tensor, device: torch.device,
+          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A constant lookup table on ``device``, built once per (name, device, dtype)."""
+    key = (name, torch.device(device), dtype)
+    cached = _TABLES.get(key)
+    if cached is None:
+        source = values if isinstance(values, torch.Tensor) else torch.tensor(values)
+        cached = source.to(device=device, dtype=dtype)
+        _TABLES[key] = cached
+    return cached

@@ -1,0 +1,32 @@
+"""F32, F16 and BF16: ggml's unquantized types (block size 1).
+
+Like the block types, each takes a ``(n_values, type_size)`` uint8 view and returns
+``(n_values, 1)`` float32. Conversion from f16/bf16 to f32 is exact, so there is no op
+order to match.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _aligned(blocks: torch.Tensor) -> torch.Tensor:
+    """``blocks`` itself when its rows can be viewed as one wider element, else an aligned copy."""
+    if blocks.is_contiguous() and blocks.data_ptr() % blocks.shape[-1] == 0:
+        return blocks
+    return blocks.clone(memory_format=torch.contiguous_format)
+
+
+def dequantize_f32(blocks: torch.Tensor) -> torch.Tensor:
+    """F32: the bytes are the values (a view of ``blocks`` when they are aligned)."""
+    return _aligned(blocks).view(torch.float32)
+
+
+def dequantize_f16(blocks: torch.Tensor) -> torch.Tensor:
+    """F16 → f32, as ggml_fp16_to_fp32_row."""
+    return _aligned(blocks).view(torch.float16).to(torch.float32)
+
+
+def dequantize_bf16(blocks: torch.Tensor) -> torch.Tensor:
+    """BF16 → f32, as ggml_bf16_to_fp32_row (the 16 bits become the top half of an f32)."""
+    return _aligned(blocks).view(torch.bfloat16).to(torch.float32)

@@ -1,0 +1,56 @@
+"""Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: ggml's first quant types, 32 values per block.
+
+Each function takes a ``(n_blocks, type_size)`` uint8 view and returns ``(n_blocks, 32)``
+float32. Products of a small integer and an f16 scale are exact in f32, so the only
+rounding is the final ``+ m`` of the types with a minimum, done once as in C.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fields import bits_lsb_first, f16, nibbles, split
+
+
+def _nibbles_flat(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes → 32 nibbles: element j in byte j's low nibble, element j + 16 in its high nibble."""
+    return nibbles(qs).reshape(qs.shape[0], -1)
+
+
+def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Mirrors dequantize_row_q4_0: block = d (f16), qs[16]; y = (q - 8) * d."""
+    d, qs = split(blocks, [2])
+    q = _nibbles_flat(qs).to(torch.float32) - 8
+    return q * f16(d)
+
+
+def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """Mirrors dequantize_row_q4_1: block = d, m (f16), qs[16]; y = q * d + m."""
+    d, m, qs = split(blocks, [2, 2])
+    q = _nibbles_flat(qs).to(torch.float32)
+    return q * f16(d) + f16(m)
+
+
+def _q5(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """5-bit values: the low nibbles of qs plus bit j of the little-endian uint32 qh as bit 4."""
+    return _nibbles_flat(qs) | (bits_lsb_first(qh) << 4)
+
+
+def dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Mirrors dequantize_row_q5_0: block = d (f16), qh[4], qs[16]; y = (q - 16) * d."""
+    d, qh, qs = split(blocks, [2, 4])
+    q = _q5(qh, qs).to(torch.float32) - 16
+    return q * f16(d)
+
+
+def dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    """Mirrors dequantize_row_q5_1: block = d, m (f16), qh[4], qs[16]; y = q * d + m."""
+    d, m, qh, qs = split(blocks, [2, 2, 4])
+    q = _q5(qh, qs).to(torch.float32)
+    return q * f16(d) + f16(m)
+
+
+def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Mirrors dequantize_row_q8_0: block = d (f16), qs[32] (int8); y = q * d."""
+    d, qs = split(blocks, [2])
+    return qs.view(torch.int8).to(torch.float32) * f16(d)

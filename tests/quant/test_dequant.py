@@ -1,0 +1,151 @@
+"""ggtorch.quant.dequantize against two independent references, bit for bit.
+
+References: llama.cpp's own ``to_float`` (libggml through ctypes, the ``ggml_to_float``
+fixture) and gguf-py's numpy port ``gguf.quants.dequantize``. Data: tensors llama.cpp itself
+quantized (``random_llama``), and random blocks with finite f16 scales in odd shapes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+
+from ggtorch.errors import BadGGUF, Unsupported
+from ggtorch.gguf_io import read_gguf
+from ggtorch.quant import SUPPORTED_TYPES, block_size, dequantize, row_nbytes, type_size
+
+# Byte offsets of each type's f16 scale fields (from the block structs in ggml-common.h).
+# Random blocks get finite values there; every other byte stays random.
+F16_FIELDS: dict[T, tuple[int, ...]] = {
+    T.Q4_0: (0,),
+    T.Q4_1: (0, 2),
+    T.Q5_0: (0,),
+    T.Q5_1: (0, 2),
+    T.Q8_0: (0,),
+}
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+RANDOM_BLOCK_TYPES = [*FLOAT_TYPES, *F16_FIELDS]
+
+# llama.cpp ftypes and the ggml type that dominates each file (llama.cpp mixes in others).
+FTYPES: dict[str, T] = {
+    "F16": T.F16,
+    "BF16": T.BF16,
+    "Q8_0": T.Q8_0,
+    "Q4_0": T.Q4_0,
+    "Q4_1": T.Q4_1,
+    "Q5_0": T.Q5_0,
+    "Q5_1": T.Q5_1,
+}
+
+
+def assert_bits_equal(got: torch.Tensor, ref: np.ndarray, what: str) -> None:
+    """Same f32 bit patterns everywhere; NaN only where the reference has NaN (payloads may differ)."""
+    got_np = got.detach().to("cpu", torch.float32).numpy().reshape(-1)
+    ref = np.asarray(ref, dtype=np.float32).reshape(-1)
+    assert got_np.shape == ref.shape, what
+    same = got_np.view(np.uint32) == ref.view(np.uint32)
+    both_nan = np.isnan(got_np) & np.isnan(ref)
+    bad = ~(same | both_nan)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.size} values differ, first at {i}: "
+                             f"{got_np[i]!r} vs {ref[i]!r}")
+
+
+def random_blocks(ggml_type: T, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """Random raw bytes for a tensor of ``shape``, with finite f16 scales (rows × row bytes)."""
+    rng = np.random.default_rng(seed)
+    bs, ts = GGML_QUANT_SIZES[ggml_type]
+    n_rows = int(np.prod(shape[:-1], dtype=np.int64))
+    raw = rng.integers(0, 256, size=(n_rows, shape[-1] // bs * ts), dtype=np.uint8)
+    blocks = raw.reshape(-1, ts)
+    for offset in F16_FIELDS.get(ggml_type, ()):
+        scales = (rng.standard_normal(blocks.shape[0]) * 0.05).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+@pytest.mark.parametrize("ftype", list(FTYPES))
+def test_llama_cpp_quantized_tensors(ftype: str, random_llama, ggml_to_float) -> None:
+    """Every tensor of a model llama.cpp quantized decodes like llama.cpp and gguf-py decode it."""
+    f = read_gguf(random_llama(ftype))
+    seen = set()
+    for info in f.tensors.values():
+        if info.ggml_type not in SUPPORTED_TYPES:  # K-quants land in the next commit
+            continue
+        seen.add(info.ggml_type)
+        got = dequantize(info.raw(), info.ggml_type, info.shape, name=info.name)
+        assert got.shape == info.shape and got.dtype == torch.float32
+        what = f"{info.name} {info.ggml_type.name}"
+        assert_bits_equal(got, ggml_to_float(info.data, info.ggml_type), f"{what} vs llama.cpp")
+        assert_bits_equal(got, gguf_dequantize(info.data, info.ggml_type), f"{what} vs gguf-py")
+    assert FTYPES[ftype] in seen
+
+
+ODD_SHAPES = [
+    pytest.param(lambda bs: (bs,), id="1-block"),
+    pytest.param(lambda bs: (1, 5 * bs), id="1-row"),
+    pytest.param(lambda bs: (7, 3 * bs), id="7-rows"),
+    pytest.param(lambda bs: (3, 2, bs), id="3d"),
+    pytest.param(lambda bs: (max(1, 300_000 // (4 * bs)), 4 * bs), id="many-rows"),
+]
+
+
+@pytest.mark.parametrize("make_shape", ODD_SHAPES)
+@pytest.mark.parametrize("ggml_type", RANDOM_BLOCK_TYPES, ids=lambda t: t.name)
+def test_random_blocks(ggml_type: T, make_shape, ggml_to_float) -> None:
+    shape = make_shape(block_size(ggml_type))
+    raw = random_blocks(ggml_type, shape)
+    got = dequantize(torch.from_numpy(raw), ggml_type, shape)
+    assert got.shape == shape
+    assert_bits_equal(got, ggml_to_float(raw, ggml_type), f"{ggml_type.name} {shape} vs llama.cpp")
+    assert_bits_equal(got, gguf_dequantize(raw, ggml_type), f"{ggml_type.name} {shape} vs gguf-py")
+
+
+@pytest.mark.parametrize("ggml_type", RANDOM_BLOCK_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_output_dtype_is_f32_result_cast(ggml_type: T, dtype: torch.dtype) -> None:
+    shape = (4, 2 * block_size(ggml_type))
+    raw = torch.from_numpy(random_blocks(ggml_type, shape, seed=1))
+    f32 = dequantize(raw, ggml_type, shape)
+    got = dequantize(raw, ggml_type, shape, dtype=dtype)
+    assert got.dtype == dtype
+    assert torch.equal(got.view(torch.int16), f32.to(dtype).view(torch.int16))
+
+
+@pytest.mark.parametrize("ggml_type", RANDOM_BLOCK_TYPES, ids=lambda t: t.name)
+def test_raw_layout_does_not_matter(ggml_type: T) -> None:
+    """Flat bytes, (rows, row bytes), and a copy at an odd address all give the same values."""
+    shape = (5, 2 * block_size(ggml_type))
+    raw = torch.from_numpy(random_blocks(ggml_type, shape, seed=2))
+    ref = dequantize(raw.reshape(-1), ggml_type, shape)
+    assert torch.equal(dequantize(raw, ggml_type, shape).view(torch.int32), ref.view(torch.int32))
+    padded = torch.zeros(raw.numel() + 1, dtype=torch.uint8)
+    padded[1:] = raw.reshape(-1)
+    assert torch.equal(dequantize(padded[1:], ggml_type, shape).view(torch.int32), ref.view(torch.int32))
+
+
+def test_sizes_come_from_gguf() -> None:
+    for t in SUPPORTED_TYPES:
+        assert (block_size(t), type_size(t)) == GGML_QUANT_SIZES[t]
+    assert row_nbytes(T.Q4_0, 4096) == 4096 // 32 * 18
+    assert row_nbytes(T.F16, 7) == 14
+    with pytest.raises(ValueError, match="Q4_K"):
+        row_nbytes(T.Q4_K, 100)
+
+
+def test_wrong_byte_count_is_a_clear_error() -> None:
+    raw = torch.zeros(18 * 3 - 1, dtype=torch.uint8)
+    with pytest.raises(BadGGUF, match=r"blk\.0\.attn_q\.weight.*53 bytes.*Q4_0.*54"):
+        dequantize(raw, T.Q4_0, (1, 96), name="blk.0.attn_q.weight")
+    with pytest.raises(BadGGUF, match=r"output\.weight.*not a whole number of Q8_0 blocks"):
+        dequantize(torch.zeros(34, dtype=torch.uint8), T.Q8_0, (2, 16), name="output.weight")
+
+
+def test_unsupported_type_names_type_and_tensor() -> None:
+    with pytest.raises(Unsupported, match=r"blk\.3\.ffn_up\.weight.*Q8_1"):
+        dequantize(torch.zeros(40, dtype=torch.uint8), T.Q8_1, (32,), name="blk.3.ffn_up.weight")
