@@ -100,3 +100,26 @@ def quantize_with_llama_cpp(src: Path, dst: Path, ftype: str) -> Path:
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize({ftype}) failed with {rc}")
     return dst
+
+
+GGML_TYPE_F32 = 0  # ggml_type enum value, for llama.cpp's type_k / type_v
+
+
+def open_llama_cpp(path: Path, n_ctx: int, f32_kv_cache: bool = True):  # -> llama_cpp.Llama
+    """A llama.cpp context that keeps the logits of every position (the reference model).
+
+    The KV cache is F32 when asked (llama.cpp's default is F16, which rounds K and V).
+    n_batch = n_ctx so a whole sequence is one decode call.
+    """
+    import llama_cpp  # test-only dependency: the reference implementation
+
+    kv = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if f32_kv_cache else {}
+    return llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                           n_threads=2, n_threads_batch=2, verbose=False, **kv)
+
+
+def llama_cpp_logits(llm, tokens: list[int]) -> np.ndarray:
+    """llama.cpp's logits (len(tokens), n_vocab) for one sequence evaluated from position 0."""
+    llm.reset()
+    llm.eval(list(tokens))
+    return np.array(llm.scores[: len(tokens)], dtype=np.float32)

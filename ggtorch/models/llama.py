@@ -1,0 +1,206 @@
+"""The llama model in plain torch, computing what llama.cpp's llm_build_llama computes.
+
+One file, nanoGPT style: RMSNorm, rope, Attention, MLP, Block, Llama. Module paths follow
+``ggtorch.models.names`` (``layers.{i}.attn.q`` ...), so GGUF tensors map one-to-one onto
+modules. Linear layers are plain ``nn.Linear`` or, for weights kept in their ggml blocks,
+``ggtorch.quant.modules.QuantLinear``: this file only calls them.
+
+Shapes: B batch, T tokens in this call, S = start_pos + T keys, C n_embd, H query heads,
+Hkv key/value heads, D head_dim, V n_vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import LlamaConfig
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in f32 whatever the activation dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def rope_angles(start_pos: int, n_tokens: int, n_rot: int, freq_base: float, freq_scale: float,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (T, n_rot/2) of theta = p * freq_scale * base^(-2i/n_rot), i < n_rot/2.
+
+    Mirrors ggml_rope_cache_init: the angle is built in f32 by multiplying the position by
+    theta_scale = base^(-2/n_rot) once per pair (a running product, not a fresh power), so
+    the rounding is ggml's and long positions do not drift from llama.cpp.
+    """
+    theta_scale = torch.tensor(freq_base, dtype=torch.float32) ** (torch.tensor(-2.0, dtype=torch.float32) / n_rot)
+    steps = torch.full((n_tokens, n_rot // 2), float(theta_scale), dtype=torch.float32, device=device)
+    steps[:, 0] = torch.arange(start_pos, start_pos + n_tokens, dtype=torch.float32, device=device)
+    theta = torch.cumprod(steps, dim=1) * freq_scale  # (T, n_rot/2)
+    return torch.cos(theta), torch.sin(theta)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) by theta_i: ggml's NORM mode, not NeoX halves.
+
+    x: (B, T, H, D); cos, sin: (T, D/2). Computed in f32, returned in x's dtype.
+    """
+    B, T, H, D = x.shape
+    pairs = x.float().view(B, T, H, D // 2, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]  # (B, T, H, D/2)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)  # (B, T, H, D/2, 2)
+    return out.view(B, T, H, D).to(x.dtype)
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer for the positions seen so far, preallocated to max_len.
+
+    ``length`` is the number of positions filled; Llama.forward writes the next T positions
+    and advances it, so generating N tokens costs one T=1 forward per token.
+    """
+
+    k: list[torch.Tensor]  # per layer (B, Hkv, max_len, D)
+    v: list[torch.Tensor]
+    length: int = 0
+    max_len: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.max_len = self.k[0].shape[2]
+
+    @classmethod
+    def empty(cls, config: LlamaConfig, batch_size: int, max_len: int, device: torch.device | str,
+              dtype: torch.dtype) -> KVCache:
+        shape = (batch_size, config.n_head_kv, max_len, config.head_dim)
+        k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        return cls(k, v)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rope, through scaled_dot_product_attention."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_head_kv, self.head_dim = config.n_head, config.n_head_kv, config.head_dim
+        self.q = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
+        self.k = nn.Linear(config.n_embd, config.n_embd_kv, bias=False)
+        self.v = nn.Linear(config.n_embd, config.n_embd_kv, bias=False)
+        self.o = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = apply_rope(self.q(x).view(B, T, self.n_head, self.head_dim), cos, sin)
+        k = apply_rope(self.k(x).view(B, T, self.n_head_kv, self.head_dim), cos, sin)
+        v = self.v(x).view(B, T, self.n_head_kv, self.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|Hkv, T, D)
+        if kv is not None:
+            k_cache, v_cache = kv  # (B, Hkv, max_len, D)
+            k_cache[:, :, start_pos:start_pos + T] = k
+            v_cache[:, :, start_pos:start_pos + T] = v
+            k, v = k_cache[:, :, :start_pos + T], v_cache[:, :, :start_pos + T]  # (B, Hkv, S, D)
+        S = k.shape[2]
+        mask, causal = None, T > 1
+        if causal and S > T:
+            # Queries sit at positions start_pos..S-1: is_causal would align them to 0..T-1.
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+            causal = False
+        # Query head h reads KV head h // (H / Hkv), as llama.cpp's ggml_mul_mat broadcast does.
+        y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal,
+                                           scale=1.0 / math.sqrt(self.head_dim),
+                                           enable_gqa=self.n_head != self.n_head_kv)  # (B, H, T, D)
+        return self.o(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.n_embd, config.n_ff, bias=False)
+        self.up = nn.Linear(config.n_embd, config.n_ff, bias=False)
+        self.down = nn.Linear(config.n_ff, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """One transformer layer (pre-norm residual); the unit the trainer checkpoints."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.n_embd, config.rms_eps)
+        self.attn = Attention(config)
+        self.ffn_norm = RMSNorm(config.n_embd, config.rms_eps)
+        self.ffn = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv, start_pos)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """Token ids (B, T) -> next-token logits (B, T, V)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embd = nn.Embedding(config.n_vocab, config.n_embd)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.output_norm = RMSNorm(config.n_embd, config.rms_eps)
+        self.output = nn.Linear(config.n_embd, config.n_vocab, bias=False)
+        self.apply(_init_weights)
+        if config.tied_output:
+            self.output.weight = self.tok_embd.weight  # one Parameter, as llama.cpp reuses token_embd
+
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty KV cache on the model's device for up to max_len (default n_ctx_train) positions."""
+        ref = self.output_norm.weight
+        return KVCache.empty(self.config, batch_size, max_len or self.config.n_ctx_train, ref.device,
+                             dtype or torch.float32)
+
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits for ``tokens`` (B, T) at positions start_pos..start_pos+T-1.
+
+        With a cache, the positions continue from ``cache.length`` (``start_pos`` is ignored),
+        the new keys/values are stored and the cache advances by T. ``last_only`` returns only
+        the last position's logits (B, 1, V): generation needs nothing else.
+        """
+        B, T = tokens.shape
+        if cache is not None:
+            start_pos = cache.length
+            if start_pos + T > cache.max_len:
+                raise ValueError(f"KV cache holds {cache.max_len} positions; {start_pos} + {T} do not fit")
+        x = self.tok_embd(tokens)  # (B, T, C)
+        c = self.config
+        cos, sin = rope_angles(start_pos, T, c.n_rot, c.rope_freq_base, c.rope_freq_scale, x.device)
+        for i, block in enumerate(self.layers):
+            kv = (cache.k[i], cache.v[i]) if cache is not None else None
+            x = block(x, cos, sin, kv, start_pos)  # (B, T, C)
+        if cache is not None:
+            cache.length += T
+        x = self.output_norm(x)
+        if last_only:
+            x = x[:, -1:]
+        return self.output(x).float()  # (B, T, V)
+
+
+def _init_weights(module: nn.Module) -> None:
+    """Small normal init for a model built from a config alone (training from scratch)."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)

@@ -1,0 +1,160 @@
+"""Load a llama GGUF into ggtorch's Llama, checking every tensor like nanoGPT's from_pretrained.
+
+The model is built on the meta device (no memory), then each GGUF tensor is placed into the
+module its name maps to (``ggtorch.models.names``): dequantized to a float dtype, or kept as
+its raw ggml blocks in a QuantLinear/QuantEmbedding. Tensors are read one at a time from the
+memory-mapped file, so peak memory is the model plus one tensor's temporaries, never two
+copies of the file. Every tensor must be used exactly once and have the expected shape;
+errors name the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from os import PathLike
+
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from ..errors import BadGGUF, Unsupported
+from ..gguf_io import GGUFFile, TensorInfo, read_gguf
+from ..quant import dequantize
+from ..quant.modules import QuantEmbedding, QuantLinear
+from . import names
+from .config import LlamaConfig
+from .llama import Llama, RMSNorm
+from .tokenizer import Tokenizer
+
+FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+
+
+@dataclass
+class LoadedLlama:
+    """What load_llama returns: the model, its config and tokenizer, and the opened file."""
+
+    model: Llama
+    config: LlamaConfig
+    tokenizer: Tokenizer
+    gguf: GGUFFile
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> torch-order shape, for every tensor a llama file of this config holds."""
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {
+        names.gguf_name("token_embd"): (c.n_vocab, c.n_embd),
+        names.gguf_name("output_norm"): (c.n_embd,),
+    }
+    if not c.tied_output:
+        shapes[names.gguf_name("output")] = (c.n_vocab, c.n_embd)
+    per_layer = {
+        "attn_norm": (c.n_embd,),
+        "attn_q": (c.n_head * c.head_dim, c.n_embd),
+        "attn_k": (c.n_embd_kv, c.n_embd),
+        "attn_v": (c.n_embd_kv, c.n_embd),
+        "attn_output": (c.n_embd, c.n_head * c.head_dim),
+        "ffn_norm": (c.n_embd,),
+        "ffn_gate": (c.n_ff, c.n_embd),
+        "ffn_up": (c.n_ff, c.n_embd),
+        "ffn_down": (c.n_embd, c.n_ff),
+    }
+    for bid in range(c.n_layer):
+        for kind, shape in per_layer.items():
+            shapes[names.gguf_name(kind, bid)] = shape
+    return shapes
+
+
+def load_llama(path: str | PathLike[str], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               keep_quantized: bool = False) -> LoadedLlama:
+    """Open a llama GGUF and build the model on ``device``.
+
+    ``keep_quantized=False``: every weight is dequantized to ``dtype``.
+    ``keep_quantized=True``: quantized matrices stay as raw ggml blocks (QuantLinear /
+    QuantEmbedding, dequantized on the fly); F32/F16/BF16 matrices become ``dtype`` floats
+    and the 1-D norms are always f32.
+    """
+    f = read_gguf(path)
+    config = LlamaConfig.from_gguf(f)
+    tokenizer = Tokenizer.from_gguf(f)
+    if tokenizer.n_vocab != config.n_vocab:
+        raise BadGGUF(f"{f.path}: the tokenizer has {tokenizer.n_vocab} tokens but the model's vocabulary "
+                      f"size is {config.n_vocab}")
+    model = build_llama(f, config, device, dtype, keep_quantized)
+    return LoadedLlama(model, config, tokenizer, f)
+
+
+def build_llama(f: GGUFFile, config: LlamaConfig, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> Llama:
+    """The weights of ``f`` placed into a Llama of ``config`` (see load_llama)."""
+    device = torch.device(device)
+    expected = expected_shapes(config)
+    unexpected = sorted(set(f.tensors) - expected.keys())
+    if unexpected:
+        raise Unsupported(f"{f.path}: tensor '{unexpected[0]}' is not part of a plain llama "
+                          f"({len(unexpected)} unexpected tensor(s)); ggtorch cannot use this model")
+    missing = [name for name in expected if name not in f.tensors]
+    if missing:
+        raise BadGGUF(f"{f.path}: required tensor '{missing[0]}' is missing ({len(missing)} missing)")
+
+    with torch.device("meta"):
+        model = Llama(config)
+    for name, shape in expected.items():
+        info = f.tensors[name]
+        if info.shape != shape:
+            raise BadGGUF(f"{f.path}: tensor '{name}' has shape {info.shape}, expected {shape} "
+                          "from the model's hyperparameters")
+        kind, _ = names.parse_gguf_name(name)
+        module = _make_module(info, kind, device, dtype, keep_quantized, config.rms_eps)
+        _set_module(model, names.gguf_to_module(name), module)
+    if config.tied_output:
+        model.output = _tied_output(model.tok_embd)
+    _check_materialized(model, f)
+    return model
+
+
+def _make_module(info: TensorInfo, kind: str, device: torch.device, dtype: torch.dtype,
+                 keep_quantized: bool, rms_eps: float) -> nn.Module:
+    """The module that holds one GGUF tensor."""
+    raw = info.raw().to(device)
+    if kind in names.NORM_KINDS:
+        norm = RMSNorm(info.shape[0], rms_eps)
+        norm_dtype = torch.float32 if keep_quantized else dtype
+        norm.weight = nn.Parameter(dequantize(raw, info.ggml_type, info.shape, norm_dtype, info.name),
+                                   requires_grad=False)
+        return norm
+    if keep_quantized and info.ggml_type not in FLOAT_TYPES:
+        raw = raw.reshape(info.shape[0], -1)  # whole rows of blocks
+        if kind == "token_embd":
+            return QuantEmbedding(raw, info.ggml_type, info.shape)
+        return QuantLinear(raw, info.ggml_type, info.shape)
+    # On CPU an F32 tensor stays a view of the copy-on-write file mapping: no copy at all.
+    weight = nn.Parameter(dequantize(raw, info.ggml_type, info.shape, dtype, info.name), requires_grad=False)
+    if kind == "token_embd":
+        module: nn.Module = nn.Embedding(*info.shape, device="meta")
+    else:
+        module = nn.Linear(info.shape[1], info.shape[0], bias=False, device="meta")
+    module.weight = weight
+    return module
+
+
+def _tied_output(embedding: nn.Module) -> nn.Module:
+    """The output projection of a tied model: the embedding's weight (or raw blocks), shared."""
+    if isinstance(embedding, QuantEmbedding):
+        return QuantLinear(embedding.raw, embedding.ggml_type, embedding.shape)
+    out = nn.Linear(embedding.weight.shape[1], embedding.weight.shape[0], bias=False, device="meta")
+    out.weight = embedding.weight
+    return out
+
+
+def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, attr, module)
+
+
+def _check_materialized(model: nn.Module, f: GGUFFile) -> None:
+    """Every parameter and buffer came from the file (none left on the meta device)."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_meta:
+            raise BadGGUF(f"{f.path}: no tensor in the file provides '{name}'")
