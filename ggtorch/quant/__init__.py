@@ -18,6 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import BadGGUF, Unsupported
 from .floats import dequantize_bf16, dequantize_f16, dequantize_f32
+from .kquants import dequantize_q2_k, dequantize_q3_k, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k
 from .legacy import dequantize_q4_0, dequantize_q4_1, dequantize_q5_0, dequantize_q5_1, dequantize_q8_0
 
 T = GGMLQuantizationType
@@ -31,6 +32,11 @@ DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]]
     T.Q5_0: dequantize_q5_0,
     T.Q5_1: dequantize_q5_1,
     T.Q8_0: dequantize_q8_0,
+    T.Q2_K: dequantize_q2_k,
+    T.Q3_K: dequantize_q3_k,
+    T.Q4_K: dequantize_q4_k,
+    T.Q5_K: dequantize_q5_k,
+    T.Q6_K: dequantize_q6_k,
 }
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(DEQUANTIZERS)

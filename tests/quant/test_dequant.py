@@ -26,6 +26,11 @@ F16_FIELDS: dict[T, tuple[int, ...]] = {
     T.Q5_0: (0,),
     T.Q5_1: (0, 2),
     T.Q8_0: (0,),
+    T.Q2_K: (80, 82),
+    T.Q3_K: (108,),
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
 }
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 RANDOM_BLOCK_TYPES = [*FLOAT_TYPES, *F16_FIELDS]
@@ -39,6 +44,11 @@ FTYPES: dict[str, T] = {
     "Q4_1": T.Q4_1,
     "Q5_0": T.Q5_0,
     "Q5_1": T.Q5_1,
+    "Q2_K": T.Q2_K,
+    "Q3_K_M": T.Q3_K,
+    "Q4_K_M": T.Q4_K,
+    "Q5_K_M": T.Q5_K,
+    "Q6_K": T.Q6_K,
 }
 
 
@@ -75,8 +85,6 @@ def test_llama_cpp_quantized_tensors(ftype: str, random_llama, ggml_to_float) ->
     f = read_gguf(random_llama(ftype))
     seen = set()
     for info in f.tensors.values():
-        if info.ggml_type not in SUPPORTED_TYPES:  # K-quants land in the next commit
-            continue
         seen.add(info.ggml_type)
         got = dequantize(info.raw(), info.ggml_type, info.shape, name=info.name)
         assert got.shape == info.shape and got.dtype == torch.float32
