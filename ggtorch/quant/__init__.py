@@ -18,6 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import BadGGUF, Unsupported
 from .floats import dequantize_bf16, dequantize_f16, dequantize_f32
+from .iquants import dequantize_iq4_nl, dequantize_iq4_xs
 from .kquants import dequantize_q2_k, dequantize_q3_k, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k
 from .legacy import dequantize_q4_0, dequantize_q4_1, dequantize_q5_0, dequantize_q5_1, dequantize_q8_0
 
@@ -37,6 +38,8 @@ DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]]
     T.Q4_K: dequantize_q4_k,
     T.Q5_K: dequantize_q5_k,
     T.Q6_K: dequantize_q6_k,
+    T.IQ4_NL: dequantize_iq4_nl,
+    T.IQ4_XS: dequantize_iq4_xs,
 }
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(DEQUANTIZERS)

@@ -31,6 +31,8 @@ F16_FIELDS: dict[T, tuple[int, ...]] = {
     T.Q4_K: (0, 2),
     T.Q5_K: (0, 2),
     T.Q6_K: (208,),
+    T.IQ4_NL: (0,),
+    T.IQ4_XS: (0,),
 }
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 RANDOM_BLOCK_TYPES = [*FLOAT_TYPES, *F16_FIELDS]
@@ -49,6 +51,8 @@ FTYPES: dict[str, T] = {
     "Q4_K_M": T.Q4_K,
     "Q5_K_M": T.Q5_K,
     "Q6_K": T.Q6_K,
+    "IQ4_NL": T.IQ4_NL,
+    "IQ4_XS": T.IQ4_XS,
 }
 
 
