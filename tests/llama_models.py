@@ -123,3 +123,24 @@ def llama_cpp_logits(llm, tokens: list[int]) -> np.ndarray:
     llm.reset()
     llm.eval(list(tokens))
     return np.array(llm.scores[: len(tokens)], dtype=np.float32)
+
+
+def rewrite_gguf(src: Path, dst: Path, arch: str | None = None, drop_keys: tuple[str, ...] = (),
+                 set_keys: dict | None = None, drop_tensors: tuple[str, ...] = (),
+                 add_tensors: dict[str, np.ndarray] | None = None) -> Path:
+    """Copy ``src`` to ``dst`` with metadata keys/tensors dropped, set or added: broken inputs for tests.
+
+    Added tensors are F32 arrays (they may replace a tensor of the same name with another shape).
+    """
+    f = read_gguf(src)
+    arch = arch or f.architecture
+    metadata = {k: v for k, v in f.metadata.items() if k not in drop_keys}
+    metadata |= set_keys or {}
+    value_types = {k: v for k, v in f.value_types.items() if k in metadata and k not in (set_keys or {})}
+    add_tensors = add_tensors or {}
+    tensors = [TensorOut(t.name, t.ggml_type, t.shape, t.data) for t in f.tensors.values()
+               if t.name not in drop_tensors and t.name not in add_tensors]
+    tensors += [TensorOut(name, GGMLQuantizationType.F32, a.shape, a.astype(np.float32))
+                for name, a in add_tensors.items()]
+    write_gguf(dst, arch, metadata, tensors, value_types)
+    return dst
