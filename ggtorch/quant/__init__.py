@@ -18,9 +18,20 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import BadGGUF, Unsupported
 from .floats import dequantize_bf16, dequantize_f16, dequantize_f32
-from .iquants import dequantize_iq4_nl, dequantize_iq4_xs
+from .iquants import (
+    dequantize_iq1_m,
+    dequantize_iq1_s,
+    dequantize_iq2_s,
+    dequantize_iq2_xs,
+    dequantize_iq2_xxs,
+    dequantize_iq3_s,
+    dequantize_iq3_xxs,
+    dequantize_iq4_nl,
+    dequantize_iq4_xs,
+)
 from .kquants import dequantize_q2_k, dequantize_q3_k, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k
 from .legacy import dequantize_q4_0, dequantize_q4_1, dequantize_q5_0, dequantize_q5_1, dequantize_q8_0
+from .smallfloats import dequantize_mxfp4, dequantize_tq1_0, dequantize_tq2_0
 
 T = GGMLQuantizationType
 
@@ -40,6 +51,16 @@ DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]]
     T.Q6_K: dequantize_q6_k,
     T.IQ4_NL: dequantize_iq4_nl,
     T.IQ4_XS: dequantize_iq4_xs,
+    T.IQ2_XXS: dequantize_iq2_xxs,
+    T.IQ2_XS: dequantize_iq2_xs,
+    T.IQ2_S: dequantize_iq2_s,
+    T.IQ3_XXS: dequantize_iq3_xxs,
+    T.IQ3_S: dequantize_iq3_s,
+    T.IQ1_S: dequantize_iq1_s,
+    T.IQ1_M: dequantize_iq1_m,
+    T.TQ1_0: dequantize_tq1_0,
+    T.TQ2_0: dequantize_tq2_0,
+    T.MXFP4: dequantize_mxfp4,
 }
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(DEQUANTIZERS)

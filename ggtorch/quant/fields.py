@@ -8,7 +8,7 @@ contiguous copy), so the same decoder runs on CPU and GPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -63,13 +63,17 @@ def bits_lsb_first(field: torch.Tensor) -> torch.Tensor:
 _TABLES: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def table(name: str, values: Sequence[float] | torch.Tensor, device: torch.device,
+def table(name: str, values: Sequence[float] | Callable[[], torch.Tensor], device: torch.device,
           dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A constant lookup table on ``device``, built once per (name, device, dtype)."""
+    """A constant lookup table on ``device``, built once per (name, device, dtype).
+
+    ``values`` is a sequence, or a function building a CPU tensor (called only on a miss,
+    so big tables cost nothing until a type that needs them is first decoded).
+    """
     key = (name, torch.device(device), dtype)
     cached = _TABLES.get(key)
     if cached is None:
-        source = values if isinstance(values, torch.Tensor) else torch.tensor(values)
+        source = values() if callable(values) else torch.tensor(values)
         cached = source.to(device=device, dtype=dtype)
         _TABLES[key] = cached
     return cached

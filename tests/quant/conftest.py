@@ -53,3 +53,31 @@ def ggml_to_float() -> Callable[[np.ndarray, GGMLQuantizationType], np.ndarray]:
         return out
 
     return to_float
+
+
+@pytest.fixture(scope="session")
+def ggml_quantize() -> Callable[[np.ndarray, GGMLQuantizationType], np.ndarray]:
+    """``quantize(f32 (rows, cols), ggml_type) -> raw uint8 (rows, row bytes)`` by llama.cpp's
+    ``ggml_quantize_chunk`` (the quantizer llama-quantize runs), with a flat importance
+    matrix for the types that require one (IQ2_XXS, IQ2_XS, IQ1_S)."""
+    import llama_cpp._ggml  # test-only dependency: the reference implementation
+
+    lib = llama_cpp._ggml.libggml
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
+    lib.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
+
+    def quantize(data: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        n_rows, n_cols = data.shape
+        block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+        out = np.zeros((n_rows, n_cols // block_size * type_size), dtype=np.uint8)
+        imatrix = np.ones(n_cols, dtype=np.float32)
+        im_ptr = imatrix.ctypes.data if lib.ggml_quantize_requires_imatrix(int(ggml_type)) else None
+        written = lib.ggml_quantize_chunk(int(ggml_type), data.ctypes.data, out.ctypes.data, 0, n_rows, n_cols, im_ptr)
+        assert written == out.nbytes, (ggml_type.name, written, out.nbytes)
+        return out
+
+    return quantize

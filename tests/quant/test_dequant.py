@@ -33,6 +33,16 @@ F16_FIELDS: dict[T, tuple[int, ...]] = {
     T.Q6_K: (208,),
     T.IQ4_NL: (0,),
     T.IQ4_XS: (0,),
+    T.IQ2_XXS: (0,),
+    T.IQ2_XS: (0,),
+    T.IQ2_S: (0,),
+    T.IQ3_XXS: (0,),
+    T.IQ3_S: (0,),
+    T.IQ1_S: (0,),
+    T.IQ1_M: (),  # its f16 d is spread over the top nibbles of the scales: see random_blocks
+    T.TQ1_0: (52,),
+    T.TQ2_0: (64,),
+    T.MXFP4: (),  # e8m0 scale: every byte is a valid scale
 }
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 RANDOM_BLOCK_TYPES = [*FLOAT_TYPES, *F16_FIELDS]
@@ -80,6 +90,8 @@ def random_blocks(ggml_type: T, shape: tuple[int, ...], seed: int = 0) -> np.nda
     for offset in F16_FIELDS.get(ggml_type, ()):
         scales = (rng.standard_normal(blocks.shape[0]) * 0.05).astype(np.float16)
         blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    if ggml_type == T.IQ1_M:  # clear bit 14 of d (bit 6 of the last byte): a finite exponent
+        blocks[:, -1] &= 0xBF
     return raw
 
 
@@ -98,6 +110,25 @@ def test_llama_cpp_quantized_tensors(ftype: str, random_llama, ggml_to_float) ->
     assert FTYPES[ftype] in seen
 
 
+QUANTIZED_TYPES = sorted((t for t in SUPPORTED_TYPES if t not in FLOAT_TYPES), key=int)
+
+
+@pytest.mark.parametrize("ggml_type", QUANTIZED_TYPES, ids=lambda t: t.name)
+def test_ggml_quantize_chunk_output(ggml_type: T, ggml_quantize, ggml_to_float) -> None:
+    """Every quantized type, including those no llama.cpp ftype here produces (IQ2_*, IQ3_*,
+    IQ1_*, TQ*, MXFP4), on realistic blocks made by llama.cpp's own quantizer."""
+    rng = np.random.default_rng(int(ggml_type))
+    cols = 2 * block_size(ggml_type) if block_size(ggml_type) > 32 else 8 * block_size(ggml_type)
+    data = rng.standard_normal((6, cols), dtype=np.float32) * np.float32(0.02)
+    data[0] = 0  # all-zero blocks: zero scales
+    raw = ggml_quantize(data, ggml_type)
+    got = dequantize(torch.from_numpy(raw), ggml_type, data.shape)
+    assert_bits_equal(got, ggml_to_float(raw, ggml_type), f"{ggml_type.name} vs llama.cpp")
+    assert_bits_equal(got, gguf_dequantize(raw, ggml_type), f"{ggml_type.name} vs gguf-py")
+    # and the round trip is a plausible approximation, so the blocks are not degenerate
+    assert torch.corrcoef(torch.stack([got[1:].reshape(-1), torch.from_numpy(data[1:]).reshape(-1)]))[0, 1] > 0.5
+
+
 ODD_SHAPES = [
     pytest.param(lambda bs: (bs,), id="1-block"),
     pytest.param(lambda bs: (1, 5 * bs), id="1-row"),
@@ -107,6 +138,7 @@ ODD_SHAPES = [
 ]
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # MXFP4 scales up to 2^127
 @pytest.mark.parametrize("make_shape", ODD_SHAPES)
 @pytest.mark.parametrize("ggml_type", RANDOM_BLOCK_TYPES, ids=lambda t: t.name)
 def test_random_blocks(ggml_type: T, make_shape, ggml_to_float) -> None:
