@@ -1,0 +1,147 @@
+"""The loader: every GGUF tensor lands once in the right module; bad files fail naming the culprit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import MODEL_ARCH, MODEL_TENSOR, TENSOR_NAMES
+
+from ggtorch.errors import BadGGUF, Unsupported
+from ggtorch.gguf_io import read_gguf
+from ggtorch.models import names
+from ggtorch.models.config import LlamaConfig
+from ggtorch.models.llama import Llama
+from ggtorch.models.loader import load_llama
+from ggtorch.quant import dequantize
+from tests.llama_models import rewrite_gguf
+
+
+def test_tensor_kinds_follow_gguf_py_names() -> None:
+    gguf_py = {
+        "token_embd": MODEL_TENSOR.TOKEN_EMBD, "output_norm": MODEL_TENSOR.OUTPUT_NORM,
+        "output": MODEL_TENSOR.OUTPUT, "attn_norm": MODEL_TENSOR.ATTN_NORM, "attn_q": MODEL_TENSOR.ATTN_Q,
+        "attn_k": MODEL_TENSOR.ATTN_K, "attn_v": MODEL_TENSOR.ATTN_V, "attn_output": MODEL_TENSOR.ATTN_OUT,
+        "ffn_norm": MODEL_TENSOR.FFN_NORM, "ffn_gate": MODEL_TENSOR.FFN_GATE, "ffn_down": MODEL_TENSOR.FFN_DOWN,
+        "ffn_up": MODEL_TENSOR.FFN_UP,
+    }
+    assert set(names.TENSOR_KINDS) == set(gguf_py)
+    for kind, tensor in gguf_py.items():
+        assert names.TENSOR_KINDS[kind][0] == TENSOR_NAMES[tensor] + ".weight"
+        assert tensor in __import__("gguf").MODEL_TENSORS[MODEL_ARCH.LLAMA]
+
+
+def test_every_model_weight_has_one_gguf_name() -> None:
+    model = Llama(LlamaConfig(n_vocab=10, n_embd=8, n_layer=3, n_head=2, n_head_kv=1, n_ff=16, n_ctx_train=8))
+    paths = [n.removesuffix(".weight") for n, _ in model.named_parameters()]
+    gguf = [names.module_to_gguf(p) for p in paths]
+    assert len(set(gguf)) == len(paths) == 2 + 3 * 9 + 1
+    assert [names.gguf_to_module(g) for g in gguf] == paths
+    assert names.parse_gguf_name("blk.12.ffn_up.weight") == ("ffn_up", 12)
+    assert names.parse_gguf_name("rope_freqs.weight") is None
+
+
+def test_stories260k_every_tensor_loaded_once(stories260k: Path) -> None:
+    loaded = load_llama(stories260k)
+    model, f = loaded.model, loaded.gguf
+    assert loaded.config.tied_output and model.output.weight is model.tok_embd.weight
+    params = dict(model.named_parameters())  # shared parameters appear once
+    assert len(params) == len(f.tensors)
+    for name, info in f.tensors.items():
+        expected = dequantize(info.raw(), info.ggml_type, info.shape)
+        got = params[names.gguf_to_module(name) + ".weight"]
+        assert torch.equal(got, expected), name
+        assert not got.requires_grad  # a loaded base model is frozen; trainers opt in explicitly
+
+
+def test_untied_output_is_its_own_weight(random_llama: Callable[..., Path]) -> None:
+    loaded = load_llama(random_llama("F32"))
+    assert not loaded.config.tied_output
+    assert loaded.model.output.weight.data_ptr() != loaded.model.tok_embd.weight.data_ptr()
+    assert loaded.config.n_head_kv < loaded.config.n_head  # the fixture exercises GQA
+
+
+def test_bf16_weights(stories260k: Path) -> None:
+    f32, bf16 = load_llama(stories260k), load_llama(stories260k, dtype=torch.bfloat16)
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
+    tokens = torch.tensor([[1, 403, 407, 261, 378]])
+    with torch.no_grad():
+        a, b = f32.model(tokens), bf16.model(tokens)
+    assert b.dtype == torch.float32
+    assert (a - b).abs().max() < 0.5 and (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def test_keep_quantized_matches_dequantized(random_llama: Callable[..., Path]) -> None:
+    from ggtorch.quant.modules import QuantEmbedding, QuantLinear
+
+    path = random_llama("Q4_K_M")
+    quant, dense = load_llama(path, keep_quantized=True), load_llama(path)
+    m = quant.model
+    assert isinstance(m.layers[0].attn.q, QuantLinear) and isinstance(m.tok_embd, QuantEmbedding)
+    assert m.layers[0].attn_norm.weight.dtype == torch.float32
+    tokens = torch.tensor([[1, 15043, 29892, 3186, 29991, 306]])
+    with torch.no_grad():
+        torch.testing.assert_close(m(tokens), dense.model(tokens), rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def broken(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    root = tmp_path_factory.mktemp("broken")
+
+    def make(label: str, **changes) -> Path:
+        return rewrite_gguf(stories260k, root / f"{label}.gguf", **changes)
+
+    return make
+
+
+def test_missing_tensor_is_named(broken: Callable[..., Path]) -> None:
+    with pytest.raises(BadGGUF, match=r"'blk\.2\.ffn_up\.weight' is missing"):
+        load_llama(broken("missing", drop_tensors=("blk.2.ffn_up.weight",)))
+
+
+def test_unexpected_tensor_is_named(broken: Callable[..., Path]) -> None:
+    with pytest.raises(Unsupported, match=r"'rope_freqs\.weight'"):
+        load_llama(broken("extra", add_tensors={"rope_freqs.weight": np.ones(4, np.float32)}))
+
+
+def test_wrong_shape_is_named(broken: Callable[..., Path]) -> None:
+    path = broken("shape", add_tensors={"blk.1.attn_k.weight": np.zeros((64, 64), np.float32)})
+    with pytest.raises(BadGGUF, match=r"'blk\.1\.attn_k\.weight' has shape \(64, 64\), expected \(32, 64\)"):
+        load_llama(path)
+
+
+def test_other_architecture_is_unsupported(broken: Callable[..., Path]) -> None:
+    with pytest.raises(Unsupported, match="unsupported architecture 'gpt2'"):
+        load_llama(broken("gpt2", arch="gpt2"))
+
+
+@pytest.mark.parametrize("key", ["llama.embedding_length", "llama.block_count", "llama.attention.head_count",
+                                 "llama.feed_forward_length", "llama.attention.layer_norm_rms_epsilon"])
+def test_missing_required_key_is_named(broken: Callable[..., Path], key: str) -> None:
+    with pytest.raises(BadGGUF, match=f"'{key}' is missing"):
+        load_llama(broken(key, drop_keys=(key,)))
+
+
+def test_config_defaults_and_scaling(broken: Callable[..., Path], stories260k: Path) -> None:
+    base = LlamaConfig.from_gguf(read_gguf(stories260k))
+    assert (base.n_vocab, base.n_embd, base.n_layer, base.n_head, base.n_head_kv, base.n_ff) == (512, 64, 5, 8, 4, 172)
+    assert base.head_dim == base.n_rot == 8 and base.n_ctx_train == 512 and base.rope_freq_scale == 1.0
+    no_vocab_key = broken("novocab", drop_keys=("llama.vocab_size", "llama.attention.head_count_kv"))
+    cfg = LlamaConfig.from_gguf(read_gguf(no_vocab_key))
+    assert cfg.n_vocab == 512 and cfg.n_head_kv == cfg.n_head  # len(tokens); MHA when head_count_kv is absent
+    scaled = LlamaConfig.from_gguf(read_gguf(broken("scaled", set_keys={"llama.rope.scaling.factor": 4.0})))
+    assert scaled.rope_freq_scale == 0.25
+    old = LlamaConfig.from_gguf(read_gguf(broken("oldscale", set_keys={"llama.rope.scale_linear": 2.0})))
+    assert old.rope_freq_scale == 0.5
+    with pytest.raises(Unsupported, match="yarn"):
+        LlamaConfig.from_gguf(read_gguf(broken("yarn", set_keys={"llama.rope.scaling.type": "yarn"})))
+
+
+def test_inconsistent_hyperparameters_are_rejected(broken: Callable[..., Path]) -> None:
+    with pytest.raises(BadGGUF, match="divisible"):
+        LlamaConfig.from_gguf(read_gguf(broken("heads", set_keys={"llama.attention.head_count": 7})))
+    with pytest.raises(BadGGUF, match="positive"):
+        LlamaConfig.from_gguf(read_gguf(broken("zero", set_keys={"llama.block_count": 0})))
