@@ -1,0 +1,125 @@
+"""Autograd over raw ggml blocks: ``y = x @ W.T`` and embedding lookups with W never materialized.
+
+The base weight of a LoRA finetune is frozen, so backward needs only ``grad_x = grad_y @ W``
+and never a gradient for W. :class:`QuantMatmul` therefore saves just a reference to the raw
+uint8 blocks (which the module holds anyway) and dequantizes again in backward. Both passes
+walk W in chunks of whole rows, so the only float copy of W that ever exists is one chunk of
+at most ``CHUNK_BYTES`` (a few MiB): without chunking, a 32000 x 4096 output matrix would need
+a 512 MiB f32 temporary in every forward and backward, which is exactly the memory that
+keeping the model quantized is meant to save. Chunks of a few MiB are still large enough for
+the matmul to run at full speed.
+
+Compute dtype: the dtype of ``x``, or the autocast dtype when autocast is enabled on
+``x``'s device (the matmul is computed in it, as autocast computes ``F.linear``). The
+Functions switch autocast off inside and cast explicitly, on any device; ``torch.amp``'s
+``custom_fwd``/``custom_bwd`` would need the device type fixed at definition time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from gguf import GGMLQuantizationType
+
+from . import dequantize, row_nbytes
+
+CHUNK_BYTES = 4 << 20
+"""Upper bound on the dequantized temporary per chunk (bytes in the compute dtype); change
+it here, or per call with ``chunk_bytes``, to trade memory against per-chunk overhead."""
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear layer computes in for input ``x``: the autocast dtype if active."""
+    device_type = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def rows_per_chunk(n_cols: int, dtype: torch.dtype, chunk_bytes: int | None = None) -> int:
+    """Rows of a ``n_cols``-wide matrix whose dequantized copy fits in ``chunk_bytes``."""
+    budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return max(1, budget // (n_cols * itemsize))
+
+
+def _chunks(n_rows: int, step: int) -> list[tuple[int, int]]:
+    return [(r0, min(r0 + step, n_rows)) for r0 in range(0, n_rows, step)]
+
+
+def _dequantize_rows(raw: torch.Tensor, ggml_type: GGMLQuantizationType, r0: int, r1: int, n_cols: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Rows r0..r1 of W from the (n_rows, row_nbytes) view of its blocks."""
+    return dequantize(raw[r0:r1], ggml_type, (r1 - r0, n_cols), dtype)
+
+
+class QuantMatmul(torch.autograd.Function):
+    """``y = x @ W.T`` for W stored as raw ggml blocks; gradient for ``x`` only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType,  # type: ignore[override]
+                shape: tuple[int, int], chunk_bytes: int | None = None) -> torch.Tensor:
+        n_out, n_in = shape
+        dtype = compute_dtype(x)
+        raw = raw.reshape(n_out, row_nbytes(ggml_type, n_in))
+        ctx.save_for_backward(raw)
+        ctx.meta = (ggml_type, n_in, dtype, x.dtype, chunk_bytes)
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, n_in).to(dtype)  # (N, in)
+            chunks = _chunks(n_out, rows_per_chunk(n_in, dtype, chunk_bytes))
+            if len(chunks) == 1:
+                y = x2 @ _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype).T  # (N, out)
+            else:
+                y = torch.empty(x2.shape[0], n_out, dtype=dtype, device=x.device)  # (N, out)
+                for r0, r1 in chunks:
+                    y[:, r0:r1] = x2 @ _dequantize_rows(raw, ggml_type, r0, r1, n_in, dtype).T
+        return y.reshape(*x.shape[:-1], n_out)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):  # type: ignore[override]
+        (raw,) = ctx.saved_tensors
+        ggml_type, n_in, dtype, x_dtype, chunk_bytes = ctx.meta
+        n_out = raw.shape[0]
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            with torch.autocast(grad_y.device.type, enabled=False):
+                g = grad_y.reshape(-1, n_out).to(dtype)  # (N, out)
+                # Accumulate over row chunks in at least f32: bf16 partial sums would lose bits.
+                acc_dtype = torch.promote_types(dtype, torch.float32)
+                acc = torch.zeros(g.shape[0], n_in, dtype=acc_dtype, device=g.device)  # (N, in)
+                for r0, r1 in _chunks(n_out, rows_per_chunk(n_in, dtype, chunk_bytes)):
+                    w = _dequantize_rows(raw, ggml_type, r0, r1, n_in, dtype)  # (rows, in)
+                    if acc_dtype == dtype:
+                        acc.addmm_(g[:, r0:r1], w)
+                    else:
+                        acc += g[:, r0:r1] @ w
+                grad_x = acc.to(x_dtype).reshape(*grad_y.shape[:-1], n_in)
+        return grad_x, None, None, None, None
+
+
+def quant_linear(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, int],
+                 chunk_bytes: int | None = None) -> torch.Tensor:
+    """``x @ W.T`` (..., out) for W (out, in) held as ggml blocks ``raw`` (see QuantMatmul)."""
+    return QuantMatmul.apply(x, raw, GGMLQuantizationType(ggml_type), tuple(shape), chunk_bytes)
+
+
+def quant_embedding(ids: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType,
+                    shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``W[ids]`` (..., n_embd) of W (n_vocab, n_embd) held as ggml blocks.
+
+    Rows are byte-contiguous in the (n_vocab, row_nbytes) view, so only the rows asked for are
+    gathered (as bytes) and dequantized: the temporary is as big as the result, never as big as
+    W, and nothing waits on the host (no ``unique``). No gradient flows into the frozen table,
+    so no autograd Function is needed.
+    """
+    n_vocab, n_embd = shape
+    raw = raw.reshape(n_vocab, row_nbytes(ggml_type, n_embd))
+    flat = ids.reshape(-1)
+    rows = dequantize(raw.index_select(0, flat), ggml_type, (flat.numel(), n_embd), dtype)  # (N, C)
+    return rows.reshape(*ids.shape, n_embd)
+
+
+def dequantized_nbytes(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
+    """Bytes a full float copy of a tensor of ``shape`` would take (for memory reports)."""
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()

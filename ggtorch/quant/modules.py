@@ -1,0 +1,117 @@
+"""Modules that keep a frozen base weight as its raw ggml blocks.
+
+``QuantLinear`` / ``QuantEmbedding`` hold W as a registered uint8 buffer ``raw`` of shape
+(n_rows, row_nbytes) plus its ggml type and torch-order shape, and dequantize on the fly
+(:mod:`ggtorch.quant.autograd`). The buffer moves with ``.to(device)`` (``.to(dtype)`` leaves
+it alone: it is not a float tensor) and is saved in ``state_dict``; the ggml type and shape
+travel as the module's extra state, so a state dict is self-describing.
+
+Construction never copies: ``raw`` is kept as given (reshaped as a view). On CPU the loader
+passes the copy-on-write view of the memory-mapped GGUF, so a CPU model *keeps the mmap view*:
+pages are read from the file on first use and shared with the page cache, and the file is
+never duplicated in memory. ``.to("cuda")`` makes the one copy the device needs. A tied output
+projection is a QuantLinear built on the embedding's own buffer (same tensor, no copy).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from . import dequantize, row_nbytes
+from .autograd import quant_embedding, quant_linear
+
+
+class _QuantWeight(nn.Module):
+    """Shared part: the raw buffer, its ggml type and shape, and (de)serialization of both."""
+
+    raw: torch.Tensor
+
+    def __init__(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType | int, shape: tuple[int, int]) -> None:
+        super().__init__()
+        self.ggml_type = GGMLQuantizationType(ggml_type)
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.register_buffer("raw", self._rows_view(raw))
+        self.chunk_bytes: int | None = None
+        """Per-module override of ``quant.autograd.CHUNK_BYTES`` (None: the module-level value)."""
+
+    def _rows_view(self, raw: torch.Tensor) -> torch.Tensor:
+        if raw.dtype != torch.uint8:
+            raise TypeError(f"raw ggml blocks must be a uint8 tensor, got {raw.dtype}")
+        n_rows, n_cols = self.shape
+        nbytes = row_nbytes(self.ggml_type, n_cols)
+        if raw.numel() != n_rows * nbytes:
+            raise ValueError(f"{self.ggml_type.name} {self.shape} takes {n_rows * nbytes} bytes, "
+                             f"the raw buffer holds {raw.numel()}")
+        return raw.reshape(n_rows, nbytes)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The full float W (n_rows, n_cols): a new tensor, for merging and tests."""
+        return dequantize(self.raw, self.ggml_type, self.shape, dtype)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"ggml_type": int(self.ggml_type), "shape": list(self.shape)}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.ggml_type = GGMLQuantizationType(state["ggml_type"])
+        self.shape = (int(state["shape"][0]), int(state["shape"][1]))
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # A state dict may hold another ggml type (other byte count): take its buffer size.
+        incoming = state_dict.get(prefix + "raw")
+        if isinstance(incoming, torch.Tensor) and incoming.shape != self.raw.shape:
+            self.raw = torch.empty(incoming.shape, dtype=torch.uint8, device=self.raw.device)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def extra_repr(self) -> str:
+        return f"{self.ggml_type.name}, shape={self.shape}"
+
+
+class QuantLinear(_QuantWeight):
+    """``y = x @ W.T`` (no bias) with W (out, in) kept as ggml blocks; W gets no gradient."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType | int, shape: tuple[int, int]) -> None:
+        super().__init__(raw, ggml_type, shape)
+        self.out_features, self.in_features = self.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear(x, self.raw, self.ggml_type, self.shape, self.chunk_bytes)
+
+
+class QuantEmbedding(_QuantWeight):
+    """Row lookup in W (n_vocab, n_embd) kept as ggml blocks; only the looked-up rows are decoded."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType | int, shape: tuple[int, int]) -> None:
+        super().__init__(raw, ggml_type, shape)
+        self.num_embeddings, self.embedding_dim = self.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return quant_embedding(ids, self.raw, self.ggml_type, self.shape, torch.float32)
+
+
+def dequantize_modules(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Replace every QuantLinear / QuantEmbedding in ``model`` by a frozen float nn.Linear /
+    nn.Embedding of ``dtype`` (in place; also returned). Modules that shared one raw buffer (a
+    tied output) share one float Parameter afterwards. The "float base" switch, for speed when
+    memory allows; results equal the quantized path up to rounding.
+    """
+    shared: dict[int, nn.Parameter] = {}
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, _QuantWeight):
+            continue
+        key = module.raw.data_ptr()
+        if key not in shared:
+            shared[key] = nn.Parameter(module.dequantized_weight(dtype), requires_grad=False)
+        weight = shared[key]
+        n_rows, n_cols = module.shape
+        if isinstance(module, QuantEmbedding):
+            new: nn.Module = nn.Embedding(n_rows, n_cols, device="meta")
+        else:
+            new = nn.Linear(n_cols, n_rows, bias=False, device="meta")
+        new.weight = weight
+        parent_path, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, attr, new)
+    return model
