@@ -1,0 +1,36 @@
+"""Training samples, shuffling and batches exactly as the old llama.cpp finetune built them.
+
+Mirrors ``tokenize_file``, ``shuffle_samples``, ``get_example_targets_batch`` and the
+reshuffle logic of ``train_opt_callback`` in the old ``common/train.cpp``, so that a command
+line of the old program sees the same samples in the same order:
+
+- ``--sample-start ""``: the whole text is tokenized once; sample ``j`` starts at token ``j``.
+- ``--sample-start STR``: samples start at each byte position of STR and are tokenized one by one.
+- Samples are permuted by a ``std::mt19937`` whose libstdc++ text state is checkpointed
+  (the state *before* the current permutation plus the next sample), reshuffled per epoch.
+- A batch row is ``[BOS, t0 … t_{N-2}]`` with targets ``[t0 … t_{N-1}]``, padded with EOS
+  or filled with the following samples.
+
+Targets are class ids (the trainer computes ggml's cross-entropy from them) instead of the
+old dense one-hot tensor. Everything here runs once per batch on the host; the tensors it
+returns are moved to the device by the trainer.
+"""
+
+from .batches import Shuffled, build_batch, shuffle_samples
+from .samples import (
+    DataOptions,
+    Samples,
+    TokenizerLike,
+    Vocab,
+    make_samples,
+    resolve_seed,
+    samples_hash,
+    stream_samples,
+)
+from .stream import Batch, DataState, TrainingData, eval_batches, eval_windows
+from .text import check_utf8, process_escapes, read_text_file
+
+__all__ = ["Batch", "DataOptions", "DataState", "Samples", "Shuffled", "TokenizerLike", "TrainingData", "Vocab",
+           "build_batch", "check_utf8", "eval_batches", "eval_windows", "make_samples", "process_escapes",
+           "read_text_file", "resolve_seed", "samples_hash", "shuffle_samples",
+           "stream_samples"]
