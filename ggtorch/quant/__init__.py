@@ -3,9 +3,10 @@
 ``dequantize(raw, ggml_type, shape)`` turns the raw bytes of a GGUF tensor into floats on
 whatever device ``raw`` lives on. Each ggml type has one small decoder (in ``floats``,
 ``legacy``, ``kquants``, ``iquants``) that works on a ``(n_blocks, type_size)`` uint8 view
-and returns ``(n_blocks, block_size)`` float32; the plain dict ``DEQUANTIZERS`` maps types
-to decoders. The values are computed in f32 with the operation order of llama.cpp's
-``dequantize_row_*`` and only then cast to the requested dtype.
+and returns ``(n_blocks, block_size)`` float32 (F16/BF16: their own dtype, whose widening to
+f32 is exact); the plain dict ``DEQUANTIZERS`` maps types to decoders. The values are
+computed in f32 with the operation order of llama.cpp's ``dequantize_row_*`` and only then
+cast to the requested dtype.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]]
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(DEQUANTIZERS)
 
-CHUNK_VALUES = 1 << 18
+CHUNK_VALUES = 1 << 20
 """Values decoded per step: big enough to amortize per-op overhead, small enough that a
 decoder's temporaries stay in cache on CPU and a huge tensor never needs several copies of
 itself in memory at once."""
@@ -134,7 +135,7 @@ def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[
     blocks = raw.reshape(-1, ts)
     n_blocks = blocks.shape[0]
     step = max(1, CHUNK_VALUES // bs)
-    if n_blocks <= step:
+    if n_blocks <= step or bs == 1:  # float types: one conversion pass, nothing to chunk
         return fn(blocks).reshape(shape).to(dtype)
     out = torch.empty((n_blocks, bs), dtype=dtype, device=raw.device)
     for start in range(0, n_blocks, step):

@@ -12,7 +12,7 @@ import gguf.quants as gguf_quants
 import torch
 from gguf import GGMLQuantizationType
 
-from .fields import bits_lsb_first, crumbs, f16, nibbles, split, table, u16, u32
+from .fields import bits_lsb_first, crumbs, f16, lookup, nibbles, split, table, u16, u32
 
 T = GGMLQuantizationType
 _GGUF_QUANTS = {
@@ -32,14 +32,14 @@ KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69
 
 def _kvalues(idx: torch.Tensor) -> torch.Tensor:
     """Look 4-bit indices up in kvalues_iq4nl (as float32, on the indices' device)."""
-    return table("kvalues_iq4nl", KVALUES_IQ4NL, idx.device)[idx.long()]
+    return lookup(table("kvalues_iq4nl", KVALUES_IQ4NL, idx.device), idx)
 
 
 def dequantize_iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
     """Mirrors dequantize_row_iq4_nl: d (f16), qs[16]; y = d * kvalues[nibble]."""
     n = blocks.shape[0]
     d, qs = split(blocks, [2])
-    return f16(d) * _kvalues(nibbles(qs).reshape(n, 32))
+    return _kvalues(nibbles(qs).reshape(n, 32)).mul_(f16(d))
 
 
 def dequantize_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
@@ -54,7 +54,7 @@ def dequantize_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     high = crumbs(scales_h, 2).transpose(-1, -2).reshape(n, 8)  # byte b, shift 2k → ib = 4b + k
     dl = f16(d) * ((low | (high << 4)).to(torch.float32) - 32)
     q = _kvalues(nibbles(qs.reshape(n, 8, 16)).reshape(n, 8, 32))
-    return (dl.unsqueeze(-1) * q).reshape(n, QK_K)
+    return q.mul_(dl.unsqueeze(-1)).reshape(n, QK_K)
 
 
 # ---- grid types: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M ----------------------
@@ -79,7 +79,7 @@ def _sign_bits(idx: torch.Tensor) -> torch.Tensor:
     def build() -> torch.Tensor:
         b = torch.arange(256).unsqueeze(-1)
         return 1 - 2 * ((b >> torch.arange(8)) & 1).to(torch.float32)
-    return table("sign_bits", build, idx.device)[idx.long()]
+    return lookup(table("sign_bits", build, idx.device), idx)
 
 
 def _ksigns(idx: torch.Tensor) -> torch.Tensor:
@@ -87,7 +87,7 @@ def _ksigns(idx: torch.Tensor) -> torch.Tensor:
     def build() -> torch.Tensor:
         ksigns = torch.frombuffer(bytearray(gguf_quants.IQ2_XXS.ksigns), dtype=torch.uint8).long()
         return 1 - 2 * ((ksigns.unsqueeze(-1) >> torch.arange(8)) & 1).to(torch.float32)
-    return table("ksigns_iq2xs", build, idx.device)[idx.long()]
+    return lookup(table("ksigns_iq2xs", build, idx.device), idx)
 
 
 def dequantize_iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
@@ -101,8 +101,8 @@ def dequantize_iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
     aux = u32(qs[..., 4:]).squeeze(-1)  # (n, 8)
     db = f16(d) * (0.5 + (aux >> 28).to(torch.float32)) * 0.25
     signs = _ksigns(torch.stack([(aux >> shift) & 127 for shift in (0, 7, 14, 21)], dim=-1))  # (n, 8, 4, 8)
-    grid = _grid(T.IQ2_XXS, blocks.device)[qs[..., :4].long()]  # (n, 8, 4, 8)
-    return (db[..., None, None] * grid * signs).reshape(n, QK_K)
+    grid = lookup(_grid(T.IQ2_XXS, blocks.device), qs[..., :4])  # (n, 8, 4, 8)
+    return grid.mul_(db[..., None, None]).mul_(signs).reshape(n, QK_K)
 
 
 def _half_scales(d: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -116,10 +116,10 @@ def dequantize_iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d, qs, scales = split(blocks, [2, QK_K // 4])
     q = u16(qs).reshape(n, 8, 2, 2)  # (ib32, half, l % 2)
-    grid = _grid(T.IQ2_XS, blocks.device)[(q & 511).long()]
+    grid = lookup(_grid(T.IQ2_XS, blocks.device), (q & 511))
     signs = _ksigns(q >> 9)
     db = _half_scales(f16(d), scales)
-    return (db[..., None, None] * grid * signs).reshape(n, QK_K)
+    return grid.mul_(db[..., None, None]).mul_(signs).reshape(n, QK_K)
 
 
 def dequantize_iq2_s(blocks: torch.Tensor) -> torch.Tensor:
@@ -132,10 +132,10 @@ def dequantize_iq2_s(blocks: torch.Tensor) -> torch.Tensor:
     d, qs, sg, qh, scales = split(blocks, [2, QK_K // 8, QK_K // 8, QK_K // 32])
     high = crumbs(qh, 2).transpose(-1, -2).to(torch.int32)  # (n, ib, l)
     idx = qs.reshape(n, 8, 4).to(torch.int32) | (high << 8)
-    grid = _grid(T.IQ2_S, blocks.device)[idx.long()].reshape(n, 8, 2, 2, 8)
+    grid = lookup(_grid(T.IQ2_S, blocks.device), idx).reshape(n, 8, 2, 2, 8)
     signs = _sign_bits(sg).reshape(n, 8, 2, 2, 8)
     db = _half_scales(f16(d), scales)
-    return (db[..., None, None] * grid * signs).reshape(n, QK_K)
+    return grid.mul_(db[..., None, None]).mul_(signs).reshape(n, QK_K)
 
 
 def dequantize_iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
@@ -146,8 +146,8 @@ def dequantize_iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
     aux = u32(ss)  # (n, 8)
     db = f16(d) * (0.5 + (aux >> 28).to(torch.float32)) * 0.5
     signs = _ksigns(torch.stack([(aux >> shift) & 127 for shift in (0, 7, 14, 21)], dim=-1))  # (n, 8, 4, 8)
-    grid = _grid(T.IQ3_XXS, blocks.device)[qs.reshape(n, 8, 8).long()].reshape(n, 8, 4, 8)
-    return (db[..., None, None] * grid * signs).reshape(n, QK_K)
+    grid = lookup(_grid(T.IQ3_XXS, blocks.device), qs.reshape(n, 8, 8)).reshape(n, 8, 4, 8)
+    return grid.mul_(db[..., None, None]).mul_(signs).reshape(n, QK_K)
 
 
 def dequantize_iq3_s(blocks: torch.Tensor) -> torch.Tensor:
@@ -159,11 +159,11 @@ def dequantize_iq3_s(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d, qs, qh, sg, scales = split(blocks, [2, QK_K // 4, QK_K // 32, QK_K // 8])
     idx = qs.to(torch.int32) | (bits_lsb_first(qh).to(torch.int32) << 8)
-    grid = _grid(T.IQ3_S, blocks.device)[idx.long()].reshape(n, 8, 4, 8)
+    grid = lookup(_grid(T.IQ3_S, blocks.device), idx).reshape(n, 8, 4, 8)
     signs = _sign_bits(sg).reshape(n, 8, 4, 8)
     s = torch.stack((scales & 0x0F, scales >> 4), dim=-1).reshape(n, 8).to(torch.float32)
     db = f16(d) * (1 + 2 * s)
-    return (db[..., None, None] * grid * signs).reshape(n, QK_K)
+    return grid.mul_(db[..., None, None]).mul_(signs).reshape(n, QK_K)
 
 
 IQ1S_DELTA = 0.125
@@ -181,7 +181,7 @@ def dequantize_iq1_s(blocks: torch.Tensor) -> torch.Tensor:
     delta = torch.where((h & 0x8000) != 0, -IQ1S_DELTA, IQ1S_DELTA).to(torch.float32)
     high = torch.stack([(h >> shift) & 7 for shift in (0, 3, 6, 9)], dim=-1)  # (n, 8, 4)
     idx = qs.reshape(n, 8, 4).to(torch.int32) | (high << 8)
-    grid = _grid(T.IQ1_S, blocks.device)[idx.long()]  # (n, 8, 4, 8)
+    grid = lookup(_grid(T.IQ1_S, blocks.device), idx)  # (n, 8, 4, 8)
     return (dl[..., None, None] * (grid + delta[..., None, None])).reshape(n, QK_K)
 
 
@@ -202,5 +202,5 @@ def dequantize_iq1_m(blocks: torch.Tensor) -> torch.Tensor:
     nib = torch.stack((qh & 0x0F, qh >> 4), dim=-1).reshape(n, 8, 2, 2)
     idx = qs.reshape(n, 8, 2, 2).to(torch.int32) | ((nib & 7).to(torch.int32) << 8)
     delta = torch.where((nib & 8) != 0, -IQ1S_DELTA, IQ1S_DELTA).to(torch.float32)
-    grid = _grid(T.IQ1_S, blocks.device)[idx.long()]  # (n, 8, 2, 2, 8)
+    grid = lookup(_grid(T.IQ1_S, blocks.device), idx)  # (n, 8, 2, 2, 8)
     return (dl[..., None, None] * (grid + delta[..., None])).reshape(n, QK_K)

@@ -15,6 +15,12 @@ from .fields import crumbs, f16, nibbles, split
 QK_K = 256
 
 
+def _mul_sub(dl: torch.Tensor, q: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
+    """``dl * q - ml`` with one rounding, in one pass (addcmul): ``dl * q`` is exact in f32,
+    so this equals C's ``dl * q - ml`` whether or not the compiler fused it into an FMA."""
+    return torch.addcmul(ml.neg(), dl, q)
+
+
 def dequantize_q2_k(blocks: torch.Tensor) -> torch.Tensor:
     """Mirrors dequantize_row_q2_K: scales[16] (4-bit scale | 4-bit min), qs[64], d, dmin.
 
@@ -26,7 +32,7 @@ def dequantize_q2_k(blocks: torch.Tensor) -> torch.Tensor:
     q = crumbs(qs.reshape(n, 2, 32), 2).reshape(n, 16, 16).to(torch.float32)
     dl = (f16(d) * (scales & 0x0F).to(torch.float32)).unsqueeze(-1)
     ml = (f16(dmin) * (scales >> 4).to(torch.float32)).unsqueeze(-1)
-    return (dl * q - ml).reshape(n, QK_K)
+    return _mul_sub(dl, q, ml).reshape(n, QK_K)
 
 
 def _q3_k_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -49,9 +55,9 @@ def dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
     hmask, qs, scales, d = split(blocks, [QK_K // 8, QK_K // 4, 12])
     low = crumbs(qs.reshape(n, 2, 32), 2)  # (n, h, j, 32)
     high = torch.stack([(hmask >> i) & 1 for i in range(8)], dim=1).reshape(n, 2, 4, 32)
-    q = low.to(torch.float32) - ((1 - high) << 2).to(torch.float32)
+    q = (low - ((1 - high) << 2)).view(torch.int8).to(torch.float32)  # uint8 wraps: q - 4 as int8
     dl = (f16(d) * _q3_k_scales(scales)).unsqueeze(-1)
-    return (dl * q.reshape(n, 16, 16)).reshape(n, QK_K)
+    return q.reshape(n, 16, 16).mul_(dl).reshape(n, QK_K)
 
 
 def _k4_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +73,7 @@ def _k4_apply(d: torch.Tensor, dmin: torch.Tensor, scales: torch.Tensor, q: torc
     sc, mn = _k4_scales_mins(scales)
     d1 = (f16(d) * sc).unsqueeze(-1)
     m1 = (f16(dmin) * mn).unsqueeze(-1)
-    return (d1 * q.to(torch.float32) - m1).reshape(q.shape[0], QK_K)
+    return _mul_sub(d1, q.to(torch.float32), m1).reshape(q.shape[0], QK_K)
 
 
 def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -97,6 +103,6 @@ def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     ql, qh, scales, d = split(blocks, [QK_K // 2, QK_K // 4, QK_K // 16])
     low = nibbles(ql.reshape(n, 2, 64)).reshape(n, 2, 4, 32)  # k = nibble * 2 + (k % 2)
     high = crumbs(qh.reshape(n, 2, 32), 2)  # (n, h, k, 32)
-    q = (low | (high << 4)).to(torch.float32) - 32
+    q = ((low | (high << 4)) - 32).view(torch.int8).to(torch.float32)
     dl = (f16(d) * scales.view(torch.int8).to(torch.float32)).unsqueeze(-1)
-    return (dl * q.reshape(n, 16, 16)).reshape(n, QK_K)
+    return q.reshape(n, 16, 16).mul_(dl).reshape(n, QK_K)

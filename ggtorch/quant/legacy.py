@@ -12,6 +12,12 @@ import torch
 from .fields import bits_lsb_first, f16, nibbles, split
 
 
+def _scaled(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
+    """``q * d (+ m)`` in f32, in place on the one f32 buffer (q: integer, d and m: (n, 1))."""
+    out = q.to(torch.float32).mul_(d)
+    return out if m is None else out.add_(m)
+
+
 def _nibbles_flat(qs: torch.Tensor) -> torch.Tensor:
     """16 bytes → 32 nibbles: element j in byte j's low nibble, element j + 16 in its high nibble."""
     return nibbles(qs).reshape(qs.shape[0], -1)
@@ -20,15 +26,14 @@ def _nibbles_flat(qs: torch.Tensor) -> torch.Tensor:
 def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
     """Mirrors dequantize_row_q4_0: block = d (f16), qs[16]; y = (q - 8) * d."""
     d, qs = split(blocks, [2])
-    q = _nibbles_flat(qs).to(torch.float32) - 8
-    return q * f16(d)
+    q = (_nibbles_flat(qs) - 8).view(torch.int8)  # uint8 wraps, int8 reads it back as q - 8
+    return _scaled(q, f16(d))
 
 
 def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     """Mirrors dequantize_row_q4_1: block = d, m (f16), qs[16]; y = q * d + m."""
     d, m, qs = split(blocks, [2, 2])
-    q = _nibbles_flat(qs).to(torch.float32)
-    return q * f16(d) + f16(m)
+    return _scaled(_nibbles_flat(qs), f16(d), f16(m))
 
 
 def _q5(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
@@ -39,18 +44,17 @@ def _q5(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
 def dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
     """Mirrors dequantize_row_q5_0: block = d (f16), qh[4], qs[16]; y = (q - 16) * d."""
     d, qh, qs = split(blocks, [2, 4])
-    q = _q5(qh, qs).to(torch.float32) - 16
-    return q * f16(d)
+    q = (_q5(qh, qs) - 16).view(torch.int8)
+    return _scaled(q, f16(d))
 
 
 def dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
     """Mirrors dequantize_row_q5_1: block = d, m (f16), qh[4], qs[16]; y = q * d + m."""
     d, m, qh, qs = split(blocks, [2, 2, 4])
-    q = _q5(qh, qs).to(torch.float32)
-    return q * f16(d) + f16(m)
+    return _scaled(_q5(qh, qs), f16(d), f16(m))
 
 
 def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     """Mirrors dequantize_row_q8_0: block = d (f16), qs[32] (int8); y = q * d."""
     d, qs = split(blocks, [2])
-    return qs.view(torch.int8).to(torch.float32) * f16(d)
+    return _scaled(qs.view(torch.int8), f16(d))

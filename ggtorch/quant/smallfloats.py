@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .fields import crumbs, f16, nibbles, split, table
+from .fields import crumbs, f16, lookup, nibbles, split, table
 
 QK_K = 256
 
@@ -56,5 +56,5 @@ def dequantize_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     """Mirrors dequantize_row_mxfp4: e (e8m0), qs[16]; y = kvalues_mxfp4[nibble] * d."""
     n = blocks.shape[0]
     e, qs = split(blocks, [1])
-    kv = table("kvalues_mxfp4", KVALUES_MXFP4, blocks.device)[nibbles(qs).reshape(n, 32).long()]
+    kv = lookup(table("kvalues_mxfp4", KVALUES_MXFP4, blocks.device), nibbles(qs).reshape(n, 32))
     return kv * _e8m0_to_fp32_half(e)
