@@ -14,6 +14,7 @@ from gguf import Keys
 
 from ..errors import BadGGUF, Unsupported
 from ..gguf_io import GGUFFile
+from . import names
 
 ARCH = "llama"
 
@@ -42,6 +43,8 @@ class LlamaConfig:
     """Linear rope scaling: 1 / ``rope.scaling.factor`` (positions are multiplied by it)."""
     tied_output: bool = False
     """No ``output.weight`` in the file: the output projection reuses ``token_embd``."""
+    rope_freqs: bool = False
+    """The file has ``rope_freqs.weight``: per-pair divisors of the rope frequencies (Llama 3.1+)."""
 
     def __post_init__(self) -> None:
         if self.n_rot is None:
@@ -119,7 +122,8 @@ class LlamaConfig:
             n_rot=_int(f, Keys.Rope.DIMENSION_COUNT, optional(Keys.Rope.DIMENSION_COUNT, n_embd // max(n_head, 1))),
             rope_freq_base=float(optional(Keys.Rope.FREQ_BASE, 10000.0)),
             rope_freq_scale=freq_scale,
-            tied_output="output.weight" not in f.tensors,
+            tied_output=names.gguf_name("output") not in f.tensors,
+            rope_freqs=names.ROPE_FREQS in f.tensors,
         )
 
 

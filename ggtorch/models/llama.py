@@ -36,8 +36,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_angles(start_pos: int, n_tokens: int, n_rot: int, freq_base: float, freq_scale: float,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (T, n_rot/2) of theta = p * freq_scale * base^(-2i/n_rot), i < n_rot/2.
+                device: torch.device, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (T, n_rot/2) of theta = p * freq_scale * base^(-2i/n_rot) / freq_factors[i].
 
     Mirrors ggml_rope_cache_init: the angle is built in f32 by multiplying the position by
     theta_scale = base^(-2/n_rot) once per pair (a running product, not a fresh power), so
@@ -46,7 +46,10 @@ def rope_angles(start_pos: int, n_tokens: int, n_rot: int, freq_base: float, fre
     theta_scale = torch.tensor(freq_base, dtype=torch.float32) ** (torch.tensor(-2.0, dtype=torch.float32) / n_rot)
     steps = torch.full((n_tokens, n_rot // 2), float(theta_scale), dtype=torch.float32, device=device)
     steps[:, 0] = torch.arange(start_pos, start_pos + n_tokens, dtype=torch.float32, device=device)
-    theta = torch.cumprod(steps, dim=1) * freq_scale  # (T, n_rot/2)
+    theta = torch.cumprod(steps, dim=1)  # (T, n_rot/2)
+    if freq_factors is not None:
+        theta = theta / freq_factors.float()
+    theta = theta * freq_scale
     return torch.cos(theta), torch.sin(theta)
 
 
@@ -164,8 +167,24 @@ class Llama(nn.Module):
         self.output_norm = RMSNorm(config.n_embd, config.rms_eps)
         self.output = nn.Linear(config.n_embd, config.n_vocab, bias=False)
         self.apply(_init_weights)
+        self.rope_freqs: torch.Tensor | None
+        if config.rope_freqs:
+            self.register_buffer("rope_freqs", torch.ones(config.n_rot // 2))  # filled by the loader
+        else:
+            self.rope_freqs = None
         if config.tied_output:
             self.output.weight = self.tok_embd.weight  # one Parameter, as llama.cpp reuses token_embd
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        """After .to()/.cuda(): a tied output shares the embedding's raw blocks again.
+
+        Module._apply converts each module's buffers separately, which would give a tied
+        QuantLinear its own copy of the embedding's buffer; Parameters stay shared on their own.
+        """
+        super()._apply(fn, recurse)
+        if self.config.tied_output and hasattr(self.tok_embd, "raw") and hasattr(self.output, "raw"):
+            self.output.raw = self.tok_embd.raw
+        return self
 
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         """An empty KV cache on the model's device for up to max_len (default n_ctx_train) positions."""
@@ -188,7 +207,7 @@ class Llama(nn.Module):
                 raise ValueError(f"KV cache holds {cache.max_len} positions; {start_pos} + {T} do not fit")
         x = self.tok_embd(tokens)  # (B, T, C)
         c = self.config
-        cos, sin = rope_angles(start_pos, T, c.n_rot, c.rope_freq_base, c.rope_freq_scale, x.device)
+        cos, sin = rope_angles(start_pos, T, c.n_rot, c.rope_freq_base, c.rope_freq_scale, x.device, self.rope_freqs)
         for i, block in enumerate(self.layers):
             kv = (cache.k[i], cache.v[i]) if cache is not None else None
             x = block(x, cos, sin, kv, start_pos)  # (B, T, C)

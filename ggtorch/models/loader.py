@@ -62,6 +62,8 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     for bid in range(c.n_layer):
         for kind, shape in per_layer.items():
             shapes[names.gguf_name(kind, bid)] = shape
+    if c.rope_freqs:
+        shapes[names.ROPE_FREQS] = (c.n_rot // 2,)
     return shapes
 
 
@@ -104,6 +106,9 @@ def build_llama(f: GGUFFile, config: LlamaConfig, device: torch.device | str = "
         if info.shape != shape:
             raise BadGGUF(f"{f.path}: tensor '{name}' has shape {info.shape}, expected {shape} "
                           "from the model's hyperparameters")
+        if name == names.ROPE_FREQS:
+            model.rope_freqs = dequantize(info.raw().to(device), info.ggml_type, info.shape, torch.float32, name)
+            continue
         kind, _ = names.parse_gguf_name(name)
         module = _make_module(info, kind, device, dtype, keep_quantized, config.rms_eps)
         _set_module(model, names.gguf_to_module(name), module)

@@ -24,6 +24,10 @@ TENSOR_KINDS: dict[str, tuple[str, str]] = {
     "ffn_up": ("blk.{bid}.ffn_up.weight", "layers.{bid}.ffn.up"),
 }
 
+ROPE_FREQS = "rope_freqs.weight"
+"""Optional rope frequency factors (Llama 3.1+): a buffer ``rope_freqs`` of the model, not a
+trainable kind, so it is not in TENSOR_KINDS."""
+
 GGUF_TO_MODULE: dict[str, str] = {gguf: module for gguf, module in TENSOR_KINDS.values()}
 MODULE_TO_GGUF: dict[str, str] = {module: gguf for gguf, module in TENSOR_KINDS.values()}
 

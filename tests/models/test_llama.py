@@ -21,7 +21,7 @@ from ggtorch.gguf_io import read_gguf
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.llama import Llama
 from ggtorch.models.loader import build_llama
-from tests.llama_models import llama_cpp_logits, open_llama_cpp
+from tests.llama_models import llama_cpp_logits, open_llama_cpp, rewrite_gguf
 
 N_TOKENS = 48
 
@@ -98,14 +98,26 @@ def test_random_llama_logits_equal_llama_cpp(random_llama: Callable[..., Path], 
         assert np.abs(f32_logits - ref).mean() > 2 * diff.mean()
 
 
+def test_rope_freq_factors_equal_llama_cpp(random_llama: Callable[..., Path], tmp_path: Path) -> None:
+    """Llama 3.1-style rope_freqs.weight divides each pair's frequency, as llama.cpp does."""
+    base = random_llama("F32")
+    factors = np.linspace(1.0, 8.0, 16).astype(np.float32)  # head_dim 32 -> 16 pairs
+    path = rewrite_gguf(base, tmp_path / "freqs.gguf", add_tensors={"rope_freqs.weight": factors})
+    tokens = random_tokens(32000, 32)
+    ref = llama_cpp_logits(open_llama_cpp(path, n_ctx=32), tokens)
+    ours = torch_logits(path, tokens)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=TOLERANCE["F32"])
+    assert np.abs(torch_logits(base, tokens) - ours).max() > 0.1  # the factors matter
+
+
 def full_and_cached_logits(model: Llama, tokens: list[int], prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of one full forward, and of the prefix then one token at a time through a KV cache."""
+    """Logits of one full forward, and through a KV cache: the prefix, a 5-token chunk, then one at a time."""
     x = torch.tensor([tokens])
     with torch.no_grad():
         full = model(x)[0]
         cache = model.new_cache(1, len(tokens))
-        steps = [model(x[:, :prefix], cache=cache)[0]]
-        steps += [model(x[:, i:i + 1], cache=cache)[0] for i in range(prefix, len(tokens))]
+        steps = [model(x[:, :prefix], cache=cache)[0], model(x[:, prefix:prefix + 5], cache=cache)[0]]
+        steps += [model(x[:, i:i + 1], cache=cache)[0] for i in range(prefix + 5, len(tokens))]
     return full, torch.cat(steps)
 
 

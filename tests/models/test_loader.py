@@ -17,7 +17,7 @@ from ggtorch.models.config import LlamaConfig
 from ggtorch.models.llama import Llama
 from ggtorch.models.loader import load_llama
 from ggtorch.quant import dequantize
-from tests.llama_models import rewrite_gguf
+from tests.llama_models import RandomLlamaShape, rewrite_gguf
 
 
 def test_tensor_kinds_follow_gguf_py_names() -> None:
@@ -87,6 +87,14 @@ def test_keep_quantized_matches_dequantized(random_llama: Callable[..., Path]) -
         torch.testing.assert_close(m(tokens), dense.model(tokens), rtol=0, atol=1e-4)
 
 
+def test_tied_quantized_output_shares_blocks_after_a_move(random_llama: Callable[..., Path]) -> None:
+    path = random_llama("Q4_0", RandomLlamaShape(tied_output=True))
+    model = load_llama(path, keep_quantized=True).model
+    assert model.config.tied_output and model.output.raw.data_ptr() == model.tok_embd.raw.data_ptr()
+    model._apply(lambda t: t.clone())  # what .to(other_device) does to every tensor
+    assert model.output.raw.data_ptr() == model.tok_embd.raw.data_ptr()
+
+
 @pytest.fixture(scope="module")
 def broken(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     root = tmp_path_factory.mktemp("broken")
@@ -103,8 +111,8 @@ def test_missing_tensor_is_named(broken: Callable[..., Path]) -> None:
 
 
 def test_unexpected_tensor_is_named(broken: Callable[..., Path]) -> None:
-    with pytest.raises(Unsupported, match=r"'rope_freqs\.weight'"):
-        load_llama(broken("extra", add_tensors={"rope_freqs.weight": np.ones(4, np.float32)}))
+    with pytest.raises(Unsupported, match=r"'blk\.0\.attn_output\.bias'"):
+        load_llama(broken("extra", add_tensors={"blk.0.attn_output.bias": np.ones(64, np.float32)}))
 
 
 def test_wrong_shape_is_named(broken: Callable[..., Path]) -> None:
