@@ -26,6 +26,7 @@ from ggtorch.data import (
     shuffle_samples,
 )
 from ggtorch.errors import BadData
+from ggtorch.gguf_io import read_gguf
 from ggtorch.mt19937 import MT19937
 
 B, E = 1, 2  # BOS, EOS of the character vocabulary
@@ -380,3 +381,67 @@ def test_val_data_batches() -> None:
     assert [i.tolist() for i, _ in val] == [[[B, ord("x")], [B, ord("z")]], [[B, ord("2")]]]
     with pytest.raises(BadData, match="byte 1"):
         data.eval_batches_from_text(b"a\xfe", n_batch=2)
+
+
+# --- with the real tokenizer, against llama.cpp -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_vocab(stories260k):
+    """llama.cpp's tokenizer of stories260K (the reference for what the old finetune tokenized)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    return llama_cpp.Llama(model_path=str(stories260k), vocab_only=True, verbose=False)
+
+
+@pytest.fixture(scope="module", params=["ggtorch", "llama.cpp"])
+def tokenizer(request, stories260k, llama_vocab):
+    """ggtorch's Tokenizer; and llama.cpp's own tokenizer behind a Vocab, which checks the sample
+    logic with a real SPM tokenizer even where ggtorch's tokenizer is not available."""
+    if request.param == "llama.cpp":
+        texts = read_gguf(stories260k).metadata["tokenizer.ggml.tokens"]
+        return Vocab(tokenize=lambda t: llama_vocab.tokenize(t.encode(), add_bos=False, special=False),
+                     bos_id=llama_vocab.token_bos(), eos_id=llama_vocab.token_eos(), n_vocab=len(texts),
+                     max_token_text_len=max(len(t.encode()) for t in texts))
+    tokenizer_module = pytest.importorskip("ggtorch.models.tokenizer")
+    return tokenizer_module.Tokenizer.from_gguf(read_gguf(stories260k))
+
+
+@pytest.fixture(scope="module")
+def shakespeare(shared) -> bytes:
+    text = (shared / "data" / "tinyshakespeare.txt").read_bytes()[:3000]
+    return text[:text.rindex(b"\n") + 1]
+
+
+def test_real_max_token_text_len(llama_vocab, stories260k) -> None:
+    import llama_cpp
+
+    vocab = llama_cpp.llama_model_get_vocab(llama_vocab.model)
+    longest = max(len(llama_cpp.llama_vocab_get_text(vocab, i)) for i in range(llama_cpp.llama_vocab_n_tokens(vocab)))
+    texts = read_gguf(stories260k).metadata["tokenizer.ggml.tokens"]
+    v = Vocab(tokenize=ids, bos_id=1, eos_id=2, n_vocab=len(texts), max_token_text_len=0)
+    assert Vocab.from_tokenizer(v) is v
+    tok = pytest.importorskip("ggtorch.models.tokenizer").Tokenizer.from_gguf(read_gguf(stories260k))
+    assert Vocab.from_tokenizer(tok, token_texts=texts).max_token_text_len == longest == 9
+
+
+def test_real_whole_text_samples_and_batch(tokenizer, llama_vocab, shakespeare) -> None:
+    n_ctx = 32
+    data = TrainingData(shakespeare, tokenizer, n_ctx=n_ctx, seed=3)
+    expected = llama_vocab.tokenize(shakespeare, add_bos=False, special=False)
+    assert data.samples.tokens.tolist() == expected
+    assert data.n_samples == len(expected) - n_ctx
+    order, _, _ = ref_shuffle(MT19937(3).state(), [n_ctx] * data.n_samples)
+    inputs, targets = data.next_batch(2)
+    for k in range(2):
+        window = expected[order[k]:order[k] + n_ctx]
+        assert targets[k].tolist() == window
+        assert inputs[k].tolist() == [llama_vocab.token_bos(), *window[:-1]]
+
+
+def test_real_sample_start_tokenizes_each_sample(tokenizer, llama_vocab, shakespeare) -> None:
+    data = TrainingData(shakespeare, tokenizer, n_ctx=64,
+                        options=DataOptions(sample_start="\\n\\n", escape=True, include_sample_start=False))
+    pieces = shakespeare.split(b"\n\n")[1:]  # text before the first blank line is not a sample
+    s = data.samples
+    got = [s.tokens[b:b + n].tolist() for b, n in zip(s.begins, s.sizes, strict=True)]
+    # each sample is tokenized on its own (SPM adds a leading space to each), as llama_tokenize per sample
+    assert got == [llama_vocab.tokenize(p, add_bos=False, special=False) for p in pieces]

@@ -86,11 +86,16 @@ class Vocab:
     """Bytes of the longest token text in the vocabulary; bounds a sample's bytes with --overlapping-samples."""
 
     @classmethod
-    def from_tokenizer(cls, tok: TokenizerLike | Vocab) -> Vocab:
-        """Adapt a Tokenizer; the longest token text comes from its raw vocab strings when it exposes them."""
+    def from_tokenizer(cls, tok: TokenizerLike | Vocab, token_texts: Sequence[str] | None = None) -> Vocab:
+        """Adapt a Tokenizer.
+
+        The longest token text is measured on the raw vocabulary strings (``token_texts``, else
+        the tokenizer's ``tokens`` attribute, e.g. GGUF ``tokenizer.ggml.tokens``), as llama.cpp's
+        ``llama_token_get_text``; decoded pieces are only a fallback ("▁x" counts 4 bytes raw, 2 decoded).
+        """
         if isinstance(tok, Vocab):
             return tok
-        texts: Sequence[str] | None = getattr(tok, "tokens", None)
+        texts = token_texts if token_texts is not None else getattr(tok, "tokens", None)
         if texts is not None and len(texts) == tok.n_vocab:
             longest = max(len(t.encode("utf-8")) for t in texts)
         else:
