@@ -12,6 +12,7 @@ Hkv key/value heads, D head_dim, V n_vocab.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -175,7 +176,7 @@ class Llama(nn.Module):
         if config.tied_output:
             self.output.weight = self.tok_embd.weight  # one Parameter, as llama.cpp reuses token_embd
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Llama:
         """After .to()/.cuda(): a tied output shares the embedding's raw blocks again.
 
         Module._apply converts each module's buffers separately, which would give a tied
