@@ -13,6 +13,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ggtorch.data import (
     DataOptions,
@@ -23,6 +25,7 @@ from ggtorch.data import (
     make_samples,
     process_escapes,
     read_text_file,
+    resolve_seed,
     shuffle_samples,
 )
 from ggtorch.errors import BadData
@@ -106,6 +109,19 @@ def test_mt19937_rejects_malformed_state() -> None:
         MT19937.from_state("1 2 3")
     with pytest.raises(ValueError):
         MT19937.from_state(" ".join(["1"] * 624) + " 625")
+
+
+def test_options_defaults_and_from_finetune() -> None:
+    o = DataOptions()
+    assert (o.sample_start, o.include_sample_start, o.escape, o.overlapping_samples, o.fill_with_next_samples,
+            o.separate_with_eos, o.separate_with_bos, o.sample_random_offsets, o.force_reshuffle, o.seed) == \
+        ("", False, False, False, False, False, True, False, False, -1)  # the old finetune's defaults
+    from ggtorch.finetune_config import FinetuneConfig
+
+    cfg = FinetuneConfig(sample_start="<s>", fill_with_next_samples=True, separate_with_bos=False, seed=11)
+    o = DataOptions.from_finetune(cfg)
+    assert (o.sample_start, o.fill_with_next_samples, o.separate_with_bos, o.seed) == ("<s>", True, False, 11)
+    assert resolve_seed(5) == 5 and resolve_seed(-2) == 0xFFFFFFFE  # std::mt19937(unsigned(seed))
 
 
 # --- text ----------------------------------------------------------------------------------------
@@ -445,3 +461,57 @@ def test_real_sample_start_tokenizes_each_sample(tokenizer, llama_vocab, shakesp
     got = [s.tokens[b:b + n].tolist() for b, n in zip(s.begins, s.sizes, strict=True)]
     # each sample is tokenized on its own (SPM adds a leading space to each), as llama_tokenize per sample
     assert got == [llama_vocab.tokenize(p, add_bos=False, special=False) for p in pieces]
+
+
+# --- build_batch against the per-token loop of get_example_targets_batch --------------------------
+
+def ref_batch(tokens, offs, begins, sizes, start, n_batch, n_ctx, bos, eos, n_vocab, sep_eos, sep_bos, fill, rand):
+    """get_example_targets_batch token by token, as the C code reads."""
+    count, used = len(begins), 0
+    inputs = [[0] * n_ctx for _ in range(n_batch)]
+    targets = [[0] * n_ctx for _ in range(n_batch)]
+    for k in range(n_batch):
+        idx = (start + used) % count
+        o, bg, sz = (offs[idx] if rand else 0), begins[idx], sizes[idx]
+        used += 1
+        inputs[k][0] = bos
+        done_eos, done_bos = not sep_eos, not sep_bos
+        for i in range(n_ctx):
+            tok = eos
+            if o >= sz and fill:
+                if not done_eos:
+                    done_eos = True
+                elif not done_bos:
+                    done_bos = True
+                    tok = bos
+                else:
+                    done_eos, done_bos = not sep_eos, not sep_bos
+                    o, idx = 0, (start + used) % count
+                    bg, sz = begins[idx], sizes[idx]
+                    used += 1
+            if o < sz:
+                tok = min(max(tokens[bg + o], 0), n_vocab - 1)
+                o += 1
+            targets[k][i] = tok
+            if i + 1 < n_ctx:
+                inputs[k][i + 1] = tok
+    return inputs, targets, used
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(0, 7), min_size=1, max_size=6), n_batch=st.integers(1, 4),
+       n_ctx=st.integers(1, 9), start=st.integers(0, 10), flags=st.tuples(*[st.booleans()] * 4),
+       seed=st.integers(0, 2**32 - 1))
+def test_build_batch_equals_token_loop(sizes, n_batch, n_ctx, start, flags, seed) -> None:
+    sep_eos, sep_bos, fill, rand = flags
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(-3, 40, size=sum(sizes)).astype(np.int64)  # some out of the 0..31 vocab
+    begins = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    sh, _ = shuffle_samples(MT19937(seed).state(), begins, np.asarray(sizes, dtype=np.int64))
+    vocab = Vocab(tokenize=ids, bos_id=1, eos_id=2, n_vocab=32, max_token_text_len=1)
+    opts = DataOptions(separate_with_eos=sep_eos, separate_with_bos=sep_bos, fill_with_next_samples=fill,
+                       sample_random_offsets=rand)
+    inputs, targets, used = build_batch(tokens, sh, start, n_batch, n_ctx, vocab, opts)
+    ref = ref_batch(tokens.tolist(), sh.offsets.tolist(), sh.begins.tolist(), sh.sizes.tolist(), start,
+                    n_batch, n_ctx, 1, 2, 32, sep_eos, sep_bos, fill, rand)
+    assert (inputs.tolist(), targets.tolist(), used) == ref
