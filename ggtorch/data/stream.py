@@ -132,8 +132,7 @@ class TrainingData:
         if force:
             notes.append("forced reshuffling of data: restarting with a newly shuffled epoch")
         if not st.rng_state or changed or force:
-            st = DataState(rng_state=MT19937(self.seed).state(), next_sample=0, epoch=st.epoch,
-                           samples_hash=self.hash, sample_count=self.n_samples)
+            st = self._fresh_state(epoch=st.epoch)
         else:
             MT19937.from_state(st.rng_state)  # reject a malformed state before using it
         self.state = st
