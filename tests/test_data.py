@@ -357,6 +357,10 @@ def test_changed_data_or_force_reshuffle_restarts_order() -> None:
     same = stream()
     assert same.load_state_dict(saved) == [] and same.next_sample == data.next_sample
 
+    with pytest.raises(BadData, match="malformed.*--force-reshuffle"):
+        stream().load_state_dict({**saved, "rng_state": "1 2 3"})
+    assert stream().load_state_dict({**saved, "rng_state": "1 2 3"}, force_reshuffle=True)
+
 
 def test_short_text_is_one_padded_sample() -> None:
     data = TrainingData("abc", char_vocab(), n_ctx=6)

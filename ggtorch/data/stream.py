@@ -134,7 +134,11 @@ class TrainingData:
         if not st.rng_state or changed or force:
             st = self._fresh_state(epoch=st.epoch)
         else:
-            MT19937.from_state(st.rng_state)  # reject a malformed state before using it
+            try:
+                MT19937.from_state(st.rng_state)
+            except ValueError as e:
+                raise BadData(f"the checkpoint's data-order state is malformed ({e}); pass --force-reshuffle "
+                              "to start a fresh order") from None
         self.state = st
         self._reshuffle()
         self.warnings += notes
