@@ -209,7 +209,7 @@ def samples_hash(samples: Samples) -> int:
     A hash stored by the old program never matches: its shuffle restarts (with a warning).
     """
     h = hashlib.sha256()
-    h.update(np.int64(samples.count).tobytes())
+    h.update(np.asarray(samples.count, dtype="<i8").tobytes())
     for arr in (samples.begins, samples.sizes, samples.tokens):
         h.update(np.ascontiguousarray(arr, dtype="<i8").tobytes())
     return int.from_bytes(h.digest()[:8], "little")
