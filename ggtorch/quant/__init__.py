@@ -32,7 +32,7 @@ from .iquants import (
 )
 from .kquants import dequantize_q2_k, dequantize_q3_k, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k
 from .legacy import dequantize_q4_0, dequantize_q4_1, dequantize_q5_0, dequantize_q5_1, dequantize_q8_0
-from .smallfloats import dequantize_mxfp4, dequantize_tq1_0, dequantize_tq2_0
+from .smallfloats import dequantize_mxfp4, dequantize_nvfp4, dequantize_tq1_0, dequantize_tq2_0
 
 T = GGMLQuantizationType
 
@@ -62,6 +62,7 @@ DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]]
     T.TQ1_0: dequantize_tq1_0,
     T.TQ2_0: dequantize_tq2_0,
     T.MXFP4: dequantize_mxfp4,
+    T.NVFP4: dequantize_nvfp4,
 }
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(DEQUANTIZERS)
@@ -132,8 +133,10 @@ def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[
         raise BadGGUF(f"{_label(name)}: {raw.numel()} bytes of data, but {qtype.name} {shape} takes "
                       f"{expected}; the file is truncated or the shape/type is wrong")
 
-    blocks = raw.reshape(-1, ts)
-    n_blocks = blocks.shape[0]
+    if n_values == 0:
+        return torch.empty(shape, dtype=dtype, device=raw.device)
+    n_blocks = n_values // bs
+    blocks = raw.reshape(n_blocks, ts)
     step = max(1, CHUNK_VALUES // bs)
     if n_blocks <= step or bs == 1:  # float types: one conversion pass, nothing to chunk
         return fn(blocks).reshape(shape).to(dtype)

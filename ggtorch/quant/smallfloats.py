@@ -1,4 +1,4 @@
-"""TQ1_0, TQ2_0 (ternary) and MXFP4 (4-bit floats with a shared power-of-two scale).
+"""TQ1_0, TQ2_0 (ternary), MXFP4 and NVFP4 (4-bit e2m1 floats with an e8m0 / ue4m3 scale).
 
 Each function takes a ``(n_blocks, type_size)`` uint8 view and returns
 ``(n_blocks, block_size)`` float32; every product is of a small integer and a scale, exact
@@ -6,6 +6,8 @@ in f32.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -58,3 +60,28 @@ def dequantize_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     e, qs = split(blocks, [1])
     kv = lookup(table("kvalues_mxfp4", KVALUES_MXFP4, blocks.device), nibbles(qs).reshape(n, 32))
     return kv * _e8m0_to_fp32_half(e)
+
+
+def _ue4m3_half_table() -> torch.Tensor:
+    """ggml_ue4m3_to_fp32 for all 256 bytes: unsigned e4m3 (bias 7, bit 7 ignored) times 0.5,
+    with 0 and 0x7F (NaN) read as 0. Every value is exact in f32."""
+    values = []
+    for x in range(256):
+        exp, man = (x >> 3) & 0xF, x & 0x7
+        if x in (0, 0x7F):
+            values.append(0.0)
+        elif exp == 0:
+            values.append(math.ldexp(man, -9) * 0.5)
+        else:
+            values.append(math.ldexp(1.0 + man / 8.0, exp - 7) * 0.5)
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def dequantize_nvfp4(blocks: torch.Tensor) -> torch.Tensor:
+    """Mirrors dequantize_row_nvfp4: d[4] (ue4m3, one per 16 values), qs[32];
+    sub-block s: y = kvalues_mxfp4[nibble of qs[8s + j]] * d[s], low nibbles first."""
+    n = blocks.shape[0]
+    d, qs = split(blocks, [4])
+    scale = lookup(table("ue4m3_half", _ue4m3_half_table, blocks.device), d)  # (n, 4)
+    kv = lookup(table("kvalues_mxfp4", KVALUES_MXFP4, blocks.device), nibbles(qs.reshape(n, 4, 8)).reshape(n, 4, 16))
+    return kv.mul_(scale.unsqueeze(-1)).reshape(n, 64)

@@ -43,6 +43,7 @@ F16_FIELDS: dict[T, tuple[int, ...]] = {
     T.TQ1_0: (52,),
     T.TQ2_0: (64,),
     T.MXFP4: (),  # e8m0 scale: every byte is a valid scale
+    T.NVFP4: (),  # ue4m3 scales: every byte is a valid scale
 }
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 RANDOM_BLOCK_TYPES = [*FLOAT_TYPES, *F16_FIELDS]
@@ -171,6 +172,22 @@ def test_raw_layout_does_not_matter(ggml_type: T) -> None:
     padded = torch.zeros(raw.numel() + 1, dtype=torch.uint8)
     padded[1:] = raw.reshape(-1)
     assert torch.equal(dequantize(padded[1:], ggml_type, shape).view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.parametrize("ggml_type", sorted(SUPPORTED_TYPES, key=int), ids=lambda t: t.name)
+def test_stays_on_the_raw_device(ggml_type: T) -> None:
+    """On the meta device any host round trip (.cpu(), .item(), numpy, a CPU-only table)
+    raises, so this checks what a CUDA run needs without a GPU: every op and table follows raw."""
+    bs, ts = GGML_QUANT_SIZES[ggml_type]
+    raw = torch.empty((3, 2 * ts), dtype=torch.uint8, device="meta")
+    out = dequantize(raw, ggml_type, (3, 2 * bs), dtype=torch.bfloat16)
+    assert (out.device.type, out.shape, out.dtype) == ("meta", (3, 2 * bs), torch.bfloat16)
+
+
+@pytest.mark.parametrize("ggml_type", [T.F16, T.Q4_0, T.Q6_K], ids=lambda t: t.name)
+def test_empty_tensor(ggml_type: T) -> None:
+    out = dequantize(torch.zeros(0, dtype=torch.uint8), ggml_type, (0, block_size(ggml_type)))
+    assert out.shape == (0, block_size(ggml_type)) and out.dtype == torch.float32
 
 
 def test_sizes_come_from_gguf() -> None:
