@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from ggtorch.data import (
     DataOptions,
+    DataState,
     Shuffled,
     TrainingData,
     Vocab,
@@ -360,6 +361,15 @@ def test_changed_data_or_force_reshuffle_restarts_order() -> None:
     with pytest.raises(BadData, match="malformed.*--force-reshuffle"):
         stream().load_state_dict({**saved, "rng_state": "1 2 3"})
     assert stream().load_state_dict({**saved, "rng_state": "1 2 3"}, force_reshuffle=True)
+
+
+def test_old_program_hash_restarts_with_warning() -> None:
+    data = stream()
+    old = {"rng_state": MT19937(123).state(), "next_sample": 3, "epoch": 2, "samples_hash": 0x1234_5678_9ABC_DEF0,
+           "sample_count": data.n_samples}  # the old program's std::hash of the file name never matches ours
+    notes = data.load_state_dict(old)
+    assert any("changed" in n for n in notes) and notes == data.warnings[-len(notes):]
+    assert data.state == DataState(**{**stream().state_dict(), "epoch": 2})  # fresh order, epochs kept
 
 
 def test_short_text_is_one_padded_sample() -> None:
