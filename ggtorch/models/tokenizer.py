@@ -1,0 +1,432 @@
+"""GGUF vocabularies as tokenizers that tokenize and detokenize exactly like llama.cpp.
+
+Two vocabulary kinds are supported, the two a llama GGUF carries:
+
+- ``tokenizer.ggml.model = llama`` (sentencepiece BPE, LLaMA 1/2, TinyStories): a sentencepiece
+  ``ModelProto`` is built from the GGUF's tokens, scores and types and does the merging.
+- ``tokenizer.ggml.model = gpt2`` with ``tokenizer.ggml.pre = llama-bpe`` (Llama 3): a
+  ``tokenizers`` byte-level BPE from the GGUF's tokens and merges, behind the pre-tokenizer
+  regex llama.cpp uses for that ``pre``.
+
+Everything around the merging mirrors ``src/llama-vocab.cpp`` rather than the libraries'
+own conventions: special tokens are split out first (``tokenizer_st_partition``), the
+sentencepiece path escapes spaces and adds the space prefix itself (``llama_escape_whitespace``,
+no NFKC, no extra-whitespace removal), every token text is mergeable as in llama.cpp's
+``text_to_token``, and decoding goes through a per-token piece table built like llama.cpp's
+``token_to_piece`` (byte tokens become raw bytes, control tokens render empty).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from enum import IntFlag
+
+from gguf import Keys, TokenType
+
+from ..errors import BadGGUF, Unsupported
+from ..gguf_io import GGUFFile
+
+SPACE_ESCAPE = "\u2581"
+"""``▁``: how sentencepiece vocabularies spell a space (``llama_escape_whitespace``)."""
+
+LLAMA3_PRE_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+"""llama.cpp's regex for LLAMA_VOCAB_PRE_TYPE_LLAMA3 (the tokenizer.json one with ASCII-only case folding)."""
+
+LLAMA3_PRE_NAMES = frozenset({"llama3", "llama-v3", "llama-bpe"})
+"""``tokenizer.ggml.pre`` values llama.cpp maps to LLAMA_VOCAB_PRE_TYPE_LLAMA3 for llama vocabularies."""
+
+CONTROL_LOOKING_TEXTS = frozenset({
+    "</s>", "<EOT>", "<MID>", "<PAD>", "<PRE>", "<REPO>", "<SUF>", "<end_of_turn>", "<end_of_utterance>",
+    "<eos>", "<fim-middle>", "<fim-pad>", "<fim-prefix>", "<fim-repo>", "<fim-suffix>", "<fim_middle>",
+    "<fim_pad>", "<fim_prefix>", "<fim_suffix>", "<reponame>", "<turn|>", "<|calls|>", "<|call|>",
+    "<|code_middle|>", "<|code_prefix|>", "<|code_suffix|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>",
+    "<|eom_id|>", "<|eot_id|>", "<|file_sep|>", "<|fim_middle|>", "<|fim_pad|>", "<|fim_prefix|>",
+    "<|fim_repo|>", "<|fim_suffix|>", "<|flush|>", "<|im_end|>", "<|middle|>", "<|prefix|>", "<|repo_name|>",
+    "<|return|>", "<|suffix|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "<｜fim▁begin｜>", "<｜fim▁end｜>",
+    "<｜fim▁hole｜>", "[EOS]", "[EOT]", "[PAD]", "[e~[", "_<EOT>", "▁<MID>", "▁<PRE>", "▁<SUF>",
+})
+"""End-of-generation / fill-in-the-middle texts llama.cpp's vocab loader forces to CONTROL whatever their GGUF type."""
+
+
+class Attr(IntFlag):
+    """llama.cpp's ``llama_token_attr`` bits (the part tokenization uses)."""
+
+    UNDEFINED = 0
+    UNKNOWN = 1 << 0
+    UNUSED = 1 << 1
+    NORMAL = 1 << 2
+    CONTROL = 1 << 3
+    USER_DEFINED = 1 << 4
+    BYTE = 1 << 5
+
+
+_ATTR_OF_TYPE = {TokenType.NORMAL: Attr.NORMAL, TokenType.UNKNOWN: Attr.UNKNOWN, TokenType.CONTROL: Attr.CONTROL,
+                 TokenType.USER_DEFINED: Attr.USER_DEFINED, TokenType.UNUSED: Attr.UNUSED, TokenType.BYTE: Attr.BYTE}
+
+
+def _byte_level_table() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (``unicode_byte_to_utf8``): bytes that print keep their character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+BYTE_TO_CHAR = _byte_level_table()
+CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
+
+
+def _read_token_attrs(f: GGUFFile, tokens: Sequence[str]) -> list[Attr]:
+    types = f.get(Keys.Tokenizer.TOKEN_TYPE)
+    if types is None:
+        attrs = [Attr.NORMAL] * len(tokens)
+    elif len(types) < len(tokens):
+        raise BadGGUF(f"{f.path}: {Keys.Tokenizer.TOKEN_TYPE} has {len(types)} entries for {len(tokens)} tokens; "
+                      "re-convert the model")
+    else:
+        attrs = [_ATTR_OF_TYPE.get(t, Attr.UNDEFINED) for t in types[:len(tokens)]]
+    for i, text in enumerate(tokens):
+        if text in CONTROL_LOOKING_TEXTS:
+            attrs[i] |= Attr.CONTROL
+    return attrs
+
+
+def _special_id(f: GGUFFile, key: str, default: int | None, n_vocab: int) -> int | None:
+    """A special token id from its key, with llama.cpp's default; out-of-range values fall back like llama.cpp."""
+    if default is not None and default >= n_vocab:
+        default = None
+    value = f.get(key)
+    if value is None or not 0 <= int(value) < n_vocab:
+        return default
+    return int(value)
+
+
+def _clean_spaces(text: bytes) -> bytes:
+    """llama.cpp's ``clean_spaces`` detokenizer passes, in place on the bytes as the C code does.
+
+    " ," -> ",", " ' " -> "'", " 's" -> "'s" (also 'm, 're, 've).
+    """
+    buf = bytearray(text)
+    space, quote = 0x20, 0x27
+
+    def run(step) -> None:
+        n = len(buf)
+        total = 1 if n else 0
+        i = 1
+        while i < n:
+            total, i = step(total, i, n)
+        del buf[total:]
+
+    def punctuation(total: int, i: int, n: int) -> tuple[int, int]:
+        x = buf[i]
+        if buf[i - 1] == space and x in b"?!.,":
+            total -= 1
+        buf[total] = x
+        return total + 1, i + 1
+
+    def lone_apostrophe(total: int, i: int, n: int) -> tuple[int, int]:
+        x = buf[i]
+        if x == quote and i + 1 < n and buf[i - 1] == space and buf[i + 1] == space:
+            total -= 1
+            i += 1
+            buf[i] = 0
+        buf[total] = x
+        return total + 1, i + 1
+
+    def contraction(total: int, i: int, n: int) -> tuple[int, int]:
+        x = buf[i]
+        if buf[i - 1] == space and x == quote and i + 1 < n:
+            x1 = buf[i + 1]
+            if x1 in b"sm" or (i + 2 < n and bytes(buf[i + 1:i + 3]) in (b"re", b"ve")):
+                total -= 1
+        buf[total] = x
+        return total + 1, i + 1
+
+    if any(b" " + bytes([c]) in buf for c in b"?!.,"):
+        run(punctuation)
+    if b" '" in buf:
+        run(lone_apostrophe)
+        run(contraction)
+    return bytes(buf)
+
+
+class Tokenizer:
+    """A GGUF vocabulary: ``encode``/``decode`` equal llama.cpp's ``llama_tokenize``/``llama_detokenize``."""
+
+    def __init__(self, f: GGUFFile) -> None:
+        self.model = str(f.require(Keys.Tokenizer.MODEL))
+        self.pre = str(f.get(Keys.Tokenizer.PRE, "") or "")
+        if self.model == "llama":
+            default_ids = (1, 2, 0)
+            self.add_bos, self.add_eos, self.add_space_prefix, self.clean_spaces = True, False, True, False
+        elif self.model == "gpt2":
+            if self.pre not in LLAMA3_PRE_NAMES:
+                raise Unsupported(f"{f.path}: BPE pre-tokenizer '{self.pre or '(none)'}' is not supported; ggtorch "
+                                  f"tokenizes tokenizer.ggml.model=gpt2 only with tokenizer.ggml.pre in "
+                                  f"{sorted(LLAMA3_PRE_NAMES)} (Llama 3)")
+            default_ids = (None, None, None)
+            self.add_bos, self.add_eos, self.add_space_prefix, self.clean_spaces = True, False, False, True
+        else:
+            raise Unsupported(f"{f.path}: tokenizer.ggml.model '{self.model}' is not supported; ggtorch handles "
+                              "'llama' (sentencepiece) and 'gpt2' with pre 'llama-bpe' (Llama 3)")
+        self.add_space_prefix = bool(f.get(Keys.Tokenizer.ADD_PREFIX, self.add_space_prefix))
+
+        tokens = list(f.require(Keys.Tokenizer.LIST))
+        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # llama.cpp renames empty tokens
+        if len(set(tokens)) != len(tokens):
+            raise BadGGUF(f"{f.path}: {Keys.Tokenizer.LIST} holds duplicate token texts; re-convert the model")
+        self.tokens: list[str] = tokens
+        """The raw vocabulary strings (``llama_token_get_text``)."""
+        self.n_vocab = len(tokens)
+        self.attrs = _read_token_attrs(f, tokens)
+        scores = f.get(Keys.Tokenizer.SCORES)
+        if scores is not None and len(scores) < self.n_vocab:
+            raise BadGGUF(f"{f.path}: {Keys.Tokenizer.SCORES} has {len(scores)} entries for {self.n_vocab} tokens; "
+                          "re-convert the model")
+        self.scores: list[float] = ([float(s) for s in scores[:self.n_vocab]] if scores is not None
+                                    else [0.0] * self.n_vocab)
+
+        id_keys = (Keys.Tokenizer.BOS_ID, Keys.Tokenizer.EOS_ID, Keys.Tokenizer.UNK_ID)
+        bos, eos, unk = (_special_id(f, key, d, self.n_vocab) for key, d in zip(id_keys, default_ids, strict=True))
+        self.add_bos = bool(f.get(Keys.Tokenizer.ADD_BOS, self.add_bos))
+        self.add_eos = bool(f.get(Keys.Tokenizer.ADD_EOS, self.add_eos))
+        for flag, tid, what in ((self.add_bos, bos, "BOS"), (self.add_eos, eos, "EOS")):
+            if flag and tid is None:
+                raise BadGGUF(f"{f.path}: the vocabulary asks to add a {what} token but has no valid "
+                              f"{what.lower()} token id; set tokenizer.ggml.{what.lower()}_token_id")
+        self.bos_id: int = -1 if bos is None else bos
+        self.eos_id: int = -1 if eos is None else eos
+        self.unk_id: int = -1 if unk is None else unk
+
+        # tokenizer_st_partition's cache: control, user-defined and unknown tokens, longest text first
+        special = [i for i, a in enumerate(self.attrs) if a & (Attr.CONTROL | Attr.USER_DEFINED | Attr.UNKNOWN)]
+        special.sort(key=lambda i: -len(tokens[i].encode("utf-8")))
+        self._always_split = [(tokens[i], i) for i in special
+                              if not self.attrs[i] & (Attr.CONTROL | Attr.UNKNOWN)]
+        self._parse_split = [(tokens[i], i) for i in special]
+
+        self._pieces = [self._piece(i, special=False) for i in range(self.n_vocab)]
+        self._special_pieces = [self._piece(i, special=True) for i in range(self.n_vocab)]
+        if self.model == "llama":
+            self._sp = self._build_sentencepiece()
+        else:
+            self._hf = self._build_byte_level_bpe(f)
+
+    # --- building -------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> Tokenizer:
+        """The tokenizer of ``f``'s vocabulary, built once per opened file."""
+        cached = _CACHE.get(id(f))
+        if cached is not None and cached[0]() is f:
+            return cached[1]
+        tok = cls(f)
+        _CACHE[id(f)] = (weakref.ref(f), tok)
+        weakref.finalize(f, _CACHE.pop, id(f), None)
+        return tok
+
+    def _piece(self, token: int, special: bool) -> bytes:
+        """llama.cpp's ``token_to_piece(token, lstrip=0, special)`` for this vocabulary, as bytes."""
+        attr, text = self.attrs[token], self.tokens[token]
+        if attr & (Attr.UNKNOWN | Attr.CONTROL) and not special:
+            return b""
+        if attr & (Attr.UNKNOWN | Attr.CONTROL | Attr.USER_DEFINED):
+            return text.encode("utf-8")
+        if attr & Attr.NORMAL:
+            if self.model == "llama":
+                return text.replace(SPACE_ESCAPE, " ").encode("utf-8")
+            return self._byte_level_decode(text)
+        if attr & Attr.BYTE:
+            try:
+                return bytes([int(text[3:5], 16)])
+            except ValueError:
+                return b"\x00"
+        return b""  # unused / undefined tokens render as nothing
+
+    @staticmethod
+    def _byte_level_decode(text: str) -> bytes:
+        """``llama_decode_text``: byte-level characters back to bytes; others marked like llama.cpp does."""
+        out = bytearray()
+        for ch in text:
+            b = CHAR_TO_BYTE.get(ch)
+            if b is not None:
+                out.append(b)
+            else:
+                out += b"[UNK_BYTE_0x" + ch.encode("utf-8").hex().encode() + text.encode("utf-8") + b"]"
+        return bytes(out)
+
+    def _build_sentencepiece(self):  # -> sentencepiece.SentencePieceProcessor
+        """A sentencepiece BPE model that merges exactly like llama.cpp's ``llm_tokenizer_spm``.
+
+        Every piece is NORMAL except the unknown token and the ``<0xXX>`` byte tokens: llama.cpp
+        merges into any vocabulary text and never re-segments unused pieces, while sentencepiece
+        would skip control/user-defined texts and re-split unused ones. The normalizer is the
+        identity; ``encode`` escapes spaces and adds the space prefix itself.
+        """
+        import sentencepiece as spm
+        from sentencepiece import sentencepiece_model_pb2 as spm_pb2
+
+        piece_type = spm_pb2.ModelProto.SentencePiece.Type
+        byte_ids = {}
+        for i, (text, attr) in enumerate(zip(self.tokens, self.attrs, strict=True)):
+            if attr & Attr.BYTE and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                byte_ids.setdefault(text, i)
+        byte_fallback = len(byte_ids) == 256
+        unk = next((i for i, a in enumerate(self.attrs) if a & Attr.UNKNOWN), self.unk_id if self.unk_id >= 0 else 0)
+
+        proto = spm_pb2.ModelProto()
+        proto.trainer_spec.model_type = spm_pb2.TrainerSpec.BPE
+        proto.trainer_spec.vocab_size = self.n_vocab
+        proto.trainer_spec.byte_fallback = byte_fallback
+        proto.trainer_spec.unk_id = unk
+        proto.trainer_spec.bos_id = -1
+        proto.trainer_spec.eos_id = -1
+        proto.trainer_spec.pad_id = -1
+        proto.trainer_spec.unk_piece = self.tokens[unk]
+        norm = proto.normalizer_spec
+        norm.name = "identity"
+        norm.add_dummy_prefix = False
+        norm.remove_extra_whitespaces = False
+        norm.escape_whitespaces = False
+        for i, (text, score) in enumerate(zip(self.tokens, self.scores, strict=True)):
+            piece = proto.pieces.add()
+            piece.piece = text
+            piece.score = score
+            if i == unk:
+                piece.type = piece_type.UNKNOWN
+            elif byte_fallback and byte_ids.get(text) == i:
+                piece.type = piece_type.BYTE
+            else:
+                piece.type = piece_type.NORMAL
+        sp = spm.SentencePieceProcessor()
+        sp.LoadFromSerializedProto(proto.SerializeToString())
+        return sp
+
+    def _build_byte_level_bpe(self, f: GGUFFile):  # -> tokenizers.Tokenizer
+        """A ``tokenizers`` byte-level BPE that merges like llama.cpp's ``llm_tokenizer_bpe`` for llama-bpe."""
+        from tokenizers import Regex, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        merges = []
+        for m in f.require(Keys.Tokenizer.MERGES):
+            pos = m.find(" ", 1)  # llama.cpp splits a merge at the first space after its first character
+            if pos < 0:
+                raise BadGGUF(f"{f.path}: merge {m!r} has no space; re-convert the model")
+            merges.append((m[:pos], m[pos + 1:]))
+        vocab = {text: i for i, text in enumerate(self.tokens)}
+        try:
+            bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=True)
+        except Exception as e:  # tokenizers raises its own exception types for inconsistent merges
+            raise BadGGUF(f"{f.path}: the BPE merges do not fit the vocabulary ({e}); re-convert the model") from None
+        hf = HFTokenizer(bpe)
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_PRE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ])
+        return hf
+
+    # --- encoding -------------------------------------------------------------------------
+
+    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+        """``tokenizer_st_partition``: split out special token texts, longest first, into token ids.
+
+        User-defined tokens are always split out; control and unknown ones only with ``parse_special``.
+        """
+        fragments: list[str | int] = [text]
+        for tok_text, tok_id in (self._parse_split if parse_special else self._always_split):
+            if tok_text not in text:
+                continue
+            split: list[str | int] = []
+            for frag in fragments:
+                if isinstance(frag, int) or tok_text not in frag:
+                    split.append(frag)
+                    continue
+                for k, part in enumerate(frag.split(tok_text)):
+                    if k:
+                        split.append(tok_id)
+                    if part:
+                        split.append(part)
+            fragments = split
+        return fragments
+
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        if self.model == "llama":
+            return self._sp.encode(texts)
+        return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of ``text`` as llama.cpp's ``llama_tokenize(text, add_special, parse_special)``."""
+        fragments = self._partition(text, parse_special) if text else []
+        texts: list[str] = []
+        prev_special = True  # the sentencepiece path prefixes a space at the start and after a special token
+        for frag in fragments:
+            if isinstance(frag, str):
+                if self.model == "llama":
+                    if self.add_space_prefix and prev_special:
+                        frag = " " + frag
+                    frag = frag.replace(" ", SPACE_ESCAPE)
+                texts.append(frag)
+            prev_special = isinstance(frag, int)
+        encoded = iter(self._encode_texts(texts))
+        out = [self.bos_id] if add_special and self.add_bos else []
+        for frag in fragments:
+            if isinstance(frag, int):
+                out.append(frag)
+            else:
+                out.extend(next(encoded))
+        if add_special and self.add_eos:
+            out.append(self.eos_id)
+        return out
+
+    # --- decoding -------------------------------------------------------------------------
+
+    def piece_bytes(self, token: int, special: bool = False) -> bytes:
+        """The bytes ``token`` stands for (``llama_token_to_piece``); control tokens are empty unless ``special``."""
+        return (self._special_pieces if special else self._pieces)[self._check_id(token)]
+
+    def token_to_piece(self, token: int, special: bool = False) -> str:
+        """``piece_bytes`` as text; a lone byte token of a multi-byte character becomes U+FFFD."""
+        return self.piece_bytes(token, special).decode("utf-8", errors="replace")
+
+    def _check_id(self, token: int) -> int:
+        if not 0 <= token < self.n_vocab:
+            raise ValueError(f"token id {token} is outside the vocabulary (0..{self.n_vocab - 1})")
+        return token
+
+    def decode(self, ids: Iterable[int], remove_special: bool = True, unparse_special: bool = False) -> str:
+        """Text of ``ids`` as llama.cpp's ``llama_detokenize(ids, remove_special, unparse_special)``.
+
+        ``remove_special`` drops a leading BOS / trailing EOS when the vocabulary adds them.
+        The space the sentencepiece path prefixes is removed from the first piece, also after a
+        dropped BOS (llama-cpp-python's ``detokenize`` does the same; llama.cpp keeps it there),
+        so that ``decode(encode(text)) == text``.
+        """
+        ids = [int(i) for i in ids]
+        if ids and (min(ids) < 0 or max(ids) >= self.n_vocab):
+            self._check_id(min(ids) if min(ids) < 0 else max(ids))
+        if remove_special and self.add_bos and ids and ids[0] == self.bos_id:
+            ids = ids[1:]
+        if remove_special and self.add_eos and ids and ids[-1] == self.eos_id:
+            ids = ids[:-1]
+        table = self._special_pieces if unparse_special else self._pieces
+        pieces = [table[i] for i in ids]
+        if self.add_space_prefix and pieces and pieces[0].startswith(b" "):
+            pieces[0] = pieces[0][1:]
+        text = b"".join(pieces)
+        if self.clean_spaces:
+            text = _clean_spaces(text)
+        return text.decode("utf-8", errors="replace")
+
+
+_CACHE: dict[int, tuple[weakref.ref, Tokenizer]] = {}
+"""Tokenizers by ``id(GGUFFile)``; an entry leaves when its file object is collected."""
