@@ -451,6 +451,7 @@ def test_real_max_token_text_len(llama_vocab, stories260k) -> None:
     assert Vocab.from_tokenizer(v) is v
     tok = pytest.importorskip("ggtorch.models.tokenizer").Tokenizer.from_gguf(read_gguf(stories260k))
     assert Vocab.from_tokenizer(tok, token_texts=texts).max_token_text_len == longest == 9
+    assert Vocab.from_tokenizer(tok).max_token_text_len == longest  # from the tokenizer's raw vocab texts
 
 
 def test_real_whole_text_samples_and_batch(tokenizer, llama_vocab, shakespeare) -> None:
