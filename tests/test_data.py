@@ -530,3 +530,17 @@ def test_build_batch_equals_token_loop(sizes, n_batch, n_ctx, start, flags, seed
     ref = ref_batch(tokens.tolist(), sh.offsets.tolist(), sh.begins.tolist(), sh.sizes.tolist(), start,
                     n_batch, n_ctx, 1, 2, 32, sep_eos, sep_bos, fill, rand)
     assert (inputs.tolist(), targets.tolist(), used) == ref
+
+
+def test_real_overlapping_samples_use_longest_token_text(tokenizer, llama_vocab, shakespeare) -> None:
+    n_ctx = 8  # each sample spans 9 * 8 bytes: stories260K's longest token text is 9 bytes ("▁friend")
+    data = TrainingData(shakespeare, tokenizer, n_ctx=n_ctx,
+                        options=DataOptions(sample_start="\n\n", escape=True, overlapping_samples=True))
+    s = data.samples
+    starts, pos = [], shakespeare.find(b"\n\n")
+    while pos != -1:
+        starts.append(pos + 2)
+        pos = shakespeare.find(b"\n\n", pos + 2)
+    expected = [llama_vocab.tokenize(shakespeare[p:p + 72], add_bos=False, special=False) for p in starts]
+    assert [s.tokens[b:b + n].tolist() for b, n in zip(s.begins, s.sizes, strict=True)] == expected
+    assert any("exceed the context" in w for w in data.warnings)
