@@ -87,9 +87,11 @@ class QuantEmbedding(_QuantWeight):
     def __init__(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType | int, shape: tuple[int, int]) -> None:
         super().__init__(raw, ggml_type, shape)
         self.num_embeddings, self.embedding_dim = self.shape
+        self.dtype = torch.float32
+        """dtype of the looked-up rows (an embedding's output is not autocast, so f32 by default)."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return quant_embedding(ids, self.raw, self.ggml_type, self.shape, torch.float32)
+        return quant_embedding(ids, self.raw, self.ggml_type, self.shape, self.dtype)
 
 
 def dequantize_modules(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
