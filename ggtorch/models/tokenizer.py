@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Sequence
-from enum import IntFlag
 
+import sentencepiece as spm
 from gguf import Keys, TokenType
+from sentencepiece import sentencepiece_model_pb2 as spm_pb2
+from tokenizers import Regex, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import BadGGUF, Unsupported
 from ..gguf_io import GGUFFile
@@ -51,9 +54,19 @@ CONTROL_LOOKING_TEXTS = frozenset({
 })
 """End-of-generation / fill-in-the-middle texts llama.cpp's vocab loader forces to CONTROL whatever their GGUF type."""
 
+EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
+    # FIM pad / repo / file-separator tokens also end generation
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>",
+    "<REPO>", "<reponame>", "<|file_sep|>",
+})
+"""Texts whose tokens llama.cpp treats as end of generation (``llama_vocab_is_eog``)."""
 
-class Attr(IntFlag):
-    """llama.cpp's ``llama_token_attr`` bits (the part tokenization uses)."""
+
+class Attr:
+    """llama.cpp's ``llama_token_attr`` bits (the part tokenization uses), as plain ints for speed."""
 
     UNDEFINED = 0
     UNKNOWN = 1 << 0
@@ -64,8 +77,9 @@ class Attr(IntFlag):
     BYTE = 1 << 5
 
 
-_ATTR_OF_TYPE = {TokenType.NORMAL: Attr.NORMAL, TokenType.UNKNOWN: Attr.UNKNOWN, TokenType.CONTROL: Attr.CONTROL,
-                 TokenType.USER_DEFINED: Attr.USER_DEFINED, TokenType.UNUSED: Attr.UNUSED, TokenType.BYTE: Attr.BYTE}
+_ATTR_OF_TYPE = {int(TokenType.NORMAL): Attr.NORMAL, int(TokenType.UNKNOWN): Attr.UNKNOWN,
+                 int(TokenType.CONTROL): Attr.CONTROL, int(TokenType.USER_DEFINED): Attr.USER_DEFINED,
+                 int(TokenType.UNUSED): Attr.UNUSED, int(TokenType.BYTE): Attr.BYTE}
 
 
 def _byte_level_table() -> dict[int, str]:
@@ -82,9 +96,11 @@ def _byte_level_table() -> dict[int, str]:
 
 BYTE_TO_CHAR = _byte_level_table()
 CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
+_BYTE_LEVEL_CHARS = frozenset(CHAR_TO_BYTE)
+_BYTE_LEVEL_TO_LATIN1 = str.maketrans({c: chr(b) for c, b in CHAR_TO_BYTE.items()})
 
 
-def _read_token_attrs(f: GGUFFile, tokens: Sequence[str]) -> list[Attr]:
+def _read_token_attrs(f: GGUFFile, tokens: Sequence[str]) -> list[int]:
     types = f.get(Keys.Tokenizer.TOKEN_TYPE)
     if types is None:
         attrs = [Attr.NORMAL] * len(tokens)
@@ -205,6 +221,14 @@ class Tokenizer:
         self.bos_id: int = -1 if bos is None else bos
         self.eos_id: int = -1 if eos is None else eos
         self.unk_id: int = -1 if unk is None else unk
+        eog_keys = (Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID, Keys.Tokenizer.FIM_PAD_ID,
+                    Keys.Tokenizer.FIM_REP_ID, Keys.Tokenizer.FIM_SEP_ID)
+        eog = {i for i in (_special_id(f, key, None, self.n_vocab) for key in eog_keys) if i is not None}
+        eog |= {i for i, text in enumerate(tokens) if text in EOG_TEXTS}
+        if eos is not None:
+            eog.add(eos)
+        self.eog_ids: frozenset[int] = frozenset(eog)
+        """Tokens that end generation (``llama_vocab_is_eog``): EOS, EOT/EOM, and end-of-turn texts."""
 
         # tokenizer_st_partition's cache: control, user-defined and unknown tokens, longest text first
         special = [i for i, a in enumerate(self.attrs) if a & (Attr.CONTROL | Attr.USER_DEFINED | Attr.UNKNOWN)]
@@ -214,7 +238,9 @@ class Tokenizer:
         self._parse_split = [(tokens[i], i) for i in special]
 
         self._pieces = [self._piece(i, special=False) for i in range(self.n_vocab)]
-        self._special_pieces = [self._piece(i, special=True) for i in range(self.n_vocab)]
+        self._special_pieces = list(self._pieces)
+        for i in special:
+            self._special_pieces[i] = self._piece(i, special=True)
         if self.model == "llama":
             self._sp = self._build_sentencepiece()
         else:
@@ -254,6 +280,8 @@ class Tokenizer:
     @staticmethod
     def _byte_level_decode(text: str) -> bytes:
         """``llama_decode_text``: byte-level characters back to bytes; others marked like llama.cpp does."""
+        if _BYTE_LEVEL_CHARS.issuperset(text):
+            return text.translate(_BYTE_LEVEL_TO_LATIN1).encode("latin-1")
         out = bytearray()
         for ch in text:
             b = CHAR_TO_BYTE.get(ch)
@@ -263,7 +291,7 @@ class Tokenizer:
                 out += b"[UNK_BYTE_0x" + ch.encode("utf-8").hex().encode() + text.encode("utf-8") + b"]"
         return bytes(out)
 
-    def _build_sentencepiece(self):  # -> sentencepiece.SentencePieceProcessor
+    def _build_sentencepiece(self) -> spm.SentencePieceProcessor:
         """A sentencepiece BPE model that merges exactly like llama.cpp's ``llm_tokenizer_spm``.
 
         Every piece is NORMAL except the unknown token and the ``<0xXX>`` byte tokens: llama.cpp
@@ -271,9 +299,6 @@ class Tokenizer:
         would skip control/user-defined texts and re-split unused ones. The normalizer is the
         identity; ``encode`` escapes spaces and adds the space prefix itself.
         """
-        import sentencepiece as spm
-        from sentencepiece import sentencepiece_model_pb2 as spm_pb2
-
         piece_type = spm_pb2.ModelProto.SentencePiece.Type
         byte_ids = {}
         for i, (text, attr) in enumerate(zip(self.tokens, self.attrs, strict=True)):
@@ -310,11 +335,8 @@ class Tokenizer:
         sp.LoadFromSerializedProto(proto.SerializeToString())
         return sp
 
-    def _build_byte_level_bpe(self, f: GGUFFile):  # -> tokenizers.Tokenizer
+    def _build_byte_level_bpe(self, f: GGUFFile) -> HFTokenizer:
         """A ``tokenizers`` byte-level BPE that merges like llama.cpp's ``llm_tokenizer_bpe`` for llama-bpe."""
-        from tokenizers import Regex, models, pre_tokenizers
-        from tokenizers import Tokenizer as HFTokenizer
-
         merges = []
         for m in f.require(Keys.Tokenizer.MERGES):
             pos = m.find(" ", 1)  # llama.cpp splits a merge at the first space after its first character

@@ -41,6 +41,9 @@ class LlamaCppVocab:
         assert n >= 0
         return buf.raw[:n]
 
+    def eog_ids(self, n_vocab: int) -> set[int]:
+        return {i for i in range(n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, i)}
+
     def detokenize(self, ids: list[int], remove_special: bool, unparse_special: bool) -> str:
         """``llama_detokenize`` itself (not llama_cpp's Python-side per-piece concatenation)."""
         cap = 64 + 64 * len(ids)
@@ -192,6 +195,14 @@ def test_every_piece_equals_llama_cpp(name: str, ours: Callable[[str], Tokenizer
 
 
 @pytest.mark.parametrize("name", ["stories260K", *VOCAB_NAMES])
+def test_end_of_generation_tokens_equal_llama_cpp(name: str, ours: Callable[[str], Tokenizer],
+                                                  ref: Callable[[str], LlamaCppVocab]) -> None:
+    tok = ours(name)
+    assert tok.eog_ids == ref(name).eog_ids(tok.n_vocab)
+    assert tok.eos_id in tok.eog_ids
+
+
+@pytest.mark.parametrize("name", ["stories260K", *VOCAB_NAMES])
 def test_decode_equals_llama_detokenize(name: str, ours: Callable[[str], Tokenizer],
                                         ref: Callable[[str], LlamaCppVocab]) -> None:
     """decode is llama_detokenize, except that the space prefix is also dropped after a BOS (as llama_cpp does).
@@ -259,6 +270,7 @@ def test_vocab_variants_equal_llama_cpp(changes: dict, label: str, gguf: Callabl
     write_gguf(path, "llama", metadata, [], f.value_types)
 
     tok, llama = Tokenizer.from_gguf(read_gguf(path)), LlamaCppVocab(path)
+    assert tok.eog_ids == llama.eog_ids(tok.n_vocab)
     texts = ["Once upon a time there was an ant", "\u2581time and time again", "banana time", " time", "time",
              "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant", "<s>a</s>", ""]
     for text in texts:
