@@ -425,8 +425,8 @@ class Tokenizer:
             raise ValueError(f"token id {token} is outside the vocabulary (0..{self.n_vocab - 1})")
         return token
 
-    def decode(self, ids: Iterable[int], remove_special: bool = True, unparse_special: bool = False) -> str:
-        """Text of ``ids`` as llama.cpp's ``llama_detokenize(ids, remove_special, unparse_special)``.
+    def decode_bytes(self, ids: Iterable[int], remove_special: bool = True, unparse_special: bool = False) -> bytes:
+        """The bytes of ``ids`` as llama.cpp's ``llama_detokenize(ids, remove_special, unparse_special)``.
 
         ``remove_special`` drops a leading BOS / trailing EOS when the vocabulary adds them.
         The space the sentencepiece path prefixes is removed from the first piece, also after a
@@ -445,9 +445,21 @@ class Tokenizer:
         if self.add_space_prefix and pieces and pieces[0].startswith(b" "):
             pieces[0] = pieces[0][1:]
         text = b"".join(pieces)
-        if self.clean_spaces:
-            text = _clean_spaces(text)
-        return text.decode("utf-8", errors="replace")
+        return _clean_spaces(text) if self.clean_spaces else text
+
+    def decode(self, ids: Iterable[int], remove_special: bool = True, unparse_special: bool = False,
+               prev_ids: Sequence[int] | None = None) -> str:
+        """Text of ``ids`` (``decode_bytes``; invalid UTF-8 becomes U+FFFD).
+
+        With ``prev_ids`` (e.g. the prompt), the text ``ids`` add after ``prev_ids``: the first
+        piece keeps its leading space, as when streaming a continuation.
+        """
+        if prev_ids is None:
+            return self.decode_bytes(ids, remove_special, unparse_special).decode("utf-8", errors="replace")
+        prev = list(prev_ids)
+        head = self.decode_bytes(prev, remove_special, unparse_special)
+        full = self.decode_bytes(prev + [int(i) for i in ids], remove_special, unparse_special)
+        return full[len(head):].decode("utf-8", errors="replace")
 
 
 _CACHE: dict[int, tuple[weakref.ref, Tokenizer]] = {}

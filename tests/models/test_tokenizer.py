@@ -239,6 +239,15 @@ def test_decode_encode_round_trips(name: str, ours: Callable[[str], Tokenizer], 
         assert tok.decode(tok.encode(text, add_special=False)) == text
 
 
+@pytest.mark.parametrize("name", ["stories260K", *VOCAB_NAMES])
+def test_decode_after_a_prompt_keeps_the_continuation_space(name: str, ours: Callable[[str], Tokenizer]) -> None:
+    tok = ours(name)
+    prompt, whole = tok.encode("Once upon a time"), tok.encode("Once upon a time there was 🦙")
+    assert whole[:len(prompt)] == prompt
+    assert tok.decode(whole[len(prompt):], prev_ids=prompt) == " there was 🦙"
+    assert tok.decode(whole[len(prompt):]) == ("there was 🦙" if tok.add_space_prefix else " there was 🦙")
+
+
 def test_bos_eos_flags_follow_the_gguf(gguf: Callable[[str], GGUFFile], ours: Callable[[str], Tokenizer]) -> None:
     bpe = ours("llama-bpe")  # no add_bos_token key: llama.cpp's llama-bpe default adds BOS, no EOS
     assert "tokenizer.ggml.add_bos_token" not in gguf("llama-bpe").metadata
