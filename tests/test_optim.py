@@ -126,7 +126,7 @@ CONFIGS = {
     "no-clip-decay-3d-only": AdamConfig(alpha=5e-3, decay=1.0, decay_min_ndim=3, warmup=0, cos_decay_steps=20,
                                         enable_restart=True, cos_decay_restart=2.0, gclip=0.0),
 }
-TOL = 2e-6  # absolute, on parameters of size ~1 after 50 steps of size ~alpha
+TOL = 1e-6  # absolute, on parameters of size ~1 after 50 steps of size ~alpha (measured: 2.4e-7, 1-2 ulp)
 
 
 # --- (1) 50 steps against the numpy ggml AdamW ----------------------------------------------------
