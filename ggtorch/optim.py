@@ -272,7 +272,10 @@ class GGMLAdamW:
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self) -> None:
-        """Clip, update every parameter, advance the schedule and the iteration."""
+        """Clip (in place, on ``.grad``), update every parameter, advance schedule and iteration.
+
+        A parameter without a gradient is updated with a zero one, as ggml updates every tensor.
+        """
         for p in self.params:
             if p.grad is None:  # ggml updates every tensor; torch would skip one without a grad
                 p.grad = torch.zeros_like(p)
