@@ -17,7 +17,7 @@ from typing import Any
 import click
 import torch
 
-from . import __version__
+from .cli_finetune import finetune, plot
 from .errors import BadData, BadFlag, GGTorchError
 from .gguf_io import read_gguf
 from .inference import SamplingParams, iter_tokens, perplexity
@@ -40,7 +40,7 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="ggtorch")
+@click.version_option(package_name="ggtorch", prog_name="ggtorch")
 def main() -> None:
     """Run, evaluate and finetune GGUF llama models (quantized or not) with PyTorch."""
 
@@ -103,7 +103,7 @@ def info(model_path: str) -> None:
 @click.option("--top-k", type=int, default=40, show_default=True, help="Top-k (0 disables); used when --temp > 0.")
 @click.option("--top-p", type=float, default=0.95, show_default=True, help="Top-p (1 disables); used when --temp > 0.")
 @click.option("-s", "--seed", type=int, default=-1, show_default=True, help="Sampling seed; -1 picks one at random.")
-@click.option("--ignore-eos", is_flag=True, help="Keep generating after the end-of-sequence token.")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating after an end-of-generation token (EOS, EOT).")
 def generate(model_path: str, device: str, dtype: str, keep_quantized: bool, prompt: str, n_predict: int,
              temp: float, top_k: int, top_p: float, seed: int, ignore_eos: bool) -> None:
     """Continue a prompt, printing the text as it is generated."""
@@ -113,13 +113,13 @@ def generate(model_path: str, device: str, dtype: str, keep_quantized: bool, pro
     prompt_tokens = tok.encode(prompt, add_special=True)
     if not prompt_tokens:
         raise BadData("the prompt is empty and the vocabulary adds no BOS token; give a prompt with -p")
-    eos = None if ignore_eos else tok.eos_id
+    stop = frozenset() if ignore_eos else tok.eog_ids
     click.echo(prompt, nl=False)
     new: list[int] = []
     shown = ""
     start = time.perf_counter()
-    for token in iter_tokens(loaded.model, prompt_tokens, n_predict, params, eos):
-        if token == eos:
+    for token in iter_tokens(loaded.model, prompt_tokens, n_predict, params, stop):
+        if token in stop:
             break
         new.append(token)
         text = tok.decode(new)
@@ -161,3 +161,8 @@ def _read_text(path: str) -> str:
     except UnicodeDecodeError as e:
         raise BadData(f"{p}: not UTF-8 text ({e}); convert it to UTF-8") from None
 
+
+
+# Commands defined in their own modules (one job each), registered on the group here.
+main.add_command(finetune)
+main.add_command(plot)

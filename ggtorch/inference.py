@@ -8,7 +8,7 @@ softmax of the raw logits, then temperature, then a draw. Perplexity is llama.cp
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,11 +74,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 @torch.no_grad()
 def iter_tokens(model: Llama, prompt_tokens: Sequence[int], n_tokens: int, params: SamplingParams = SamplingParams(),
-                eos_id: int | None = None) -> Iterator[int]:
+                stop_ids: Collection[int] = ()) -> Iterator[int]:
     """Yield up to n_tokens new token ids after prompt_tokens, one forward of T=1 per token.
 
     The prompt is evaluated once into a KV cache; each new token then costs one position.
-    Stops early after ``eos_id`` (which is yielded) when given.
+    Stops early after a token of ``stop_ids`` (which is yielded), e.g. the tokenizer's eog_ids.
     """
     if not prompt_tokens:
         raise BadData("generation needs at least one prompt token (e.g. BOS)")
@@ -98,23 +98,27 @@ def iter_tokens(model: Llama, prompt_tokens: Sequence[int], n_tokens: int, param
         tokens = sample(logits, params, generator)[:, None]  # (1, 1)
         token = int(tokens[0, 0])
         yield token
-        if eos_id is not None and token == eos_id:
+        if token in stop_ids:
             return
 
 
 def generate_tokens(model: Llama, prompt_tokens: Sequence[int], n_tokens: int,
-                    params: SamplingParams = SamplingParams(), eos_id: int | None = None) -> list[int]:
+                    params: SamplingParams = SamplingParams(), stop_ids: Collection[int] = ()) -> list[int]:
     """The new token ids (see iter_tokens)."""
-    return list(iter_tokens(model, prompt_tokens, n_tokens, params, eos_id))
+    return list(iter_tokens(model, prompt_tokens, n_tokens, params, stop_ids))
 
 
 def generate(model: Llama, tokenizer: Tokenizer, prompt: str, n_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True) -> str:
-    """The text the model writes after ``prompt`` (tokenized with BOS as llama.cpp does)."""
+    """The text the model writes after ``prompt`` (tokenized with BOS as llama.cpp does).
+
+    Stops at an end-of-generation token (EOS, EOT, ...) unless ``stop_at_eos`` is False.
+    """
     params = SamplingParams(temperature, top_k, top_p, seed)
     prompt_tokens = tokenizer.encode(prompt, add_special=True)
-    new = generate_tokens(model, prompt_tokens, n_tokens, params, tokenizer.eos_id if stop_at_eos else None)
-    if stop_at_eos and new and new[-1] == tokenizer.eos_id:
+    stop = tokenizer.eog_ids if stop_at_eos else frozenset()
+    new = generate_tokens(model, prompt_tokens, n_tokens, params, stop)
+    if new and new[-1] in stop:
         new = new[:-1]
     return tokenizer.decode(new)
 

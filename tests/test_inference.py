@@ -38,7 +38,7 @@ def stories(stories260k: Path) -> LoadedLlama:
 
 def test_greedy_generation_from_bos_reproduces_reference(stories: LoadedLlama) -> None:
     tok = stories.tokenizer
-    new = generate_tokens(stories.model, [tok.bos_id], 120, eos_id=tok.eos_id)
+    new = generate_tokens(stories.model, [tok.bos_id], 120, stop_ids=tok.eog_ids)
     text = tok.decode(new)
     assert text.startswith(REFERENCE_TEXT), text
     assert generate(stories.model, tok, "", 120).startswith(REFERENCE_TEXT)
@@ -152,3 +152,12 @@ def test_perplexity_equals_llama_cpp_definition(stories: LoadedLlama, shared: Pa
 def test_perplexity_needs_two_contexts_of_text(stories: LoadedLlama) -> None:
     with pytest.raises(BadData, match="at least 256"):
         perplexity(stories.model, list(range(200)), 128)
+
+
+def test_generation_stops_after_a_stop_token(stories: LoadedLlama) -> None:
+    model, prompt = stories.model, [stories.tokenizer.bos_id]
+    params = SamplingParams(temperature=1.0, seed=5)
+    free = generate_tokens(model, prompt, 60, params)
+    stop = free[10]  # a token the run does produce; generation must end at its first occurrence
+    stopped = generate_tokens(model, prompt, 60, params, stop_ids={stop})
+    assert stopped == free[: free.index(stop) + 1]
