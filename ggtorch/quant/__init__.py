@@ -116,8 +116,8 @@ def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[
     """Decode whole rows of ggml blocks into a ``shape`` tensor of ``dtype`` on ``raw.device``.
 
     ``raw`` is uint8 of any leading shape holding exactly the tensor's bytes. Values are
-    computed in f32 and cast to ``dtype`` at the end. For F32 in f32 the result may share
-    memory with ``raw``.
+    computed in f32 and cast to ``dtype`` at the end. The result owns its memory (never a
+    view of ``raw``, even for F32).
     """
     qtype, fn = _decoder(ggml_type, name)
     if raw.dtype != torch.uint8:
@@ -138,7 +138,10 @@ def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[
     n_blocks = n_values // bs
     blocks = raw.reshape(n_blocks, ts)
     step = max(1, CHUNK_VALUES // bs)
-    if n_blocks <= step or bs == 1:  # float types: one conversion pass, nothing to chunk
+    if bs == 1:  # float types: one conversion pass, nothing to chunk; copy=True so the
+        # result never aliases raw (an in-place update must not write into a module's buffer)
+        return fn(blocks).reshape(shape).to(dtype, copy=True)
+    if n_blocks <= step:
         return fn(blocks).reshape(shape).to(dtype)
     out = torch.empty((n_blocks, bs), dtype=dtype, device=raw.device)
     for start in range(0, n_blocks, step):

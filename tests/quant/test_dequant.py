@@ -204,6 +204,16 @@ def test_empty_tensor(ggml_type: T) -> None:
     assert out.shape == (0, block_size(ggml_type)) and out.dtype == torch.float32
 
 
+@pytest.mark.parametrize("ggml_type, dtype", [(T.F32, torch.float32), (T.F16, torch.float16),
+                                              (T.BF16, torch.bfloat16)], ids=["F32", "F16", "BF16"])
+def test_result_never_aliases_raw(ggml_type: T, dtype: torch.dtype) -> None:
+    raw = torch.from_numpy(random_blocks(ggml_type, (2, 8), seed=3))
+    before = raw.clone()
+    out = dequantize(raw, ggml_type, (2, 8), dtype=dtype)
+    out += 1
+    assert torch.equal(raw, before)
+
+
 def test_sizes_come_from_gguf() -> None:
     for t in SUPPORTED_TYPES:
         assert (block_size(t), type_size(t)) == GGML_QUANT_SIZES[t]
