@@ -183,3 +183,28 @@ def test_dequantize_modules_shares_tied_weights(ggml_quantize, ggml_to_float) ->
     assert model.out.weight is model.emb.weight and not model.out.weight.requires_grad
     torch.testing.assert_close(model.emb.weight, w, rtol=0, atol=0)
     torch.testing.assert_close(model.out(x), y_quant, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+def test_lora_grads_equal_dequantized_base(ggml_type: T, ggml_quantize, ggml_to_float) -> None:
+    """Every supported type: a LoRA over the quantized base trains like one over the float base."""
+    from ggtorch.lora import LoRALinear
+
+    n_out, n_in = 7, _cols(ggml_type)
+    raw, w = _blocks(ggml_type, n_out, n_in, ggml_quantize, ggml_to_float)
+    float_base = nn.Linear(n_in, n_out, bias=False)
+    float_base.weight = nn.Parameter(w.clone(), requires_grad=False)
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, n_in, generator=gen) * 0.1, torch.randn(n_out, 3, generator=gen) * 0.1
+    x = torch.randn(4, n_in, generator=gen)
+    results = []
+    for base in (QuantLinear(raw, ggml_type, (n_out, n_in)), float_base):
+        m = LoRALinear(base, rank=3, alpha=6.0)
+        with torch.no_grad():
+            m.lora_a.copy_(a)
+            m.lora_b.copy_(b)
+        loss = m(x).square().mean()
+        loss.backward()
+        results.append((loss.detach(), m.lora_a.grad, m.lora_b.grad))
+    for got, want in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
