@@ -65,6 +65,8 @@ def main() -> None:
             warnings.simplefilter("ignore")
             t_numpy = best_time(lambda: gguf_dequantize(raw_np, qtype), repeats)  # noqa: B023
         print(f"{qtype.name:8s} {gb / t_torch:13.2f} {gb / t_numpy:13.2f} {t_numpy / t_torch:6.1f}x", flush=True)
+    if GGMLQuantizationType.F32 in types:
+        print("F32: gguf-py returns a view of the bytes (no work); ggtorch returns an owned copy.")
 
 
 if __name__ == "__main__":

@@ -16,11 +16,18 @@ from .fields import crumbs, f16, lookup, nibbles, split, table
 QK_K = 256
 
 
+def _trits_table() -> torch.Tensor:
+    """Byte → its 5 base-3 digits minus 1, as float32 (256, 5), by dequantize_row_tq1_0's own
+    arithmetic: digit n of byte q is ((uint8_t)(q * 3^n) * 3) >> 8, most significant first."""
+    q = torch.arange(256, dtype=torch.int32).unsqueeze(-1)
+    pow3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32)
+    return ((((q * pow3) & 0xFF) * 3) >> 8).to(torch.float32) - 1
+
+
 def _trits(q: torch.Tensor, n_digits: int) -> torch.Tensor:
-    """Base-3 digits of TQ1_0 bytes, as in dequantize_row_tq1_0: digit n of byte q is
-    ((q * 3^n mod 256) * 3) >> 8, most significant first. ``(..., k)`` → ``(..., n_digits, k)``."""
-    q = q.to(torch.int32)
-    return torch.stack([(((q * 3**n) & 0xFF) * 3) >> 8 for n in range(n_digits)], dim=-2)
+    """``(n, k)`` bytes → ``(n, n_digits, k)`` trits minus 1 (-1, 0, 1) as float32."""
+    t = lookup(table("tq1_0_trits", _trits_table, q.device), q)  # (n, k, 5)
+    return t[..., :n_digits].transpose(-1, -2)
 
 
 def dequantize_tq1_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -32,7 +39,7 @@ def dequantize_tq1_0(blocks: torch.Tensor) -> torch.Tensor:
         _trits(qs[:, 32:], 5).reshape(n, 80),
         _trits(qh, 4).reshape(n, 16),
     ), dim=-1)
-    return (t - 1).to(torch.float32) * f16(d)
+    return t.mul_(f16(d))
 
 
 def dequantize_tq2_0(blocks: torch.Tensor) -> torch.Tensor:
