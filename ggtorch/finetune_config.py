@@ -49,6 +49,8 @@ class FinetuneConfig:
     """Save checkpoint and adapter every N iterations (<= 0: only at the end)."""
     only_write_lora: bool = False
     """Load the checkpoint (or a fresh adapter), write the adapter, and exit without training."""
+    drop_norms: bool = False
+    """Write --lora-out without the norm adapters (llama.cpp's format cannot carry them)."""
     log_file: str | None = None
     """JSON-lines training log; default: beside the checkpoint/adapter output."""
 

@@ -29,9 +29,10 @@ LAYERS: dict[str, int] = {
     "trainer": 8,
     "export": 8,
     "api": 9,
-    "cli": 10,
-    "__main__": 11,
-    "__init__": 11,
+    "cli_finetune": 10,
+    "cli": 11,
+    "__main__": 12,
+    "__init__": 12,
 }
 
 

@@ -1,0 +1,405 @@
+"""The LoRA finetune: llama.cpp's old ``finetune`` semantics on torch machinery.
+
+One :class:`Trainer` owns a run: the model (base weights quantized or float, LoRA attached),
+the data order, the ggml-exact optimizer, checkpoints and outputs. The CLI and the notebook
+API both drive it; callbacks see every step, evaluation and save.
+
+Differences from the old program, on purpose (also in ``--help`` and the docs):
+- one optimizer step consumes exactly ``grad_acc`` batches (the old one evaluated one extra
+  batch per run and threw its gradient away), so a resumed run equals an uninterrupted one;
+- the adapter is trained with scale alpha/r, as today's llama.cpp applies it (identical for
+  the default alpha = r; the old program trained with scale 1);
+- the first progress line shows the real loss, not 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .adapters import adapter_from_model, write_adapter
+from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from .data import DataOptions, TrainingData, read_text_file
+from .errors import BadFlag, GGTorchError
+from .finetune_config import FinetuneConfig
+from .gguf_io import read_gguf
+from .lora import LoraConfig, attach_lora, load_lora_tensors, lora_tensors_by_gguf_name, trainable_parameters
+from .models.config import LlamaConfig
+from .models.llama import Block
+from .models.loader import build_llama
+from .models.tokenizer import Tokenizer
+from .optim import AdamConfig, GGMLAdamW
+from .train_log import TrainLog
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+class Interrupted(GGTorchError):
+    """The run was stopped with Ctrl-C after saving; the CLI exits with 130."""
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did; passed to callbacks and written to the log."""
+
+    iteration: int
+    loss: float
+    sched: float
+    lr: float
+    samples: int
+    n_samples: int
+    epoch: int
+    tokens: int
+    seconds: float
+    tokens_per_second: float
+    eta_seconds: float
+
+
+class Callback(Protocol):
+    """Hooks a notebook or the CLI can implement; every method is optional."""
+
+    def on_step(self, trainer: Trainer, result: StepResult) -> None: ...
+    def on_eval(self, trainer: Trainer, iteration: int, loss: float) -> None: ...
+    def on_save(self, trainer: Trainer, paths: list[Path]) -> None: ...
+
+
+def output_name(template: str, pattern: str, value: str) -> str:
+    """The old finetune's naming: the first occurrence of ``pattern`` becomes ``value``."""
+    return template.replace(pattern, value, 1) if pattern else template
+
+
+def resolve_device(name: str) -> torch.device:
+    """A torch device for --device, with a clear error when it is not available here."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise BadFlag(f"--device: '{name}' is not a device name (use cpu, cuda, cuda:N or mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BadFlag(f"--device {name}: this torch build or machine has no CUDA; use --device cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise BadFlag(f"--device {name}: MPS is not available here; use --device cpu")
+    return device
+
+
+def ggml_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position, computed in f32.
+
+    ggml's ``cross_entropy_loss`` adds ε = 1e-9 to the softmax probabilities; in f32 that changes
+    log p only where p is below ~1e-7, i.e. never for a target the model has learned anything
+    about, so the exact log-softmax form is used.
+    """
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def enable_block_checkpointing(model: torch.nn.Module) -> int:
+    """Recompute each transformer Block in backward instead of storing its activations.
+
+    Done per instance from the trainer, so ``models/`` knows nothing about training and module
+    names (and so adapter and checkpoint names) stay unchanged.
+    """
+    n = 0
+    for module in model.modules():
+        if isinstance(module, Block) and "forward" not in module.__dict__:
+            module.forward = functools.partial(checkpoint, type(module).forward.__get__(module), use_reentrant=False)
+            n += 1
+    return n
+
+
+class Trainer:
+    """A LoRA finetune run; ``train()`` runs ``adam_iter`` steps, stoppable and resumable."""
+
+    def __init__(self, config: FinetuneConfig, callbacks: Sequence[Callback] = (), *,
+                 log_records: bool = True) -> None:
+        self.config = c = config
+        self.callbacks = list(callbacks)
+        if c.threads:
+            torch.set_num_threads(c.threads)
+        self.device = resolve_device(c.device)
+        self.seed = c.seed if c.seed >= 0 else int(time.time()) & 0xFFFFFFFF
+        torch.manual_seed(self.seed)  # dropout masks; a resumed run restores the RNG state instead
+        self._check_outputs_writable()
+
+        self.base = read_gguf(c.model_base)
+        self.model_config = dataclasses.replace(LlamaConfig.from_gguf(self.base), **self._model_overrides())
+        self.tokenizer = Tokenizer.from_gguf(self.base)
+        self.model = build_llama(self.base, self.model_config, self.device,
+                                 dtype=DTYPES.get(c.base_dtype, torch.float32),
+                                 keep_quantized=c.base_dtype == "quantized")
+        n_ctx_train = self.model_config.n_ctx_train
+        self.warnings: list[str] = []
+        if c.ctx > n_ctx_train:
+            self.warnings.append(f"--ctx {c.ctx} is above the model's training context {n_ctx_train}; "
+                                 "quality beyond it is not what the model learned")
+
+        self.lora_config = LoraConfig.from_finetune(c)
+        attach_lora(self.model, self.lora_config, seed=self.seed)
+        self.model.to(self.device)
+        self.params = trainable_parameters(self.model)
+        self.optimizer = GGMLAdamW(self.params, AdamConfig.from_finetune(c))
+        self.data = TrainingData(read_text_file(c.train_data, "--train-data"), self.tokenizer,
+                                 n_ctx=c.ctx, options=DataOptions.from_finetune(c), seed=self.seed,
+                                 name=f"--train-data {c.train_data}")
+        self.warnings += self.data.warnings
+        self.val_batches = self._validation_batches()
+
+        self.counters = {"iteration": 0, "samples": 0, "tokens": 0, "epochs": 0}
+        self.resumed_from: Path | None = None
+        if c.checkpoint_in and Path(c.checkpoint_in).is_file():
+            self._resume(load_checkpoint(c.checkpoint_in))
+        if c.use_checkpointing:
+            enable_block_checkpointing(self.model)
+
+        self.log = TrainLog(self._log_path() if log_records else None)
+        self._last_save_iteration = self.iteration
+        self._stop_requested = False
+        self.history: list[StepResult] = []
+
+    # --- state -------------------------------------------------------------------------
+    @property
+    def iteration(self) -> int:
+        return self.optimizer.iteration
+
+    def _model_overrides(self) -> dict[str, float]:
+        c = self.config
+        return {k: v for k, v in (("rms_eps", c.norm_rms_eps), ("rope_freq_base", c.rope_freq_base),
+                                  ("rope_freq_scale", c.rope_freq_scale)) if v is not None}
+
+    def state(self) -> dict[str, Any]:
+        """Everything besides the LoRA tensors that an exact resume needs."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "data": self.data.state_dict(),
+            "counters": dict(self.counters),
+            "torch_rng": torch.get_rng_state(),
+            "seed": self.seed,
+        }
+
+    def _resume(self, ck: Checkpoint) -> None:
+        ck.check_base(self.base)
+        ranks = {k: v for k, v in ck.metadata.items() if k.startswith("training.lora.")}
+        mine = self.lora_config.metadata()
+        if ranks != mine:
+            diff = sorted(k for k in set(ranks) | set(mine) if ranks.get(k) != mine.get(k))
+            raise BadFlag(f"--checkpoint-in {ck.path}: its LoRA layout differs from this run's flags "
+                          f"({', '.join(f'{k}: checkpoint {ranks.get(k)} vs flags {mine.get(k)}' for k in diff[:3])}); "
+                          "pass the same --lora-r/--rank-*/--lora-alpha as the run that wrote it")
+        load_lora_tensors(self.model, ck.tensors)
+        self.optimizer.load_state_dict(ck.state["optimizer"])
+        self.warnings += self.data.load_state_dict(ck.state["data"], force_reshuffle=self.config.force_reshuffle)
+        self.counters = dict(ck.state["counters"])
+        torch.set_rng_state(ck.state["torch_rng"])
+        self.resumed_from = ck.path
+
+    # --- files -------------------------------------------------------------------------
+    def _outputs(self) -> list[str]:
+        c = self.config
+        return [t for t in (c.checkpoint_out, c.lora_out) if t]
+
+    def _log_path(self) -> Path:
+        if self.config.log_file:
+            return Path(self.config.log_file)
+        first = self._outputs()[0] if self._outputs() else "ggtorch-train"
+        stem = Path(output_name(Path(first).name, self.config.pattern_fn_it, "")).stem.strip("-_.") or "train"
+        return Path(first).parent / f"{stem}-log.jsonl"
+
+    def _check_outputs_writable(self) -> None:
+        """Refuse an unwritable output folder before any heavy work."""
+        for template in self._outputs() + ([self.config.log_file] if self.config.log_file else []):
+            folder = Path(template).parent if str(Path(template).parent) else Path(".")
+            if not folder.is_dir():
+                raise BadFlag(f"output folder '{folder}' (for {template}) does not exist; create it first")
+            if not os.access(folder, os.W_OK):
+                raise BadFlag(f"output folder '{folder}' (for {template}) is not writable; "
+                              "choose another --checkpoint-out / --lora-out")
+
+    def save(self) -> list[Path]:
+        """Write checkpoint and adapter, each under its iteration name and its LATEST name."""
+        c = self.config
+        written: list[Path] = []
+        names = [str(self.iteration), c.fn_latest]
+        if c.checkpoint_out:
+            tensors = lora_tensors_by_gguf_name(self.model)  # norm pairs included
+            meta = {**self.lora_config.metadata(), **self._counter_metadata()}
+            for value in dict.fromkeys(names):
+                path = Path(output_name(c.checkpoint_out, c.pattern_fn_it, value))
+                save_checkpoint(path, self.base, meta, tensors, self.state())
+                written.append(path)
+        if c.lora_out:
+            adapter = adapter_from_model(self.model, self.base, self._adapter_metadata(), drop_norms=c.drop_norms)
+            for value in dict.fromkeys(names):
+                written.append(write_adapter(output_name(c.lora_out, c.pattern_fn_it, value), adapter))
+        self._last_save_iteration = self.iteration
+        self.log.write("save", iteration=self.iteration, files=[str(p) for p in written])
+        for cb in self.callbacks:
+            getattr(cb, "on_save", lambda *a: None)(self, written)
+        return written
+
+    def _counter_metadata(self) -> dict[str, int]:
+        return {"training.iteration_count": self.iteration,
+                "training.sample_count": self.counters["samples"],
+                "training.token_count": self.counters["tokens"],
+                "training.epoch_count": self.data.epoch}
+
+    def _adapter_metadata(self) -> dict[str, Any]:
+        return {"general.name": f"{self.base.get('general.name', self.base.path.stem)} LoRA",
+                "adapter.base_model": str(self.base.get("general.name", self.base.path.stem)),
+                "training.iteration_count": self.iteration,
+                "training.token_count": self.counters["tokens"],
+                "training.data": Path(self.config.train_data).name}
+
+    # --- the loop ------------------------------------------------------------------------
+    def _autocast(self) -> Any:
+        dtype = DTYPES[self.config.dtype]
+        if dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def step(self) -> StepResult:
+        """One optimizer step over ``grad_acc`` micro-batches (ggml: mean of micro-batch means)."""
+        c = self.config
+        t0 = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad()
+        losses = []
+        samples_used = 0
+        for _ in range(c.grad_acc):
+            inputs, targets = self.data.next_batch(c.batch)
+            samples_used += self.data.last_used
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            with self._autocast():
+                logits = self.model(inputs)
+            loss = ggml_cross_entropy(logits, targets)
+            (loss / c.grad_acc).backward()
+            losses.append(loss.detach())
+        loss_value = float(torch.stack(losses).mean())
+        if not math.isfinite(loss_value):
+            raise GGTorchError(
+                f"the loss became {loss_value} at iteration {self.iteration + 1}; training stopped and the "
+                "last saved checkpoint was kept. Lower --adam-alpha, or use --dtype f32 if you trained in f16")
+        sched = self.optimizer.sched
+        lr = self.optimizer.lr
+        self.optimizer.step()
+        used = c.batch * c.grad_acc
+        self.counters["samples"] += samples_used  # with fill, a row can use several samples
+        self.counters["tokens"] += used * c.ctx
+        seconds = time.perf_counter() - t0
+        remaining = self._target_iteration - self.iteration
+        result = StepResult(
+            iteration=self.iteration, loss=loss_value, sched=sched, lr=lr,
+            samples=min(self.data.next_sample + 1, self.data.n_samples), n_samples=self.data.n_samples,
+            epoch=self.data.epoch, tokens=self.counters["tokens"], seconds=seconds,
+            tokens_per_second=used * c.ctx / seconds if seconds > 0 else 0.0,
+            eta_seconds=self._smoothed_seconds(seconds) * remaining)
+        self.history.append(result)
+        self.log.write("iter", **asdict(result))
+        for cb in self.callbacks:
+            getattr(cb, "on_step", lambda *a: None)(self, result)
+        return result
+
+    _smooth: float | None = None
+
+    def _smoothed_seconds(self, seconds: float) -> float:
+        """The old finetune's smoothed time per iteration (gain 0.7) for the ETA."""
+        self._smooth = seconds if self._smooth is None else 0.7 * self._smooth + 0.3 * seconds
+        return self._smooth
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss over the held-out batches (None when there are none)."""
+        if not self.val_batches:
+            return None
+        self.model.eval()
+        total = 0.0
+        for inputs, targets in self.val_batches:
+            with self._autocast():
+                logits = self.model(inputs.to(self.device))
+            total += float(ggml_cross_entropy(logits, targets.to(self.device)))
+        loss = total / len(self.val_batches)
+        self.log.write("eval", iteration=self.iteration, loss=loss)
+        for cb in self.callbacks:
+            getattr(cb, "on_eval", lambda *a: None)(self, self.iteration, loss)
+        return loss
+
+    def _validation_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.config
+        if c.val_data:
+            return self.data.eval_batches_from_text(read_text_file(c.val_data, "--val-data"), c.batch)
+        if c.val_split:
+            return self.data.split_validation(c.val_split, c.batch)
+        return []
+
+    def request_stop(self) -> None:
+        """Stop after the current step (and save); what Ctrl-C and notebook buttons call."""
+        self._stop_requested = True
+
+    def train(self, n_iterations: int | None = None) -> list[StepResult]:
+        """Run ``n_iterations`` (default ``adam_iter``) optimizer steps; save as configured."""
+        c = self.config
+        n = c.adam_iter if n_iterations is None else n_iterations
+        self._target_iteration = self.iteration + n
+        first_epoch = self.data.epoch
+        self._stop_requested = False
+        self.log.write("start", iteration=self.iteration, seed=self.seed, config=asdict(c),
+                       trainable_parameters=sum(p.numel() for _, p, _ in self.params),
+                       resumed_from=str(self.resumed_from) if self.resumed_from else None)
+        results = []
+        with _sigint_requests_stop(self):
+            while self.iteration < self._target_iteration and not self._stop_requested:
+                results.append(self.step())
+                if c.save_every > 0 and self.iteration - self._last_save_iteration >= c.save_every:
+                    self.save()
+                if c.eval_every > 0 and self.iteration % c.eval_every == 0:
+                    self.evaluate()
+                if c.epochs > 0 and self.data.epoch - first_epoch >= c.epochs:
+                    break
+                if self.optimizer.should_stop(results[-1].loss):
+                    break
+        if self.iteration != self._last_save_iteration or (c.only_write_lora and not results):
+            self.save()
+        self.log.write("end", iteration=self.iteration, steps=len(results),
+                       loss=results[-1].loss if results else None,
+                       seconds=sum(r.seconds for r in results), interrupted=self._stop_requested)
+        if self._stop_requested:
+            raise Interrupted(f"interrupted at iteration {self.iteration}; saved, resume with "
+                              f"--checkpoint-in {output_name(c.checkpoint_out, c.pattern_fn_it, c.fn_latest)}")
+        return results
+
+    def close(self) -> None:
+        self.log.close()
+
+
+class _sigint_requests_stop:
+    """First Ctrl-C: finish the step, save, stop. Second Ctrl-C: exit at once."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.previous: Callable[..., Any] | int | None = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.trainer._stop_requested:
+            raise KeyboardInterrupt
+        self.trainer.request_stop()
+
+    def __enter__(self) -> _sigint_requests_stop:
+        try:
+            self.previous = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread (e.g. some notebook runners): no handler
+            self.previous = None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)

@@ -1,0 +1,195 @@
+"""``ggtorch finetune`` end to end on the real stories260K model: learning, exact resume, outputs, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ggtorch.cli import main
+from ggtorch.finetune_config import FinetuneConfig
+from ggtorch.trainer import Trainer
+from tests.llama_models import GGML_TYPE_F32, llama_cpp_logits, quantize_with_llama_cpp
+
+SMALL = ["-c", "32", "-b", "4", "--warmup", "2", "--adam-alpha", "0.01", "--seed", "7"]
+
+
+@pytest.fixture(scope="module")
+def texts(shared: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A training slice and a held-out slice of tinyshakespeare that do not overlap."""
+    text = (shared / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    root = tmp_path_factory.mktemp("texts")
+    (root / "train.txt").write_text(text[:20000], encoding="utf-8")
+    (root / "heldout.txt").write_text(text[-6000:], encoding="utf-8")
+    (root / "tiny.txt").write_text("To be, or not", encoding="utf-8")
+    (root / "empty.txt").write_text("", encoding="utf-8")
+    return {p.stem: p for p in root.iterdir()}
+
+
+@pytest.fixture(scope="module")
+def stories_q8(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return quantize_with_llama_cpp(stories260k, tmp_path_factory.mktemp("q8") / "stories260K-Q8_0.gguf", "Q8_0")
+
+
+def run(args: list[str], cwd: Path) -> tuple[int, str]:
+    runner = CliRunner()
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        result = runner.invoke(main, args, catch_exceptions=False)
+    finally:
+        os.chdir(old)
+    return result.exit_code, result.output
+
+
+def losses(log: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "iter"]
+
+
+def test_resume_is_exact(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
+    """6 iterations in one run == 3, stop, resume for 3: same adapter bytes and loss sequence."""
+    common = ["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), *SMALL,
+              "--save-every", "0", "--lora-dropout", "0.1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    code, out = run([*common, "-n", "6", "--checkpoint-in", "none.gguf"], one)
+    assert code == 0, out
+    code, out = run([*common, "-n", "3", "--checkpoint-in", "none.gguf"], two)
+    assert code == 0, out
+    code, out = run([*common, "-n", "3", "--checkpoint-in", "checkpoint-LATEST.gguf"], two)
+    assert code == 0, out
+    assert "resumed from checkpoint-LATEST.gguf at iteration 3" in out
+    assert (one / "ggml-lora-LATEST-f32.gguf").read_bytes() == (two / "ggml-lora-LATEST-f32.gguf").read_bytes()
+    assert (one / "ggml-lora-6-f32.gguf").read_bytes() == (two / "ggml-lora-6-f32.gguf").read_bytes()
+    assert losses(one / "checkpoint-log.jsonl") == losses(two / "checkpoint-log.jsonl")
+    assert len(losses(one / "checkpoint-log.jsonl")) == 6
+
+
+@pytest.mark.parametrize("base", ["F32", "Q8_0"])
+def test_finetune_lowers_heldout_loss(base: str, stories260k: Path, stories_q8: Path, texts: dict[str, Path],
+                                      tmp_path: Path) -> None:
+    model = stories260k if base == "F32" else stories_q8
+    config = FinetuneConfig(model_base=str(model), train_data=str(texts["train"]), val_data=str(texts["heldout"]),
+                            ctx=64, batch=8, adam_iter=40, warmup=5, adam_alpha=0.01, seed=3, save_every=0,
+                            checkpoint_in="", checkpoint_out="", lora_out=str(tmp_path / "a-ITERATION.gguf"),
+                            log_file=str(tmp_path / "log.jsonl"))
+    trainer = Trainer(config)
+    before = trainer.evaluate()
+    trainer.train()
+    after = trainer.evaluate()
+    trainer.close()
+    print(f"{base}: held-out loss {before:.4f} -> {after:.4f}")
+    assert after < before - 0.1, (before, after)
+    assert (tmp_path / "a-40.gguf").is_file() and (tmp_path / "a-LATEST.gguf").is_file()
+
+
+def test_llama_cpp_runs_the_finetuned_adapter(random_llama: Callable[..., Path], texts: dict[str, Path],
+                                              tmp_path: Path) -> None:
+    """An untied Q4_0 model finetuned on every matrix kind: llama.cpp + adapter == ggtorch's logits."""
+    import llama_cpp
+
+    base = random_llama("Q4_0")
+    config = FinetuneConfig(model_base=str(base), train_data=str(texts["train"]), ctx=16, batch=2, adam_iter=4,
+                            warmup=0, adam_alpha=0.02, seed=1, save_every=0, checkpoint_in="",
+                            checkpoint_out="", lora_out=str(tmp_path / "lora.gguf"), use_checkpointing=False)
+    trainer = Trainer(config)
+    trainer.train()
+    trainer.close()
+    tokens = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889]
+    with torch.no_grad():
+        ours = trainer.model(torch.tensor([tokens]))[0].numpy()
+    llm = llama_cpp.Llama(model_path=str(base), lora_path=str(tmp_path / "lora.gguf"), logits_all=True, n_ctx=32,
+                          n_threads=2, verbose=False, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
+    ref = llama_cpp_logits(llm, tokens)
+    assert np.abs(ours - ref).max() < 0.6  # the Q4_0 base-parity tolerance (tests/models/test_llama.py)
+
+
+def test_help_lists_old_flags_in_groups() -> None:
+    code, out = run(["finetune", "--help"], Path.cwd())
+    assert code == 0
+    for heading in ("Model and data", "Outputs and checkpoints", "Training", "LoRA", "Optimizer (ggml AdamW)",
+                    "Samples (as the old finetune built them)", "Accepted for compatibility, ignored"):
+        assert heading in out
+    for flag in ("--adam-decay-min-ndim", "--cos-decay-restart", "--rank-ffn_gate", "--fill-with-next-samples",
+                 "--use-checkpointing / --no-checkpointing", "-ngl", "--only-write-lora", "--device"):
+        assert flag in out, flag
+
+
+def test_old_command_line_runs_with_notes(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
+    """A command line of the old program, ggml-only flags included, runs (underscore spellings too)."""
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]),
+                     "--threads", "2", "--adam-iter", "2", "--batch", "2", "--ctx", "16", "--lora-r", "2",
+                     "--rank-ffn_gate", "3", "--no-flash", "-ngl", "0", "--mem-compute", "8",
+                     "--checkpoint-out", "ck-ITERATION.gguf", "--lora-out", "l-ITERATION.gguf"], tmp_path)
+    assert code == 0, out
+    assert "--use-flash / --no-flash is a ggml" in out and "--n-gpu-layers is a ggml" in out
+    assert {"ck-2.gguf", "ck-LATEST.gguf", "l-2.gguf", "l-LATEST.gguf"} <= {p.name for p in tmp_path.iterdir()}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--train-data", "missing.txt"], "missing.txt"),
+    (["--train-data", "{empty}"], "empty"),
+    (["--checkpoint-out", "no/such/dir/ck.gguf"], "does not exist"),
+    (["--checkpoint-in", "{model}"], "not a ggtorch training checkpoint"),
+    (["--ctx", "0"], "--ctx must be at least 1"),
+])
+def test_bad_input_is_one_clear_line(args: list[str], message: str, stories260k: Path, texts: dict[str, Path],
+                                     tmp_path: Path) -> None:
+    args = [a.format(empty=texts["empty"], model=stories260k) for a in args]
+    base = ["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), "-n", "1",
+            "-c", "16", "-b", "1"]
+    code, out = run(base + args, tmp_path)
+    assert code == 1
+    assert message in out and "Traceback" not in out
+    assert out.count("error:") == 1
+
+
+def test_checkpoint_of_another_base_is_refused(stories260k: Path, random_llama: Callable[..., Path],
+                                               texts: dict[str, Path], tmp_path: Path) -> None:
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), "-n", "1",
+                     "-c", "16", "-b", "1"], tmp_path)
+    assert code == 0, out
+    code, out = run(["finetune", "--model-base", str(random_llama("F32")), "--train-data", str(texts["train"]),
+                     "-n", "1", "-c", "16", "-b", "1", "--checkpoint-in", "checkpoint-LATEST.gguf"], tmp_path)
+    assert code == 1 and "trained on base model 'stories260K'" in out
+
+
+def test_short_text_and_long_context_warn(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["tiny"]), "-n", "1",
+                     "-c", "600", "-b", "1", "--no-checkpointing"], tmp_path)
+    assert code == 0, out
+    assert "above the model's training context 512" in out
+    assert "fewer than the context of 600" in out
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(stories260k: Path, texts: dict[str, Path],
+                                                           tmp_path: Path) -> None:
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), "-n", "2",
+                     "-c", "16", "-b", "1", "--save-every", "1"], tmp_path)
+    assert code == 0, out
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), "-n", "20",
+                     "-c", "16", "-b", "1", "--save-every", "1", "--checkpoint-in", "checkpoint-LATEST.gguf",
+                     "--adam-alpha", "1e30", "--adam-gclip", "0", "--warmup", "0"], tmp_path)
+    assert code == 1 and "the loss became" in out and "Traceback" not in out
+    from ggtorch.checkpoint import load_checkpoint
+
+    latest = load_checkpoint(tmp_path / "checkpoint-LATEST.gguf")
+    assert all(torch.isfinite(t).all() for t in latest.tensors.values())
+    assert latest.iteration >= 2
+    assert "last saved checkpoint" in out
+
+
+def test_plot_draws_the_loss_curve(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), "-n", "3",
+                     "-c", "16", "-b", "2"], tmp_path)
+    assert code == 0, out
+    code, out = run(["plot", "checkpoint-log.jsonl", "-o", "loss.png"], tmp_path)
+    assert code == 0, out
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
