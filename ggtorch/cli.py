@@ -122,11 +122,11 @@ def generate(model_path: str, device: str, dtype: str, keep_quantized: bool, pro
         if token in stop:
             break
         new.append(token)
-        text = tok.decode(new)
+        text = tok.decode(new, prev_ids=prompt_tokens)
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
             click.echo(text[len(shown):], nl=False)
             shown = text
-    click.echo(tok.decode(new)[len(shown):])
+    click.echo(tok.decode(new, prev_ids=prompt_tokens)[len(shown):])
     elapsed = time.perf_counter() - start
     click.echo(f"[{len(new)} tokens in {elapsed:.2f} s, {len(new) / max(elapsed, 1e-9):.1f} tokens/s]", err=True)
 

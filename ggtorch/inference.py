@@ -120,7 +120,7 @@ def generate(model: Llama, tokenizer: Tokenizer, prompt: str, n_tokens: int, tem
     new = generate_tokens(model, prompt_tokens, n_tokens, params, stop)
     if new and new[-1] in stop:
         new = new[:-1]
-    return tokenizer.decode(new)
+    return tokenizer.decode(new, prev_ids=prompt_tokens)
 
 
 @dataclass(frozen=True)
