@@ -37,6 +37,9 @@ class _Group(click.Group):
             message = " ".join(str(e).split())
             click.echo(f"error: {message}", err=True)
             ctx.exit(1)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -246,13 +246,17 @@ def finetune(**values: Any) -> None:
     start = time.perf_counter()
     try:
         if config.only_write_lora:
-            paths = trainer.save()
-            click.echo("wrote " + ", ".join(map(str, paths)))
+            if not config.lora_out:
+                raise BadFlag("--only-write-lora needs a --lora-out file name")
+            trainer.save(checkpoint=False)
             return
         results = trainer.train()
         val = trainer.evaluate()
     except Interrupted as e:
         click.echo(f"interrupted: {e}", err=True)
+        ctx.exit(130)
+    except KeyboardInterrupt:
+        click.echo("interrupted twice: stopped at once; the last saved checkpoint is kept", err=True)
         ctx.exit(130)
     finally:
         trainer.close()

@@ -225,12 +225,15 @@ class Trainer:
                 raise BadFlag(f"output folder '{folder}' (for {template}) is not writable; "
                               "choose another --checkpoint-out / --lora-out")
 
-    def save(self) -> list[Path]:
-        """Write checkpoint and adapter, each under its iteration name and its LATEST name."""
+    def save(self, checkpoint: bool = True) -> list[Path]:
+        """Write checkpoint and adapter, each under its iteration name and its LATEST name.
+
+        ``checkpoint=False`` writes only the adapter (``--only-write-lora``).
+        """
         c = self.config
         written: list[Path] = []
         names = [str(self.iteration), c.fn_latest]
-        if c.checkpoint_out:
+        if c.checkpoint_out and checkpoint:
             tensors = lora_tensors_by_gguf_name(self.model)  # norm pairs included
             meta = {**self.lora_config.metadata(), **self._counter_metadata()}
             for value in dict.fromkeys(names):
@@ -367,7 +370,7 @@ class Trainer:
                     break
                 if self.optimizer.should_stop(results[-1].loss):
                     break
-        if self.iteration != self._last_save_iteration or (c.only_write_lora and not results):
+        if self.iteration != self._last_save_iteration:
             self.save()
         self.log.write("end", iteration=self.iteration, steps=len(results),
                        loss=results[-1].loss if results else None,

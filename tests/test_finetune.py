@@ -193,3 +193,68 @@ def test_plot_draws_the_loss_curve(stories260k: Path, texts: dict[str, Path], tm
     assert code == 0, out
     png = (tmp_path / "loss.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+def test_only_write_lora_writes_the_checkpoints_adapter(stories260k: Path, texts: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), "-n", "3",
+                     "-c", "16", "-b", "2", "--rank-wq", "0"], tmp_path)
+    assert code == 0, out
+    trained = (tmp_path / "ggml-lora-3-f32.gguf").read_bytes()
+    for p in tmp_path.glob("ggml-lora-*"):
+        p.unlink()
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]),
+                     "-c", "16", "-b", "2", "--rank-wq", "0", "--checkpoint-in", "checkpoint-LATEST.gguf",
+                     "--only-write-lora", "--lora-out", "out-ITERATION.gguf"], tmp_path)
+    assert code == 0, out
+    assert (tmp_path / "out-3.gguf").read_bytes() == trained  # named with the checkpoint's iteration
+    assert not list(tmp_path.glob("checkpoint-4*"))  # no training happened
+
+
+def test_bf16_autocast_trains(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
+    config = FinetuneConfig(model_base=str(stories260k), train_data=str(texts["train"]), ctx=32, batch=4,
+                            adam_iter=6, warmup=1, adam_alpha=0.01, seed=2, dtype="bf16", checkpoint_in="",
+                            checkpoint_out="", lora_out="", log_file=str(tmp_path / "log.jsonl"))
+    trainer = Trainer(config)
+    results = trainer.train()
+    trainer.close()
+    assert all(np.isfinite(r.loss) for r in results)
+    a = [p for _, p, _ in trainer.params][1]
+    assert a.dtype == torch.float32 and a.abs().sum() > 0  # LoRA weights stay f32 under autocast
+
+
+def test_ctrl_c_saves_and_a_second_ctrl_c_exits_at_once(stories260k: Path, texts: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "ggtorch", "finetune", "--model-base", str(stories260k), "--train-data",
+           str(texts["train"]), "-n", "100000", "-c", "16", "-b", "2", "--save-every", "0", "-t", "1"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "checkpoint-log.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not log.is_file() or len(losses(log)) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "interrupted at iteration" in out and "Traceback" not in out
+    from ggtorch.checkpoint import load_checkpoint
+
+    latest = load_checkpoint(tmp_path / "checkpoint-LATEST.gguf")
+    assert latest.iteration == len(losses(log)) >= 3
+
+    # A second Ctrl-C while the first is being handled: out at once, LATEST still the good one.
+    proc = subprocess.Popen(cmd + ["--checkpoint-in", "checkpoint-LATEST.gguf"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    n_before = len(losses(log))
+    while time.time() < deadline + 120 and len(losses(log)) < n_before + 2:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out
+    load_checkpoint(tmp_path / "checkpoint-LATEST.gguf")  # loadable whatever the timing
