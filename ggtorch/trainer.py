@@ -245,6 +245,8 @@ class Trainer:
             for value in dict.fromkeys(names):
                 written.append(write_adapter(output_name(c.lora_out, c.pattern_fn_it, value), adapter))
         self._last_save_iteration = self.iteration
+        if not written:
+            return written
         self.log.write("save", iteration=self.iteration, files=[str(p) for p in written])
         for cb in self.callbacks:
             getattr(cb, "on_save", lambda *a: None)(self, written)
