@@ -1,7 +1,10 @@
 """Peak memory of LoRA training on a quantized model: about the GGUF's size, not an f32 copy's.
 
-Each measurement runs in a fresh child process (``resource.getrusage(RUSAGE_SELF).ru_maxrss``
-is a per-process high-water mark). The child first runs the same steps on a tiny model of the
+Each measurement runs in a fresh child process and reads its peak resident set size: Linux's
+``VmHWM`` from ``/proc/self/status``, else ``resource.getrusage(RUSAGE_SELF).ru_maxrss``. (On
+Linux ``ru_maxrss`` survives ``execve``: a child forked from a big pytest process starts with
+the parent's high-water mark, which would hide everything the child does; VmHWM belongs to the
+child's own address space.) The child first runs the same steps on a tiny model of the
 same vocabulary (so torch's kernels, thread pools and code pages, and the tokenizer, are all
 touched), records that high-water mark as the baseline, and then trains the real model; the
 figure compared is ``peak - baseline``: the model, the adapters, the optimizer and the
@@ -40,7 +43,15 @@ from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
 from ggtorch.models.loader import load_llama
 
 def rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    # peak resident bytes of this address space
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 def train(path: str, keep_quantized: bool, steps: int) -> list[float]:
     model = load_llama(path, keep_quantized=keep_quantized).model
