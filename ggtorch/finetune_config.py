@@ -4,7 +4,8 @@ One flat dataclass keeps three views of the same options identical: the CLI (`--
 → ``adam_alpha``), config files under ``configs/`` (YAML/TOML keys are field names) and the
 Python API (``FinetuneConfig(adam_alpha=...)``). The sub-configs the machinery needs
 (:class:`~ggtorch.optim.AdamConfig`, :class:`~ggtorch.lora.LoraConfig`,
-:class:`~ggtorch.data.DataOptions`) are built from it by the trainer.
+:class:`~ggtorch.data.DataOptions`) are built from it by the trainer; their defaults are the
+defaults here, so each default is written once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Any
 
 import yaml
 
+from .data import DataOptions
 from .errors import BadFlag
+from .optim import AdamConfig
 
 
 def _flag(name: str) -> str:
@@ -112,34 +115,34 @@ class FinetuneConfig:
     rank_ffn_down: int | None = None
     rank_ffn_up: int | None = None
 
-    # --- optimizer (ggml AdamW) ---------------------------------------------------------
-    adam_alpha: float = 1e-3
-    adam_min_alpha: float = 0.0
-    adam_decay: float = 0.1
-    adam_decay_min_ndim: int = 2
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_gclip: float = 1.0
-    adam_epsf: float = 0.0
-    warmup: int = 100
-    cos_decay_steps: int = 1000
-    cos_decay_restart: float = 1.1
-    cos_decay_min: float = 0.1
-    enable_restart: bool = False
-    opt_past: int = 0
-    opt_delta: float = 1e-5
-    opt_max_no_improvement: int = 0
+    # --- optimizer (ggml AdamW): meaning and defaults are AdamConfig's ----------------------
+    adam_alpha: float = AdamConfig.alpha
+    adam_min_alpha: float = AdamConfig.min_alpha
+    adam_decay: float = AdamConfig.decay
+    adam_decay_min_ndim: int = AdamConfig.decay_min_ndim
+    adam_beta1: float = AdamConfig.beta1
+    adam_beta2: float = AdamConfig.beta2
+    adam_gclip: float = AdamConfig.gclip
+    adam_epsf: float = AdamConfig.epsf
+    warmup: int = AdamConfig.warmup
+    cos_decay_steps: int = AdamConfig.cos_decay_steps
+    cos_decay_restart: float = AdamConfig.cos_decay_restart
+    cos_decay_min: float = AdamConfig.cos_decay_min
+    enable_restart: bool = AdamConfig.enable_restart
+    opt_past: int = AdamConfig.opt_past
+    opt_delta: float = AdamConfig.opt_delta
+    opt_max_no_improvement: int = AdamConfig.opt_max_no_improvement
 
-    # --- data (old finetune sampling) ----------------------------------------------------
-    sample_start: str = ""
-    include_sample_start: bool = False
-    escape: bool = False
-    overlapping_samples: bool = False
-    fill_with_next_samples: bool = False
-    separate_with_eos: bool = False
-    separate_with_bos: bool = True
-    sample_random_offsets: bool = False
-    force_reshuffle: bool = False
+    # --- data (old finetune sampling): meaning and defaults are DataOptions' -------------------
+    sample_start: str = DataOptions.sample_start
+    include_sample_start: bool = DataOptions.include_sample_start
+    escape: bool = DataOptions.escape
+    overlapping_samples: bool = DataOptions.overlapping_samples
+    fill_with_next_samples: bool = DataOptions.fill_with_next_samples
+    separate_with_eos: bool = DataOptions.separate_with_eos
+    separate_with_bos: bool = DataOptions.separate_with_bos
+    sample_random_offsets: bool = DataOptions.sample_random_offsets
+    force_reshuffle: bool = DataOptions.force_reshuffle
 
     def __post_init__(self) -> None:
         positive = ("ctx", "batch", "adam_iter", "lora_r")
