@@ -303,3 +303,23 @@ def test_torch_init_is_seeded_and_same_distribution(q4_loaded) -> None:
         runs.append(model.layers[0].ffn.down.lora_a.detach().clone())
     torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
     assert runs[0].abs().max() <= 1 / np.sqrt(4 + 768) + 1e-7
+
+
+def test_bf16_autocast_training_step(q4_model) -> None:
+    """Under bf16 autocast the quantized model trains: loss near the f32 loss, f32 LoRA grads."""
+    model = q4_model
+    attach_lora(model, LoraConfig(), seed=3)
+    _randomize_b(model)
+    tokens = torch.randint(0, 32000, (1, 9), generator=torch.Generator().manual_seed(5))
+    loss_f32 = _loss(model, tokens)
+    loss_f32.backward()
+    grads_f32 = {n: p.grad.clone() for n, p, _ in trainable_parameters(model)}
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_bf16 = _loss(model, tokens)
+    loss_bf16.backward()
+    torch.testing.assert_close(loss_bf16.float(), loss_f32, rtol=2e-2, atol=0)
+    for name, p, _ in trainable_parameters(model):
+        assert p.grad.dtype == torch.float32, name
+        cos = F.cosine_similarity(p.grad.flatten(), grads_f32[name].flatten(), dim=0)
+        assert cos > 0.95, (name, float(cos))
