@@ -125,9 +125,10 @@ class LoraConfig:
         return cls(rank=c.lora_r, alpha=c.lora_alpha, ranks=ranks, dropout=getattr(c, "lora_dropout", 0.0))
 
     def metadata(self) -> dict[str, int | float]:
-        """``training.lora.rank.<kind>`` for every kind (as the old checkpoints) and the alpha."""
+        """``training.lora.rank.<kind>`` for every kind (as the old checkpoints) and ``training.lora.alpha``."""
         meta: dict[str, int | float] = {f"training.lora.rank.{k}": self.rank_of(k) for k in GLOBAL_ORDER + LAYER_ORDER}
-        meta["training.lora.alpha"] = self.lora_alpha
+        # rounded to f32 as GGUF stores it, so a value read back from a checkpoint compares equal
+        meta["training.lora.alpha"] = float(np.float32(self.lora_alpha))
         return meta
 
 
