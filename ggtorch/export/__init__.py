@@ -1,0 +1,1 @@
+"""Paths out of ggtorch: PEFT folders, merged GGUF models, converted old adapters."""
