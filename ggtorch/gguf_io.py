@@ -10,20 +10,32 @@ struct error from deep inside.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
+import struct
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 from .errors import BadGGUF
 
 GGUF_MAGIC_BYTES = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_STRING = 1 << 30  # no legitimate key, name or token string comes near 1 GiB
+_INT64_MAX = (1 << 63) - 1
+_SCALAR_SIZES = {
+    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
+    GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
+    GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
+    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
+}
 
 
 @dataclass(frozen=True)
@@ -98,17 +110,190 @@ def _field_value(field: Any) -> Any:
         return float(value)
     return int(value)
 
+class _HeaderCheck:
+    """A bounded walk over a GGUF header that proves it is self-consistent.
+
+    gguf-py's GGUFReader trusts counts and lengths: a lying header makes it allocate huge
+    arrays, loop for hours or fail deep inside numpy. This walk reads only fixed-size
+    fields with bounds checks, never allocates in proportion to a count the file claims
+    before checking that the file is big enough to hold it, and raises BadGGUF naming what
+    is wrong. Only files it accepts are handed to GGUFReader.
+    """
+
+    def __init__(self, path: Path, buf: mmap.mmap | bytes) -> None:
+        self.path, self.buf, self.size, self.offs = path, buf, len(buf), 0
+
+    def fail(self, what: str) -> BadGGUF:
+        return BadGGUF(f"{self.path}: corrupt GGUF file: {what}; re-download or re-convert it")
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.offs + n > self.size:
+            raise self.fail(f"{what} at byte {self.offs} runs past the end of the file "
+                            f"({self.size} bytes); the file is truncated or its header lies")
+
+    def unpack(self, fmt: str, what: str) -> tuple[Any, ...]:
+        n = struct.calcsize(fmt)
+        self.need(n, what)
+        values = struct.unpack_from(fmt, self.buf, self.offs)
+        self.offs += n
+        return values
+
+    def u32(self, what: str) -> int:
+        return int(self.unpack("<I", what)[0])
+
+    def u64(self, what: str) -> int:
+        return int(self.unpack("<Q", what)[0])
+
+    def skip_string(self, what: str) -> None:
+        n = self.u64(f"length of {what}")
+        if n > MAX_STRING:
+            raise self.fail(f"{what} claims a length of {n} bytes")
+        self.need(n, what)
+        self.offs += n
+
+    def string(self, what: str) -> str:
+        start = self.offs + 8
+        self.skip_string(what)
+        try:
+            return bytes(self.buf[start:self.offs]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not valid UTF-8") from None
+
+    def value_type(self, what: str) -> GGUFValueType:
+        raw = self.u32(what)
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise self.fail(f"{what} is {raw}, not a GGUF value type") from None
+
+    def skip_value(self, key: str) -> tuple[GGUFValueType, Any]:
+        """Skip one value; return its type and (for general.alignment) its value."""
+        vtype = self.value_type(f"type of key '{key}'")
+        if vtype == GGUFValueType.STRING:
+            self.skip_string(f"string value of key '{key}'")
+            return vtype, None
+        if vtype != GGUFValueType.ARRAY:
+            (value,) = self.unpack(_STRUCT[vtype], f"value of key '{key}'")
+            return vtype, value
+        etype = self.value_type(f"element type of array '{key}'")
+        count = self.u64(f"length of array '{key}'")
+        if etype == GGUFValueType.ARRAY:
+            raise self.fail(f"key '{key}' is an array of arrays, which no model key uses")
+        if etype == GGUFValueType.STRING:
+            self.need(8 * count, f"{count} strings of array '{key}'")  # each string has an 8-byte length
+            for i in range(count):
+                self.skip_string(f"string {i} of array '{key}'")
+        else:
+            self.need(_SCALAR_SIZES[etype] * count, f"{count} values of array '{key}'")
+            self.offs += _SCALAR_SIZES[etype] * count
+        return vtype, None
+
+    def run(self) -> None:
+        self.need(4, "magic")
+        magic = bytes(self.buf[0:4])
+        if magic != GGUF_MAGIC_BYTES:
+            raise BadGGUF(f"{self.path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
+                          "convert it with llama.cpp's convert_hf_to_gguf.py first")
+        self.offs = 4
+        version = self.u32("version")
+        if version & 0xFFFF == 0 and version != 0:
+            raise BadGGUF(f"{self.path}: big-endian GGUF files are not supported; "
+                          "re-convert the model on a little-endian machine")
+        if version not in SUPPORTED_VERSIONS:
+            raise BadGGUF(f"{self.path}: GGUF version {version} is not supported "
+                          f"(supported: {', '.join(map(str, SUPPORTED_VERSIONS))}); re-convert the model")
+        n_tensors = self.u64("tensor count")
+        n_kv = self.u64("key/value count")
+        rest = self.size - self.offs
+        if n_kv * 13 > rest:  # smallest key/value: 8-byte key length, type, 1-byte value
+            raise self.fail(f"header claims {n_kv} key/values but only {rest} bytes follow")
+        if n_tensors * 24 > rest:  # smallest tensor info: name length, n_dims, type, offset
+            raise self.fail(f"header claims {n_tensors} tensors but only {rest} bytes follow")
+
+        keys: set[str] = set()
+        alignment = GGUF_DEFAULT_ALIGNMENT
+        for i in range(n_kv):
+            key = self.string(f"name of key/value {i}")
+            if key in keys:
+                raise self.fail(f"metadata key '{key}' occurs twice")
+            keys.add(key)
+            vtype, value = self.skip_value(key)
+            if key == "general.alignment":
+                if vtype != GGUFValueType.UINT32 or value == 0 or value & (value - 1):
+                    raise self.fail(f"general.alignment must be a power of two stored as uint32, got {value!r}")
+                alignment = int(value)
+
+        infos: list[tuple[str, int, int]] = []
+        names: set[str] = set()
+        for i in range(n_tensors):
+            name = self.string(f"name of tensor {i}")
+            if name in names:
+                raise self.fail(f"tensor name '{name}' occurs twice")
+            names.add(name)
+            n_dims = self.u32(f"dimension count of tensor '{name}'")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise self.fail(f"tensor '{name}' has {n_dims} dimensions (ggml allows 1 to {MAX_DIMS})")
+            dims = self.unpack(f"<{n_dims}Q", f"shape of tensor '{name}'")
+            raw_type = self.u32(f"type of tensor '{name}'")
+            try:
+                ggml_type = GGMLQuantizationType(raw_type)
+                block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+            except (ValueError, KeyError):
+                raise self.fail(f"tensor '{name}' has unknown ggml type {raw_type}") from None
+            offset = self.u64(f"data offset of tensor '{name}'")
+            n = 1
+            for d in dims:
+                n *= d
+                if n > _INT64_MAX or d > _INT64_MAX:
+                    raise self.fail(f"tensor '{name}' has shape {list(dims)} whose size overflows int64")
+            if dims[0] % block_size:
+                raise self.fail(f"tensor '{name}' has a row of {dims[0]} elements, not a multiple of "
+                                f"the {ggml_type.name} block size {block_size}")
+            if offset % alignment:
+                raise self.fail(f"tensor '{name}' starts at offset {offset}, not a multiple of the "
+                                f"alignment {alignment}")
+            infos.append((name, offset, n // block_size * type_size))
+
+        data_start = -(-self.offs // alignment) * alignment
+        data_size = self.size - data_start
+        if infos and data_size < 0:
+            raise self.fail("the data section is missing")
+        prev_end, prev_name = 0, ""
+        for name, offset, nbytes in sorted(infos, key=lambda t: t[1]):
+            if offset + nbytes > data_size:
+                raise self.fail(f"tensor '{name}' (bytes {offset}..{offset + nbytes} of the data section) "
+                                f"lies outside the data section of {max(data_size, 0)} bytes; "
+                                "the file is truncated")
+            if offset < prev_end:
+                raise self.fail(f"tensors '{prev_name}' and '{name}' overlap in the data section")
+            prev_end, prev_name = offset + nbytes, name
+
+
+_STRUCT = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+
+
+def check_header(path: str | os.PathLike[str]) -> None:
+    """Raise BadGGUF unless the file's header and tensor layout are self-consistent."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise BadGGUF(f"{path}: the file is empty; re-download it")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            _HeaderCheck(path, buf).run()
+
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     """Open a GGUF file memory-mapped; raise BadGGUF for anything malformed."""
     path = Path(path)
     if not path.is_file():
         raise BadGGUF(f"{path}: no such file; check the path")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC_BYTES:
-        raise BadGGUF(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
-                      "convert it with llama.cpp's convert_hf_to_gguf.py first")
+    check_header(path)
     try:
         # 'c' (copy-on-write) gives writable arrays, so torch.from_numpy shares the pages
         # without a warning, and nothing ever writes back to the file.
@@ -247,3 +432,40 @@ def _byte_shape(t: TensorOut) -> tuple[int, ...]:
     """Torch-order shape with the last axis in bytes, as GGUFWriter takes raw tensors."""
     block_size, type_size = GGML_QUANT_SIZES[t.ggml_type]
     return (*t.shape[:-1], t.shape[-1] // block_size * type_size)
+
+
+def write_gguf_streaming(path: str | os.PathLike[str], arch: str, metadata: dict[str, Any],
+                         infos: Sequence[tuple[str, GGMLQuantizationType, tuple[int, ...]]],
+                         data: Iterable[np.ndarray],
+                         value_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] | None = None) -> None:
+    """Write a GGUF file atomically from tensor infos known up front and data produced lazily.
+
+    ``infos`` are (name, ggml type, torch-order shape); ``data`` yields each tensor's raw bytes
+    (or f32/f16 values) in the same order, so a caller can compute one tensor, have it written,
+    and drop it: peak memory is one tensor, not the model.
+    """
+    value_types = value_types or {}
+    with atomic_path(path) as tmp:
+        writer = GGUFWriter(tmp, arch)
+        for key, value in metadata.items():
+            if key in ("general.architecture", ) or key.startswith("GGUF."):
+                continue
+            _add_value(writer, key, value, value_types.get(key))
+        outs = [TensorOut(name, ggml_type, tuple(shape), np.empty(0, np.uint8)) for name, ggml_type, shape in infos]
+        for t in outs:
+            writer.add_tensor_info(t.name, _byte_shape(t), np.dtype(np.uint8), raw_nbytes(t.ggml_type, t.shape),
+                                   raw_dtype=t.ggml_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        produced = 0
+        for t, arr in zip(outs, data, strict=False):
+            expected = raw_nbytes(t.ggml_type, t.shape)
+            if arr.nbytes != expected:
+                raise ValueError(f"tensor {t.name}: {arr.nbytes} bytes, expected {expected} "
+                                 f"for {t.ggml_type.name} {t.shape}")
+            writer.write_tensor_data(np.ascontiguousarray(arr).view(np.uint8).reshape(_byte_shape(t)))
+            produced += 1
+        if produced != len(outs):
+            raise ValueError(f"{produced} tensors' data produced for {len(outs)} tensor infos")
+        writer.close()
