@@ -18,6 +18,7 @@ import click
 import torch
 
 from .cli_finetune import finetune, plot
+from .cli_peft import convert_lora, export_peft_cmd
 from .errors import BadData, BadFlag, GGTorchError
 from .gguf_io import read_gguf
 from .inference import SamplingParams, iter_tokens, perplexity
@@ -169,3 +170,5 @@ def _read_text(path: str) -> str:
 # Commands defined in their own modules (one job each), registered on the group here.
 main.add_command(finetune)
 main.add_command(plot)
+main.add_command(convert_lora)
+main.add_command(export_peft_cmd)

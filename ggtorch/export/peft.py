@@ -1,0 +1,341 @@
+"""PEFT LoRA adapter folders <-> ggtorch adapters, for llama models, both ways.
+
+A PEFT folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` with Hugging
+Face module names (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``).
+Only the GGUF base model is needed on either side, never the Hugging Face folder.
+
+Three layout differences between the two worlds:
+
+- **q/k rows.** llama.cpp's converter (``LlamaModel.permute`` in convert_hf_to_gguf.py)
+  stores attn_q / attn_k with the rows of each head reordered from Hugging Face's
+  "two halves" rope layout to ggml's "interleaved pairs": per head, HF row ``p·hd/2 + j``
+  becomes GGUF row ``2j + p``. ``ΔW = B·A`` follows its rows, so only ``lora_B`` is
+  permuted; attn_k uses the KV head count.
+- **token embeddings.** PEFT's ``lora_embedding_A (r, n_vocab)`` / ``lora_embedding_B
+  (n_embd, r)`` give ``ΔE = Aᵀ·Bᵀ``; GGUF LoRA holds ``lora_a (n_vocab, r)`` = Aᵀ and
+  ``lora_b (n_embd, r)`` = B.
+- **scales.** GGUF LoRA has one alpha and scales each tensor by ``alpha / r``; PEFT has a
+  default ``r`` and ``lora_alpha`` with per-module ``rank_pattern`` / ``alpha_pattern``, and
+  ``use_rslora`` (``alpha / √r``). On import, a module whose PEFT scale differs from
+  ``lora_alpha / r`` gets the ratio folded into its ``lora_B``, so llama.cpp applies the
+  same ``ΔW`` (user scales stay linear).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..adapters import TOKEN_EMBD, LoraAdapter, LoraPair, validate_against_base
+from ..errors import BadData, GGTorchError, Unsupported
+from ..gguf_io import GGUFFile, atomic_path
+from ..models import names
+from ..models.config import LlamaConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_WEIGHTS_FILE = "adapter_model.bin"
+BASE_LAYER_SUFFIX = ".base_layer.weight"
+PEFT_PREFIX = "base_model.model."
+"""What PeftModel puts before the base model's module names in saved keys."""
+
+# tensor kind -> Hugging Face LlamaForCausalLM module path ({bid}: layer index)
+HF_MODULES: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output": "lm_head",
+    "attn_q": "model.layers.{bid}.self_attn.q_proj",
+    "attn_k": "model.layers.{bid}.self_attn.k_proj",
+    "attn_v": "model.layers.{bid}.self_attn.v_proj",
+    "attn_output": "model.layers.{bid}.self_attn.o_proj",
+    "ffn_gate": "model.layers.{bid}.mlp.gate_proj",
+    "ffn_up": "model.layers.{bid}.mlp.up_proj",
+    "ffn_down": "model.layers.{bid}.mlp.down_proj",
+}
+HF_LEAVES: dict[str, str] = {path.rsplit(".", 1)[-1]: kind for kind, path in HF_MODULES.items()}
+"""``q_proj`` -> ``attn_q``: the names PEFT's ``target_modules`` usually lists."""
+
+_HF_PATTERNS = [(kind, re.compile(re.escape(p).replace(re.escape("{bid}"), r"(\d+)") + "$"))
+                for kind, p in HF_MODULES.items()]
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<half>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)$")
+
+# PEFT config features a GGUF LoRA cannot express: (key, value that is fine, why not)
+_REFUSED_OPTIONS: tuple[tuple[str, Any, str], ...] = (
+    ("use_dora", False, "DoRA's magnitude vectors have no GGUF LoRA equivalent; merge the adapter with peft "
+                        "(merge_and_unload) and convert the merged model instead"),
+    ("fan_in_fan_out", False, "fan_in_fan_out is for GPT-2 style Conv1D layers, which llama does not have"),
+    ("modules_to_save", None, "fully trained modules (modules_to_save) are not LoRA pairs; merge the adapter "
+                              "with peft and convert the merged model instead"),
+    ("lora_bias", False, "LoRA biases have no place in llama.cpp's adapter format"),
+    ("trainable_token_indices", None, "trainable token rows are not LoRA pairs"),
+)
+
+
+def hf_module_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj`` (GGTorchError if not adaptable)."""
+    parsed = names.parse_gguf_name(gguf_name)
+    if parsed is None or parsed[0] not in HF_MODULES:
+        raise GGTorchError(f"'{gguf_name}' has no LoRA counterpart in a Hugging Face llama; "
+                           f"adaptable tensors: {', '.join(HF_MODULES)}")
+    kind, bid = parsed
+    return HF_MODULES[kind].format(bid=bid)
+
+
+def gguf_tensor_name(hf_module: str) -> str | None:
+    """``model.layers.3.self_attn.q_proj`` -> ``blk.3.attn_q.weight``; None for an unknown module."""
+    for kind, pattern in _HF_PATTERNS:
+        m = pattern.match(hf_module)
+        if m:
+            return names.gguf_name(kind, int(m.group(1)) if m.groups() else None)
+    return None
+
+
+def hf_rows_to_gguf(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Reorder the rows of a q/k matrix (or its lora_B) from Hugging Face's layout to GGUF's."""
+    rest = t.shape[1:]
+    return t.reshape(n_head, 2, t.shape[0] // n_head // 2, *rest).transpose(1, 2).reshape(t.shape)
+
+
+def gguf_rows_to_hf(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of :func:`hf_rows_to_gguf`: per head, interleaved rope pairs back to two halves."""
+    rest = t.shape[1:]
+    return t.reshape(n_head, t.shape[0] // n_head // 2, 2, *rest).transpose(1, 2).reshape(t.shape)
+
+
+def _rope_heads(config: LlamaConfig) -> dict[str, int]:
+    """Heads whose rows the converter permuted, per tensor kind."""
+    return {"attn_q": config.n_head, "attn_k": config.n_head_kv}
+
+
+def _kind(gguf_name: str) -> str:
+    parsed = names.parse_gguf_name(gguf_name)
+    assert parsed is not None
+    return parsed[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# ggtorch adapter -> PEFT folder
+
+
+def export_peft(adapter: LoraAdapter, base: GGUFFile, out_dir: str | os.PathLike[str],
+                base_model_name: str | None = None, dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``adapter`` (for the GGUF ``base``) as a PEFT LoRA folder peft can load onto the HF model.
+
+    ``base_model_name`` goes to ``base_model_name_or_path``; by default the base's
+    ``general.source.huggingface.repository`` or ``general.name``.
+    """
+    validate_against_base(adapter, base)
+    config = LlamaConfig.from_gguf(base)
+    heads = _rope_heads(config)
+    tensors: dict[str, torch.Tensor] = {}
+    ranks: dict[str, int] = {}
+    for name, pair in adapter.pairs.items():
+        module = hf_module_name(name)
+        key = PEFT_PREFIX + module
+        kind = _kind(name)
+        if name == TOKEN_EMBD:
+            tensors[f"{key}.lora_embedding_A"] = pair.a.T
+            tensors[f"{key}.lora_embedding_B"] = pair.b
+        else:
+            b = gguf_rows_to_hf(pair.b, heads[kind]) if kind in heads else pair.b
+            tensors[f"{key}.lora_A.weight"] = pair.a
+            tensors[f"{key}.lora_B.weight"] = b
+        ranks[module] = pair.rank
+    r = Counter(ranks.values()).most_common(1)[0][0]
+    # alpha 0 means "scale 1" in GGUF LoRA: in PEFT that is alpha = r for every module
+    lora_alpha = adapter.alpha if adapter.alpha else r
+    alpha_pattern = {} if adapter.alpha else {m: k for m, k in ranks.items() if k != r}
+    peft_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name or str(
+            base.get("general.source.huggingface.repository") or base.get("general.name", base.path.stem)),
+        "r": r,
+        "lora_alpha": lora_alpha,
+        "rank_pattern": {m: k for m, k in ranks.items() if k != r},
+        "alpha_pattern": alpha_pattern,
+        "target_modules": _target_modules(ranks, config),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / WEIGHTS_FILE) as tmp:
+        save_file({k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={"format": "pt"})
+    with atomic_path(out / CONFIG_FILE) as tmp:
+        tmp.write_text(json.dumps(peft_config, indent=2) + "\n")
+    return out
+
+
+def _target_modules(ranks: dict[str, int], config: LlamaConfig) -> list[str]:
+    """Leaf names (``q_proj``) when each adapted leaf is adapted everywhere, else full module names.
+
+    PEFT wraps every module a target matches; full names keep it from wrapping modules the
+    adapter does not cover.
+    """
+    leaves = {m.rsplit(".", 1)[-1] for m in ranks}
+    every = {HF_MODULES[HF_LEAVES[leaf]].format(bid=i) for leaf in leaves for i in range(config.n_layer)}
+    return sorted(leaves) if every == set(ranks) else sorted(ranks)
+
+
+# ---------------------------------------------------------------------------------------------
+# PEFT folder -> ggtorch adapter
+
+
+def read_peft_config(peft_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """``adapter_config.json`` of a PEFT LoRA folder, checked for what GGUF LoRA can express."""
+    d = Path(peft_dir)
+    if not d.is_dir():
+        raise BadData(f"{d}: no such folder; pass a PEFT adapter folder (adapter_config.json + "
+                      f"{WEIGHTS_FILE})")
+    path = d / CONFIG_FILE
+    if not path.is_file():
+        raise BadData(f"{d}: not a PEFT adapter folder (no {CONFIG_FILE}); pass the folder that "
+                      "PeftModel.save_pretrained wrote")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadData(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise BadData(f"{path}: expected a JSON object")
+    peft_type = cfg.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise Unsupported(f"{path}: peft_type '{peft_type}' is not LoRA; only LoRA adapters convert to GGUF LoRA")
+    for key, fine, why in _REFUSED_OPTIONS:
+        value = cfg.get(key, fine)
+        if value not in (fine, None, False, [], {}):
+            raise Unsupported(f"{path}: {key} = {value!r}: {why}")
+    if cfg.get("bias", "none") != "none":
+        raise Unsupported(f"{path}: bias = '{cfg['bias']}': trained biases have no place in llama.cpp's adapter "
+                          "format (llama has no linear biases); train with bias='none'")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in HF_LEAVES]
+        if unknown:
+            raise Unsupported(f"{path}: target_modules {unknown} are not llama LoRA targets ggtorch knows; "
+                              f"supported: {', '.join(HF_LEAVES)}")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(cfg.get(key), (int, float)) or cfg[key] <= 0:
+            raise BadData(f"{path}: '{key}' must be a positive number, not {cfg.get(key)!r}")
+    return cfg
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's rank_pattern / alpha_pattern lookup: a key matches a module name or its dotted tail."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _read_peft_tensors(d: Path) -> dict[str, torch.Tensor]:
+    path = d / WEIGHTS_FILE
+    if not path.is_file():
+        if (d / PICKLE_WEIGHTS_FILE).is_file():
+            raise Unsupported(f"{d}: holds {PICKLE_WEIGHTS_FILE} (a pickle, which can run code when read); "
+                              f"re-save it with save_pretrained(..., safe_serialization=True) to get {WEIGHTS_FILE}")
+        raise BadData(f"{d}: no {WEIGHTS_FILE} beside {CONFIG_FILE}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise BadData(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _check_saved_base_layer(key: str, t: torch.Tensor, base: GGUFFile) -> None:
+    """peft saves embed_tokens / lm_head whole beside their LoRA (``save_embedding_layers``).
+
+    Like convert_lora_to_gguf.py, ggtorch ignores them: the GGUF base supplies those weights.
+    A copy of another shape means a resized vocabulary, which a LoRA on this base cannot carry.
+    """
+    module = key.removesuffix(BASE_LAYER_SUFFIX).removeprefix(PEFT_PREFIX)
+    name = gguf_tensor_name(module)
+    if name is None or name not in base.tensors:
+        raise Unsupported(f"'{key}': a saved copy of '{module}', which {base.path} does not have")
+    if tuple(t.shape) != base.tensors[name].shape:
+        raise GGTorchError(f"'{key}' has shape {tuple(t.shape)} but {base.path}'s {name} is "
+                           f"{base.tensors[name].shape}: the adapter was trained with a resized vocabulary "
+                           "or on another model; merge it with peft and convert the merged model instead")
+
+
+def import_peft(peft_dir: str | os.PathLike[str], base: GGUFFile) -> LoraAdapter:
+    """A PEFT LoRA folder as a GGUF LoRA adapter for ``base``, checked against it."""
+    d = Path(peft_dir)
+    cfg = read_peft_config(d)
+    config = LlamaConfig.from_gguf(base)
+    heads = _rope_heads(config)
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    modules: dict[str, str] = {}  # gguf name -> HF module
+    for key, t in _read_peft_tensors(d).items():
+        if key.endswith(BASE_LAYER_SUFFIX):
+            _check_saved_base_layer(key, t, base)
+            continue
+        m = _LORA_KEY.match(key)
+        if m is None:
+            raise Unsupported(f"{d / WEIGHTS_FILE}: tensor '{key}' is not a LoRA A/B weight "
+                              "(biases, DoRA magnitudes and saved base modules cannot go into a GGUF LoRA)")
+        module = m.group("module").removeprefix(PEFT_PREFIX)
+        name = gguf_tensor_name(module)
+        if name is None:
+            raise Unsupported(f"{d / WEIGHTS_FILE}: '{key}' adapts '{module}', which is not a llama module "
+                              f"ggtorch knows (supported: {', '.join(HF_LEAVES)} of a LlamaForCausalLM)")
+        half = "a" if "A" in m.group("half") else "b"
+        if (name == TOKEN_EMBD) != ("embedding" in m.group("half")):
+            raise BadData(f"{d / WEIGHTS_FILE}: '{key}': embed_tokens carries lora_embedding_A/B, "
+                          "linear layers lora_A/B.weight")
+        halves.setdefault(name, {})[half] = t.float()
+        modules[name] = module
+    if not halves:
+        raise BadData(f"{d / WEIGHTS_FILE}: holds no LoRA tensors")
+    output = names.gguf_name("output")
+    if output in halves and output not in base.tensors:
+        raise GGTorchError(f"{d}: the adapter changes lm_head, but {base.path} ties its output to the token "
+                           "embeddings (no output.weight); llama.cpp cannot apply it")
+
+    lora_alpha = float(cfg["lora_alpha"])
+    rank_pattern = cfg.get("rank_pattern") or {}
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+    pairs: dict[str, LoraPair] = {}
+    for name, h in halves.items():
+        if set(h) != {"a", "b"}:
+            raise BadData(f"{d / WEIGHTS_FILE}: '{modules[name]}' has no lora_{'B' if 'a' in h else 'A'}; "
+                          "the adapter is incomplete")
+        if h["a"].dim() != 2 or h["b"].dim() != 2:
+            raise BadData(f"{d / WEIGHTS_FILE}: '{modules[name]}' lora_A/lora_B must be matrices")
+        if name == TOKEN_EMBD:
+            a, b = h["a"].T.contiguous(), h["b"]
+        else:
+            a, b = h["a"], h["b"]
+            kind = _kind(name)
+            if kind in heads and b.shape[0] % (2 * heads[kind]) == 0:  # else validation names the shape
+                b = hf_rows_to_gguf(b, heads[kind])
+        rank = int(b.shape[-1])
+        stated = int(_pattern_value(rank_pattern, modules[name], cfg["r"]))
+        if rank != stated:
+            raise BadData(f"{d}: '{modules[name]}' has rank {rank} in {WEIGHTS_FILE} but {stated} in {CONFIG_FILE}")
+        alpha = float(_pattern_value(alpha_pattern, modules[name], lora_alpha))
+        peft_scale = alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
+        fold = peft_scale / (lora_alpha / rank)
+        pairs[name] = LoraPair(a.contiguous(), (b * fold if fold != 1.0 else b).contiguous())
+
+    metadata = {
+        "general.name": f"{d.resolve().name} (PEFT)",
+        "adapter.base_model": str(base.get("general.name", base.path.stem)),
+        "adapter.peft.base_model_name_or_path": str(cfg.get("base_model_name_or_path") or ""),
+    }
+    adapter = LoraAdapter(base.architecture, lora_alpha, pairs, metadata)
+    validate_against_base(adapter, base, str(d))
+    return adapter
