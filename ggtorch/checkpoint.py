@@ -177,6 +177,16 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         packed = json.loads(f.require("training.state"))
     except json.JSONDecodeError as e:
         raise BadGGUF(f"{f.path}: corrupt training state ({e})") from None
+    try:
+        return _decode(f, packed)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        # json and tensor shapes that the GGUF layer cannot vouch for: a corrupt or edited file
+        raise BadGGUF(f"{f.path}: corrupt training state ({type(e).__name__}: {e}); "
+                      "use an earlier checkpoint or start fresh") from None
+
+
+def _decode(f: GGUFFile, packed: Any) -> Checkpoint:
+    """The checkpoint's tensors and state from a parsed file and its packed state."""
     dtypes = _tensor_dtypes(packed)
     tensors: dict[str, torch.Tensor] = {}
     state_tensors: dict[str, torch.Tensor] = {}
@@ -193,7 +203,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         raise BadGGUF(f"{f.path}: checkpoint is missing state tensors {sorted(missing)[:3]}; it is corrupt")
     state = _unpack(packed, state_tensors)
     meta = {k: v for k, v in f.metadata.items() if k != "training.state"}
-    return Checkpoint(Path(path), meta, tensors, state)
+    return Checkpoint(Path(f.path), meta, tensors, state)
 
 
 def _tensor_dtypes(packed: Any) -> dict[str, tuple[str, list[int]]]:

@@ -332,7 +332,11 @@ class Tokenizer:
             else:
                 piece.type = piece_type.NORMAL
         sp = spm.SentencePieceProcessor()
-        sp.LoadFromSerializedProto(proto.SerializeToString())
+        try:
+            sp.LoadFromSerializedProto(proto.SerializeToString())
+        except RuntimeError as e:  # sentencepiece refuses e.g. a piece holding a NUL byte
+            raise BadGGUF(f"the vocabulary (tokenizer.ggml.tokens) is corrupt: {e}; "
+                          "re-download or re-convert the model") from None
         return sp
 
     def _build_byte_level_bpe(self, f: GGUFFile) -> HFTokenizer:
