@@ -74,7 +74,8 @@ def test_qk_row_permutation_matches_llama_cpps_converter() -> None:
         assert not torch.equal(hf_rows_to_gguf(w, n_head), w)
 
 
-def _adapter_variants(base_path: Path) -> dict[str, tuple[LoraAdapter, float]]:
+@pytest.fixture(scope="module")
+def adapter_variants(base_path: Path) -> dict[str, tuple[LoraAdapter, float]]:
     """(adapter, scale ggtorch applies it at) for each case: the export must bake the scale in."""
     f, model = trained_looking_model(base_path, ranks={"attn_q": 2, "attn_k": 3, "ffn_down": 8})
     mixed = adapter_from_model(model, f, {"general.name": "mixed ranks"})
@@ -92,10 +93,11 @@ def _adapter_variants(base_path: Path) -> dict[str, tuple[LoraAdapter, float]]:
 
 @pytest.mark.parametrize("variant", ["mixed_ranks", "alpha0", "layer0_attn"])
 def test_transformers_with_exported_peft_folder_equals_ggtorch(base_path: Path, hf_model: torch.nn.Module,
-                                                               tmp_path: Path, variant: str) -> None:
+                                                               adapter_variants: dict, tmp_path: Path,
+                                                               variant: str) -> None:
     from peft import PeftModel
 
-    adapter, scale = _adapter_variants(base_path)[variant]
+    adapter, scale = adapter_variants[variant]
     f = read_gguf(base_path)
     tokens = random_tokens(32000, N_TOKENS)
     ours_model = load_adapter_into(build_llama(f, LlamaConfig.from_gguf(f)), f, [(adapter, scale)])
