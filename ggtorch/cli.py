@@ -17,6 +17,7 @@ from typing import Any
 import click
 import torch
 
+from .cli_export import convert_old_lora, export_lora
 from .cli_finetune import finetune, plot
 from .cli_peft import convert_lora, export_peft_cmd
 from .errors import BadData, BadFlag, GGTorchError
@@ -172,3 +173,5 @@ main.add_command(finetune)
 main.add_command(plot)
 main.add_command(convert_lora)
 main.add_command(export_peft_cmd)
+main.add_command(export_lora)
+main.add_command(convert_old_lora)

@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "export": 8,
     "api": 9,
     "cli_finetune": 10,
+    "cli_export": 10,
     "cli_peft": 10,
     "cli": 11,
     "__main__": 12,

@@ -1,0 +1,196 @@
+"""Merge LoRA adapters into a GGUF model: ``W + Σ user_scale·(alpha/r)·B·A`` (llama.cpp's export-lora).
+
+Sources: GGUF LoRA adapters, ggtorch training checkpoints (whose norm-gain adapters only a
+merge can keep) and the old llama.cpp finetune's adapters/checkpoints. The output carries
+every metadata key (with its GGUF type) and every untouched tensor byte for byte; merged
+tensors are computed in f32 and written in the chosen type, one tensor at a time (the writer
+pulls them from a generator), so peak memory is about one tensor.
+
+``outtype="same"`` writes each merged tensor in its base type when ggtorch quantizes that type
+bit-exactly like llama.cpp (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, ...); K-quant and IQ
+tensors become Q8_0 (finer than any of them; F16 if rows are not a multiple of 32), unlike
+llama.cpp's export-lora, which turns every merged non-F32 tensor into F16.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from ..adapters import NORM_SUFFIX, LoraAdapter, LoraPair, read_adapter, validate_against_base
+from ..checkpoint import CHECKPOINT_TYPE, load_checkpoint
+from ..errors import BadGGUF, GGTorchError, Unsupported
+from ..gguf_io import GGUFFile, read_gguf, write_gguf_streaming
+from ..quant import dequantize
+from ..quant.quantize import fallback_type, quantize
+from .old_formats import OLD_CHECKPOINT_TYPE, LoraWithNorms, is_ggla, read_old
+
+T = GGMLQuantizationType
+
+OUTTYPES: dict[str, GGMLQuantizationType | None] = {
+    "same": None, "f32": T.F32, "f16": T.F16, "bf16": T.BF16,
+    "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q5_0": T.Q5_0, "q5_1": T.Q5_1,
+}
+_FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+# llama_ftype of a file whose big tensors are mostly of one type
+_FILE_TYPES = {T.F32: 0, T.F16: 1, T.Q4_0: 2, T.Q4_1: 3, T.Q8_0: 7, T.Q5_0: 8, T.Q5_1: 9, T.BF16: 32}
+
+
+@dataclass
+class MergeSource:
+    """One adapter to merge, with its user scale; ``norms`` are gain deltas Δg = s·(b @ a)[0]."""
+
+    path: Path
+    adapter: LoraAdapter
+    norms: dict[str, LoraPair]
+    user_scale: float = 1.0
+
+
+@dataclass
+class MergePlan:
+    """What a merge writes: merged tensor name -> (base type, written type), and general.file_type."""
+
+    merged: dict[str, tuple[GGMLQuantizationType, GGMLQuantizationType]]
+    file_type: int | None
+
+    def fallbacks(self) -> Counter[tuple[GGMLQuantizationType, GGMLQuantizationType]]:
+        """(base type, written type) -> count, for merged tensors not written in their base type."""
+        return Counter(v for v in self.merged.values() if v[0] != v[1])
+
+
+def read_source(path: str | os.PathLike[str], user_scale: float = 1.0) -> MergeSource:
+    """Any file that holds a LoRA: GGUF adapter, ggtorch checkpoint, old ggla adapter or checkpoint."""
+    path = Path(path)
+    if not path.is_file():
+        raise GGTorchError(f"{path}: no such adapter file")
+    if is_ggla(path):
+        return _from_old(path, read_old(path), user_scale)
+    f = read_gguf(path)
+    kind = f.get("training.type")
+    if kind == CHECKPOINT_TYPE:
+        return _from_checkpoint(path, user_scale)
+    if kind == OLD_CHECKPOINT_TYPE:
+        return _from_old(path, read_old(path), user_scale)
+    if f.get("general.type") == "adapter" and f.get("adapter.type") == "lora":
+        return MergeSource(path, read_adapter(path), {}, user_scale)
+    raise BadGGUF(f"{path}: not a LoRA adapter (general.type = '{f.get('general.type', 'model')}'); "
+                  "pass a GGUF LoRA, a ggtorch checkpoint or an old finetune lora-*.bin / checkpoint")
+
+
+def _from_old(path: Path, old: LoraWithNorms, user_scale: float) -> MergeSource:
+    return MergeSource(path, old.adapter, old.norms, user_scale)
+
+
+def _from_checkpoint(path: Path, user_scale: float) -> MergeSource:
+    """A ggtorch checkpoint: matrices scaled alpha/r as trained, norms with scale 1."""
+    ck = load_checkpoint(path)
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in ck.tensors.items():
+        if name.endswith((".lora_a", ".lora_b")):
+            base, suffix = name.rsplit(".", 1)
+            halves.setdefault(base, {})[suffix] = t
+    pairs, norms = {}, {}
+    for base, h in halves.items():
+        if set(h) != {"lora_a", "lora_b"}:
+            raise BadGGUF(f"{path}: '{base}' has only one of its LoRA halves; the checkpoint is incomplete")
+        (norms if base.endswith(NORM_SUFFIX) else pairs)[base] = LoraPair(h["lora_a"].float(), h["lora_b"].float())
+    if not halves:
+        raise BadGGUF(f"{path}: the checkpoint holds no LoRA tensors")
+    alpha = float(ck.metadata.get("training.lora.alpha", 0.0))
+    arch = str(ck.metadata.get("training.base.architecture", "llama"))
+    return MergeSource(path, LoraAdapter(arch, alpha, pairs), norms, user_scale)
+
+
+def validate_source(src: MergeSource, base: GGUFFile) -> None:
+    """llama.cpp's adapter checks for the matrices, and the same for norm gains."""
+    validate_against_base(src.adapter, base, str(src.path))
+    for name, pair in src.norms.items():
+        info = base.tensors.get(name)
+        if info is None or len(info.shape) != 1:
+            raise GGTorchError(f"{src.path}: norm adapter '{name}' has no 1-D tensor of that name in {base.path}")
+        rank = pair.b.shape[-1]
+        if tuple(pair.a.shape) != (rank, info.shape[0]) or tuple(pair.b.shape) != (1, rank):
+            raise GGTorchError(f"{src.path}: norm adapter '{name}' lora_a {tuple(pair.a.shape)} / lora_b "
+                               f"{tuple(pair.b.shape)} do not fit the gain of {info.shape[0]} values "
+                               f"(expected {(rank, info.shape[0])} / {(1, rank)}); "
+                               "the adapter was made for another model")
+
+
+def plan_merge(base: GGUFFile, sources: list[MergeSource], outtype: str = "same") -> MergePlan:
+    """Which tensors get merged and in which type they are written."""
+    if outtype not in OUTTYPES:
+        raise Unsupported(f"--outtype '{outtype}' is not supported; use one of {', '.join(OUTTYPES)}")
+    targets = {n for s in sources for n in (*s.adapter.pairs, *s.norms)}
+    requested = OUTTYPES[outtype]
+    merged = {}
+    for name, info in base.tensors.items():
+        if name not in targets:
+            continue
+        if len(info.shape) == 1:  # norm gains stay float (F32 unless the base had F16/BF16)
+            out = info.ggml_type if info.ggml_type in _FLOAT_TYPES and requested is None else T.F32
+        else:
+            out = fallback_type(requested or info.ggml_type, info.shape)
+        merged[name] = (info.ggml_type, out)
+    return MergePlan(merged, _file_type(base, merged))
+
+
+def _file_type(base: GGUFFile, merged: dict[str, tuple[GGMLQuantizationType, GGMLQuantizationType]]) -> int | None:
+    """general.file_type after the merge: kept while the dominant matrix type is unchanged, else that type's."""
+    def dominant(types: dict[str, GGMLQuantizationType]) -> GGMLQuantizationType | None:
+        counts: Counter[GGMLQuantizationType] = Counter()
+        for name, info in base.tensors.items():
+            if len(info.shape) >= 2:
+                counts[types.get(name, info.ggml_type)] += info.n_elements
+        return counts.most_common(1)[0][0] if counts else None
+
+    before = dominant({})
+    after = dominant({n: out for n, (_, out) in merged.items()})
+    current = base.get("general.file_type")
+    if after == before or after not in _FILE_TYPES:
+        return current
+    return _FILE_TYPES[after]
+
+
+def merged_weight(base: GGUFFile, name: str, sources: list[MergeSource]) -> torch.Tensor:
+    """The base tensor in f32 plus every source's delta, added in order as llama.cpp does."""
+    info = base.tensors[name]
+    w = dequantize(info.raw(), info.ggml_type, info.shape, torch.float32, name=name)
+    for src in sources:
+        if name in src.adapter.pairs:
+            w = src.adapter.delta(name, src.user_scale) + w
+        elif name in src.norms:
+            pair = src.norms[name]
+            w = (pair.b @ pair.a)[0] * src.user_scale + w
+    return w
+
+
+def merge_to_gguf(base_path: str | os.PathLike[str], sources: list[MergeSource], out_path: str | os.PathLike[str],
+                  outtype: str = "same") -> MergePlan:
+    """Write ``out_path``: the base model with every source merged in (atomically, streamed)."""
+    base = read_gguf(base_path)
+    if not sources:
+        raise GGTorchError("no adapters to merge; pass --lora FILE or --lora-scaled FILE SCALE")
+    for src in sources:
+        validate_source(src, base)
+    plan = plan_merge(base, sources, outtype)
+    infos = [(n, plan.merged[n][1] if n in plan.merged else t.ggml_type, t.shape) for n, t in base.tensors.items()]
+
+    def data() -> Iterator[np.ndarray]:
+        for name, info in base.tensors.items():
+            if name in plan.merged:
+                yield quantize(merged_weight(base, name, sources), plan.merged[name][1], name)
+            else:
+                yield info.data
+
+    metadata = dict(base.metadata)
+    if plan.file_type is not None:
+        metadata["general.file_type"] = plan.file_type
+    write_gguf_streaming(out_path, base.architecture, metadata, infos, data(), base.value_types)
+    return plan
