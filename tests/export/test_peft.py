@@ -36,8 +36,9 @@ SHAPE = RandomLlamaShape(n_embd=256, n_ff=768, n_layer=2, n_head=8, n_head_kv=4)
 N_TOKENS = 32
 TOL = 1e-4
 """All three (ggtorch, transformers, llama.cpp) compute in f32 with f32 adapters: only summation
-order differs. Measured max |Δlogit| ≈ 1e-5 (transformers+peft vs ggtorch) and ≈ 2e-5 (llama.cpp
-with the converted adapter vs peft), on logits of std ~4."""
+order differs. Measured max |Δlogit| ≤ 8.6e-6 (transformers+peft vs ggtorch) and ≤ 1.9e-5 (llama.cpp
+with the converted adapter vs peft; 4.3e-3 with an f16 adapter), on logits of std ~4 that the
+adapters move by 9-24."""
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -133,6 +134,7 @@ def test_peft_adapter_survives_convert_lora_into_llama_cpp(base_path: Path, hf_m
                                                            tol: float) -> None:
     from peft import LoraConfig, get_peft_model
 
+    torch.manual_seed(0)  # peft draws lora_A from torch's global generator
     peft_model = get_peft_model(copy.deepcopy(hf_model), LoraConfig(task_type="CAUSAL_LM", **PEFT_CONFIGS[case]))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
