@@ -20,6 +20,7 @@ import torch
 from .cli_export import convert_old_lora, export_lora
 from .cli_finetune import finetune, plot
 from .cli_peft import convert_lora, export_peft_cmd
+from .cli_train import train
 from .errors import BadData, BadFlag, GGTorchError
 from .gguf_io import read_gguf
 from .inference import SamplingParams, iter_tokens, perplexity
@@ -171,7 +172,8 @@ def _read_text(path: str) -> str:
 # Commands defined in their own modules (one job each), registered on the group here.
 main.add_command(finetune)
 main.add_command(plot)
-main.add_command(convert_lora)
-main.add_command(export_peft_cmd)
+main.add_command(train)
 main.add_command(export_lora)
 main.add_command(convert_old_lora)
+main.add_command(convert_lora)
+main.add_command(export_peft_cmd)

@@ -139,11 +139,13 @@ IGNORED_FLAGS = {_param_name(decls, None): " / ".join(decls[-1].split("/")) if "
 
 
 class GroupedCommand(click.Command):
-    """A command whose --help lists options under the old program's headings."""
+    """A command whose --help lists options under the old program's headings (``groups``)."""
+
+    groups: list[tuple[str, list[Option]]] = GROUPS
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         by_name = {p.name: p for p in self.get_params(ctx)}
-        for title, options in GROUPS:
+        for title, options in self.groups:
             rows = [by_name[_param_name(decls, field)].get_help_record(ctx) for decls, field, _, _ in options]
             with formatter.section(title):
                 formatter.write_dl([r for r in rows if r])
@@ -153,8 +155,8 @@ class GroupedCommand(click.Command):
                 formatter.write_dl([help_option.get_help_record(ctx)])
 
 
-def _options(fn: Any) -> Any:
-    for _, options in reversed(GROUPS):
+def _options(fn: Any, groups: list[tuple[str, list[Option]]] = GROUPS) -> Any:
+    for _, options in reversed(groups):
         for decls, field, kind, help_text in reversed(options):
             name = _param_name(decls, field)
             if kind == "flag":
@@ -166,12 +168,17 @@ def _options(fn: Any) -> Any:
     return fn
 
 
-def config_from_cli(ctx: click.Context, values: dict[str, Any]) -> tuple[FinetuneConfig, list[str]]:
-    """Old defaults < --config file < flags given on the command line; notes for ignored flags."""
+def config_from_cli(ctx: click.Context, values: dict[str, Any],
+                    config_cls: type[FinetuneConfig] = FinetuneConfig) -> tuple[FinetuneConfig, list[str]]:
+    """Old defaults < --config file < flags given on the command line; notes for ignored flags.
+
+    ``config_cls`` is FinetuneConfig or a subclass (``ggtorch train``'s TrainConfig, which checks
+    its own required inputs).
+    """
     notes = []
     options: dict[str, Any] = {}
     if values.get("ignored_config"):
-        options.update(read_config_file(values["ignored_config"], FinetuneConfig.field_names()))
+        options.update(read_config_file(values["ignored_config"], config_cls.field_names()))
     for name, value in values.items():
         if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE or value is None:
             continue
@@ -182,9 +189,9 @@ def config_from_cli(ctx: click.Context, values: dict[str, Any]) -> tuple[Finetun
                              + (" (use --device cuda)" if "gpu" in name else ""))
             continue
         options[name] = value
-    if not options.get("model_base"):
+    if config_cls is FinetuneConfig and not options.get("model_base"):
         raise BadFlag("--model-base is required: the GGUF model to finetune")
-    return FinetuneConfig(**options), notes
+    return config_cls(**options), notes
 
 
 def _hms(seconds: float) -> str:

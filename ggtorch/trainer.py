@@ -19,6 +19,7 @@ import functools
 import math
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -35,13 +36,16 @@ from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .data import DataOptions, TrainingData, read_text_file
 from .errors import BadFlag, GGTorchError
 from .finetune_config import FinetuneConfig
-from .gguf_io import read_gguf
+from .gguf_io import GGUFFile, read_gguf
 from .lora import LoraConfig, attach_lora, load_lora_tensors, lora_tensors_by_gguf_name, trainable_parameters
 from .models.config import LlamaConfig
 from .models.llama import Block
-from .models.loader import build_llama
+from .models.loader import FLOAT_TYPES, build_llama
+from .models.names import ROPE_FREQS
 from .models.tokenizer import Tokenizer
 from .optim import AdamConfig, GGMLAdamW
+from .scratch import full_trainable_parameters, new_config, write_model, write_new_model
+from .train_config import TrainConfig
 from .train_log import TrainLog
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -119,7 +123,12 @@ def enable_block_checkpointing(model: torch.nn.Module) -> int:
 
 
 class Trainer:
-    """A LoRA finetune run; ``train()`` runs ``adam_iter`` steps, stoppable and resumable."""
+    """A training run; ``train()`` runs ``adam_iter`` steps, stoppable and resumable.
+
+    A :class:`FinetuneConfig` trains LoRA adapters on a (possibly quantized) base. A
+    :class:`TrainConfig` trains every weight (``self.full``) of an F32/F16/BF16 base or of a new
+    model over a vocabulary: checkpoints then hold all weights, and the output is a GGUF model.
+    """
 
     def __init__(self, config: FinetuneConfig, callbacks: Sequence[Callback] = (), *,
                  log_records: bool = True) -> None:
@@ -130,9 +139,11 @@ class Trainer:
         self.device = resolve_device(c.device)
         self.seed = c.seed if c.seed >= 0 else int(time.time()) & 0xFFFFFFFF
         torch.manual_seed(self.seed)  # dropout masks; a resumed run restores the RNG state instead
+        self.full = isinstance(c, TrainConfig)
         self._check_outputs_writable()
 
-        self.base = read_gguf(c.model_base)
+        self._scratch_dir: tempfile.TemporaryDirectory[str] | None = None
+        self.base = self._open_full_base() if self.full else read_gguf(c.model_base)
         self.model_config = dataclasses.replace(LlamaConfig.from_gguf(self.base), **self._model_overrides())
         self.tokenizer = Tokenizer.from_gguf(self.base)
         self.model = build_llama(self.base, self.model_config, self.device,
@@ -144,10 +155,11 @@ class Trainer:
             self.warnings.append(f"--ctx {c.ctx} is above the model's training context {n_ctx_train}; "
                                  "quality beyond it is not what the model learned")
 
-        self.lora_config = LoraConfig.from_finetune(c)
-        attach_lora(self.model, self.lora_config, seed=self.seed)
+        self.lora_config = None if self.full else LoraConfig.from_finetune(c)
+        if self.lora_config is not None:
+            attach_lora(self.model, self.lora_config, seed=self.seed)
         self.model.to(self.device)
-        self.params = trainable_parameters(self.model)
+        self.params = full_trainable_parameters(self.model) if self.full else trainable_parameters(self.model)
         self.optimizer = GGMLAdamW(self.params, AdamConfig.from_finetune(c))
         self.data = TrainingData(read_text_file(c.train_data, "--train-data"), self.tokenizer,
                                  n_ctx=c.ctx, options=DataOptions.from_finetune(c), seed=self.seed,
@@ -177,6 +189,37 @@ class Trainer:
         return {k: v for k, v in (("rms_eps", c.norm_rms_eps), ("rope_freq_base", c.rope_freq_base),
                                   ("rope_freq_scale", c.rope_freq_scale)) if v is not None}
 
+    def _open_full_base(self) -> GGUFFile:
+        """The model full training starts from: --model-base (float only), or a new one over --vocab-model.
+
+        A new model is written (initialized as train-text-from-scratch did) to a temporary file
+        and read back, so both cases continue on the same path as a base GGUF.
+        """
+        c = self.config
+        assert isinstance(c, TrainConfig)
+        if c.model_base:
+            base = read_gguf(c.model_base)
+            quantized = [(n, t.ggml_type.name) for n, t in base.tensors.items() if t.ggml_type not in FLOAT_TYPES]
+            if quantized:
+                raise BadFlag(f"--model-base {c.model_base}: tensor '{quantized[0][0]}' is {quantized[0][1]}; full "
+                              "training needs an F32/F16/BF16 model. Train LoRA adapters on a quantized model "
+                              "with `ggtorch finetune`")
+            return base
+        vocab = read_gguf(c.vocab_model)
+        config = new_config(vocab, n_embd=c.embd, n_ff=c.ff, n_head=c.head, n_head_kv=c.n_head_kv,
+                            n_layer=c.layer, n_ctx=c.ctx, rms_eps=c.norm_rms_eps or 1e-5,
+                            rope_freq_base=c.rope_freq_base or 10000.0, rope_freq_scale=c.rope_freq_scale or 1.0)
+        self._scratch_dir = tempfile.TemporaryDirectory(prefix="ggtorch-scratch-")
+        path = write_new_model(Path(self._scratch_dir.name) / "init.gguf", vocab, config, self.seed)
+        return read_gguf(path)
+
+    def model_tensors(self) -> dict[str, torch.Tensor]:
+        """GGUF name -> current weight of a fully trained model, in the base file's tensor order."""
+        trained = {name: p.detach() for name, p, _ in self.params}
+        if self.model.rope_freqs is not None:
+            trained[ROPE_FREQS] = self.model.rope_freqs
+        return {name: trained[name] for name in self.base.tensors}
+
     def state(self) -> dict[str, Any]:
         """Everything besides the LoRA tensors that an exact resume needs."""
         return {
@@ -189,6 +232,26 @@ class Trainer:
 
     def _resume(self, ck: Checkpoint) -> None:
         ck.check_base(self.base)
+        if self.full:
+            self._load_full_weights(ck)
+        else:
+            self._load_lora(ck)
+        self.optimizer.load_state_dict(ck.state["optimizer"])
+        self.warnings += self.data.load_state_dict(ck.state["data"], force_reshuffle=self.config.force_reshuffle)
+        self.counters = dict(ck.state["counters"])
+        torch.set_rng_state(ck.state["torch_rng"])
+        self.resumed_from = ck.path
+
+    def _load_full_weights(self, ck: Checkpoint) -> None:
+        if ck.metadata.get("training.mode") != "full":
+            raise BadFlag(f"--checkpoint-in {ck.path}: a LoRA finetune checkpoint; resume it with `ggtorch finetune`")
+        for name, p, _ in self.params:
+            if name not in ck.tensors:
+                raise BadFlag(f"--checkpoint-in {ck.path}: no weight '{name}' in it; it belongs to another model")
+            with torch.no_grad():
+                p.copy_(ck.tensors[name])
+
+    def _load_lora(self, ck: Checkpoint) -> None:
         ranks = {k: v for k, v in ck.metadata.items() if k.startswith("training.lora.")}
         mine = self.lora_config.metadata()
         if ranks != mine:
@@ -197,16 +260,11 @@ class Trainer:
                           f"({', '.join(f'{k}: checkpoint {ranks.get(k)} vs flags {mine.get(k)}' for k in diff[:3])}); "
                           "pass the same --lora-r/--rank-*/--lora-alpha as the run that wrote it")
         load_lora_tensors(self.model, ck.tensors)
-        self.optimizer.load_state_dict(ck.state["optimizer"])
-        self.warnings += self.data.load_state_dict(ck.state["data"], force_reshuffle=self.config.force_reshuffle)
-        self.counters = dict(ck.state["counters"])
-        torch.set_rng_state(ck.state["torch_rng"])
-        self.resumed_from = ck.path
 
     # --- files -------------------------------------------------------------------------
     def _outputs(self) -> list[str]:
         c = self.config
-        return [t for t in (c.checkpoint_out, c.lora_out) if t]
+        return [t for t in (c.checkpoint_out, c.lora_out, getattr(c, "model_out", "")) if t]
 
     def _log_path(self) -> Path:
         if self.config.log_file:
@@ -226,21 +284,30 @@ class Trainer:
                               "choose another --checkpoint-out / --lora-out")
 
     def save(self, checkpoint: bool = True) -> list[Path]:
-        """Write checkpoint and adapter, each under its iteration name and its LATEST name.
+        """Write checkpoint and adapter (full training: model), each under its iteration and LATEST name.
 
-        ``checkpoint=False`` writes only the adapter (``--only-write-lora``).
+        ``checkpoint=False`` writes only the adapter or model (``--only-write-lora/-model``).
         """
         c = self.config
         written: list[Path] = []
         names = [str(self.iteration), c.fn_latest]
         if c.checkpoint_out and checkpoint:
-            tensors = lora_tensors_by_gguf_name(self.model)  # norm pairs included
-            meta = {**self.lora_config.metadata(), **self._counter_metadata()}
+            if self.lora_config is None:
+                tensors = {name: p.detach() for name, p, _ in self.params}
+                meta: dict[str, Any] = {"training.mode": "full", **self._counter_metadata()}
+            else:
+                tensors = lora_tensors_by_gguf_name(self.model)  # norm pairs included
+                meta = {**self.lora_config.metadata(), **self._counter_metadata()}
             for value in dict.fromkeys(names):
                 path = Path(output_name(c.checkpoint_out, c.pattern_fn_it, value))
                 save_checkpoint(path, self.base, meta, tensors, self.state())
                 written.append(path)
-        if c.lora_out:
+        if self.full and c.model_out:
+            model_tensors = self.model_tensors()
+            for value in dict.fromkeys(names):
+                written.append(write_model(output_name(c.model_out, c.pattern_fn_it, value), self.base.metadata,
+                                           self.base.value_types, model_tensors, c.outtype))
+        elif c.lora_out:
             adapter = adapter_from_model(self.model, self.base, self._adapter_metadata(), drop_norms=c.drop_norms)
             for value in dict.fromkeys(names):
                 written.append(write_adapter(output_name(c.lora_out, c.pattern_fn_it, value), adapter))
@@ -384,6 +451,9 @@ class Trainer:
 
     def close(self) -> None:
         self.log.close()
+        if self._scratch_dir is not None:
+            self._scratch_dir.cleanup()
+            self._scratch_dir = None
 
 
 class _sigint_requests_stop:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ggtorch"
 
-LAYERS: dict[str, int] = {
+LAYERS: dict[str, float] = {
     "errors": 0,
     "mt19937": 0,
     "gguf_io": 1,
@@ -21,17 +21,20 @@ LAYERS: dict[str, int] = {
     "lora": 4,
     "inference": 4,
     "adapters": 5,
+    "scratch": 5,
     "data": 6,
     "optim": 6,
     "checkpoint": 7,
     "finetune_config": 7,
+    "train_config": 7.5,  # extends finetune_config, below trainer
     "train_log": 7,
     "trainer": 8,
     "export": 8,
     "api": 9,
     "cli_finetune": 10,
-    "cli_export": 10,
     "cli_peft": 10,
+    "cli_export": 10,
+    "cli_train": 10.5,  # reuses cli_finetune's option table
     "cli": 11,
     "__main__": 12,
     "__init__": 12,

@@ -1,0 +1,184 @@
+"""Full-finetune throughput: ggtorch's ``train --model-base`` vs llama.cpp's own training, same model/data/ctx.
+
+llama.cpp side: ``llama_opt_init`` + ``llama_opt_epoch`` as llama.cpp's examples/training/finetune.cpp
+calls them, through llama-cpp-python's context and model pointers. What the Python binding
+lacks is reached with ctypes in the libraries llama-cpp-python installs:
+- ``ggml_opt_dataset_init`` / ``ggml_opt_dataset_data`` / ``_labels`` / ``ggml_get_data`` build the
+  dataset as common_opt_dataset_init does (datapoint i = tokens[i*stride : i*stride+ctx], labels
+  shifted by one);
+- llama-cpp-python 0.3.36's ``llama_opt_params`` misses the trailing ``optimizer_type`` field of
+  llama.h, so the struct is declared here in full (AdamW);
+- a ctypes callback cannot return a C struct by value, so the optimizer parameters come from
+  ggml's own ``ggml_opt_get_constant_optimizer_params`` reading a struct we own.
+
+llama.cpp trains one sequence of ``ctx`` tokens per optimizer step (n_batch = n_ubatch = ctx,
+so K and V get gradients); ggtorch runs the same shape (batch 1, one step per sequence), f32.
+Each side trains every weight; the first steps (graph allocation / warm-up) are not timed.
+
+Usage: python bench/bench_full_finetune.py [--model M.gguf] [--ctx 256] [--steps 8] [--threads 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHARED = Path(os.environ.get("GGTORCH_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+GGML_TYPE_I32 = 26
+GGML_TYPE_F32 = 0
+
+
+class OptimizerParams(ctypes.Structure):
+    """ggml_opt_optimizer_params (ggml-opt.h)."""
+
+    _fields_ = [("alpha", ctypes.c_float), ("beta1", ctypes.c_float), ("beta2", ctypes.c_float),
+                ("eps", ctypes.c_float), ("wd", ctypes.c_float), ("sgd_alpha", ctypes.c_float),
+                ("sgd_wd", ctypes.c_float)]
+
+
+def _opt_params_struct(llama_cpp: object) -> type[ctypes.Structure]:
+    class LlamaOptParams(ctypes.Structure):
+        """llama_opt_params as llama.h declares it (with optimizer_type)."""
+
+        _fields_ = [("n_ctx_train", ctypes.c_uint32), ("param_filter", llama_cpp.llama_opt_param_filter),
+                    ("param_filter_ud", ctypes.c_void_p), ("get_opt_pars", ctypes.c_void_p),
+                    ("get_opt_pars_ud", ctypes.c_void_p), ("optimizer_type", ctypes.c_int)]
+
+    return LlamaOptParams
+
+
+def bench_llama_cpp(model: Path, tokens: list[int], ctx: int, steps: int, warmup: int, threads: int) -> float:
+    """Tokens/s of llama.cpp's full finetune (llama_opt_epoch over ``warmup + steps`` sequences)."""
+    import llama_cpp
+
+    libdir = Path(llama_cpp.__file__).parent / "lib"
+    ggml_base = ctypes.CDLL(str(libdir / "libggml-base.so"))
+    ggml = ctypes.CDLL(str(libdir / "libggml.so"))
+    for lib in (ggml_base, ggml):
+        if hasattr(lib, "ggml_opt_dataset_init"):
+            opt = lib
+            break
+    else:
+        raise RuntimeError("ggml_opt_dataset_init is in none of llama-cpp-python's ggml libraries")
+    opt.ggml_opt_dataset_init.restype = ctypes.c_void_p
+    opt.ggml_opt_dataset_init.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                          ctypes.c_int64, ctypes.c_int64]
+    opt.ggml_opt_dataset_data.restype = ctypes.c_void_p
+    opt.ggml_opt_dataset_data.argtypes = [ctypes.c_void_p]
+    opt.ggml_opt_dataset_labels.restype = ctypes.c_void_p
+    opt.ggml_opt_dataset_labels.argtypes = [ctypes.c_void_p]
+    opt.ggml_opt_result_init.restype = ctypes.c_void_p
+    opt.ggml_opt_result_loss.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_double),
+                                         ctypes.POINTER(ctypes.c_double)]
+    opt.ggml_opt_result_free.argtypes = [ctypes.c_void_p]
+    opt.ggml_opt_dataset_free.argtypes = [ctypes.c_void_p]
+    ggml_base.ggml_get_data.restype = ctypes.c_void_p
+    ggml_base.ggml_get_data.argtypes = [ctypes.c_void_p]
+
+    ndata = warmup + steps
+    dataset = opt.ggml_opt_dataset_init(GGML_TYPE_I32, GGML_TYPE_I32, ctx, ctx, ndata, 1)
+    data = (ctypes.c_int32 * (ctx * ndata)).from_address(ggml_base.ggml_get_data(opt.ggml_opt_dataset_data(dataset)))
+    labels = (ctypes.c_int32 * (ctx * ndata)).from_address(
+        ggml_base.ggml_get_data(opt.ggml_opt_dataset_labels(dataset)))
+    for i in range(ndata):  # stride = ctx: disjoint sequences, the same ones ggtorch trains on
+        for j in range(ctx):
+            data[i * ctx + j] = tokens[i * ctx + j]
+            labels[i * ctx + j] = tokens[i * ctx + j + 1]
+
+    llm = llama_cpp.Llama(model_path=str(model), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, use_mmap=False,
+                          n_threads=threads, n_threads_batch=threads, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32,
+                          flash_attn=False, verbose=False)
+    pars = OptimizerParams(1e-5, 0.9, 0.999, 1e-8, 0.0, 1e-5, 0.0)
+    params_cls = _opt_params_struct(llama_cpp)
+    filter_all = ctypes.cast(llama_cpp.llama_cpp._lib.llama_opt_param_filter_all, llama_cpp.llama_opt_param_filter)
+    lopt = params_cls(0, filter_all, None,
+                      ctypes.cast(opt.ggml_opt_get_constant_optimizer_params, ctypes.c_void_p).value,
+                      ctypes.cast(ctypes.pointer(pars), ctypes.c_void_p).value, 0)
+    init = llama_cpp.llama_cpp._lib.llama_opt_init
+    init.argtypes = [ctypes.c_void_p, ctypes.c_void_p, params_cls]
+    init.restype = None
+    init(llm._ctx.ctx, llm._model.model, lopt)
+
+    times: list[float] = []
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_bool, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                      ctypes.c_int64, ctypes.c_int64)
+    def on_step(train: bool, *_: object) -> None:
+        times.append(time.perf_counter())
+
+    result_train, result_eval = opt.ggml_opt_result_init(), opt.ggml_opt_result_init()
+    epoch = llama_cpp.llama_cpp._lib.llama_opt_epoch
+    epoch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                      ctypes.c_void_p, ctypes.c_void_p]
+    epoch.restype = None
+    epoch(llm._ctx.ctx, dataset, result_train, result_eval, ndata,
+          ctypes.cast(on_step, ctypes.c_void_p), None)
+    loss, unc = ctypes.c_double(), ctypes.c_double()
+    opt.ggml_opt_result_loss(result_train, ctypes.byref(loss), ctypes.byref(unc))
+    opt.ggml_opt_result_free(result_train), opt.ggml_opt_result_free(result_eval)
+    opt.ggml_opt_dataset_free(dataset)
+    if len(times) != ndata:
+        raise RuntimeError(f"llama_opt_epoch ran {len(times)} steps, expected {ndata}")
+    print(f"llama.cpp: {ndata} steps, mean train loss {loss.value:.4f}")
+    return steps * ctx / (times[-1] - times[warmup - 1])
+
+
+def bench_ggtorch(model: Path, text: Path, ctx: int, steps: int, warmup: int, threads: int) -> float:
+    """Tokens/s of ggtorch's full finetune (``ggtorch train --model-base``), batch 1, f32."""
+    from ggtorch.train_config import TrainConfig
+    from ggtorch.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as d:
+        config = TrainConfig(model_base=str(model), train_data=str(text), ctx=ctx, batch=1, adam_iter=warmup + steps,
+                             threads=threads, seed=1, save_every=0, checkpoint_in="", checkpoint_out="",
+                             model_out="", log_file=str(Path(d) / "log.jsonl"), use_checkpointing=False)
+        trainer = Trainer(config)
+        results = trainer.train()
+        trainer.close()
+    timed = results[warmup:]
+    print(f"ggtorch: {len(results)} steps, loss {results[0].loss:.4f} -> {results[-1].loss:.4f}")
+    return sum(ctx for _ in timed) / sum(r.seconds for r in timed)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=SHARED / "models" / "stories260K.gguf", help="F32 llama GGUF")
+    p.add_argument("--text", type=Path, default=SHARED / "data" / "tinyshakespeare.txt")
+    p.add_argument("--ctx", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="4 timed steps")
+    args = p.parse_args()
+    if args.quick:
+        args.steps = 4
+    if args.ctx % 256:
+        # llama.cpp pads a context's n_ctx up to a multiple of 256, and opt_epoch takes one dataset row
+        # per n_ctx: any other ctx would train llama.cpp on a different sequence length than ggtorch.
+        raise SystemExit("--ctx must be a multiple of 256 (llama.cpp pads n_ctx to 256)")
+    torch.set_num_threads(args.threads)
+
+    from ggtorch.gguf_io import read_gguf
+    from ggtorch.models.tokenizer import Tokenizer
+
+    tokens = Tokenizer.from_gguf(read_gguf(args.model)).encode(args.text.read_text(encoding="utf-8"))
+    need = (args.warmup + args.steps) * args.ctx + 1
+    if len(tokens) < need:
+        raise SystemExit(f"{args.text} has {len(tokens)} tokens, {need} needed")
+    print(f"model {args.model.name}, ctx {args.ctx}, {args.steps} timed steps after {args.warmup}, "
+          f"{args.threads} threads, f32, all weights trained")
+    ours = bench_ggtorch(args.model, args.text, args.ctx, args.steps, args.warmup, args.threads)
+    ref = bench_llama_cpp(args.model, tokens, args.ctx, args.steps, args.warmup, args.threads)
+    print(f"ggtorch   {ours:10.0f} tokens/s")
+    print(f"llama.cpp {ref:10.0f} tokens/s")
+    print(f"ratio ggtorch / llama.cpp: {ours / ref:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
