@@ -44,17 +44,36 @@ def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if not path.is_file():
         raise BadData(f"{path}: no such log file; pass the .jsonl written beside the training outputs")
     records = []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise BadData(f"{path}: not UTF-8 text; is this a ggtorch training log?") from None
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             if i == len(lines):
                 break
             raise BadData(f"{path}:{i}: not a JSON line; is this a ggtorch training log?") from None
+        if not isinstance(record, dict):
+            raise BadData(f"{path}:{i}: not a log record (a JSON object); is this a ggtorch training log?")
+        records.append(record)
     return records
+
+
+def _points(records: list[dict[str, Any]], kind: str, path: Any) -> list[tuple[float, float]]:
+    """(iteration, loss) of every record of one kind; a record without both numbers is refused."""
+    points = []
+    for r in records:
+        if r.get("kind") != kind:
+            continue
+        it, loss = r.get("iteration"), r.get("loss")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (it, loss)):
+            raise BadData(f"{path}: a '{kind}' record lacks a numeric iteration and loss: {r}")
+        points.append((it, loss))
+    return points
 
 
 def plot_loss(log_path: str | os.PathLike[str], png_path: str | os.PathLike[str] | None = None,
@@ -67,8 +86,7 @@ def plot_loss(log_path: str | os.PathLike[str], png_path: str | os.PathLike[str]
     import matplotlib.pyplot as plt
 
     records = read_log(log_path)
-    iters = [(r["iteration"], r["loss"]) for r in records if r.get("kind") == "iter"]
-    evals = [(r["iteration"], r["loss"]) for r in records if r.get("kind") == "eval"]
+    iters, evals = _points(records, "iter", log_path), _points(records, "eval", log_path)
     if not iters and not evals:
         raise BadData(f"{log_path}: the log holds no iterations yet")
     fig = None
@@ -86,6 +104,10 @@ def plot_loss(log_path: str | os.PathLike[str], png_path: str | os.PathLike[str]
         return None
     out = Path(png_path) if png_path else Path(log_path).with_suffix(".png")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=110)
+    except OSError as e:
+        raise BadData(f"cannot write the plot {out}: {e.strerror or e}; pick another -o path") from None
+    finally:
+        plt.close(fig)
     return out
