@@ -237,8 +237,11 @@ def read_peft_config(peft_dir: str | os.PathLike[str]) -> dict[str, Any]:
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     """PEFT's rank_pattern / alpha_pattern lookup: a key matches a module name or its dotted tail."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        except re.error as e:
+            raise BadData(f"rank_pattern / alpha_pattern key {key!r} is not a valid regular expression ({e})") from None
     return default
 
 

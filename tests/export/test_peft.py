@@ -202,6 +202,8 @@ def test_bad_peft_folders_are_refused(base_path: Path, stories260k: Path, tmp_pa
         import_peft(write_peft_folder(tmp_path / "layer", {}, q_pair(256, 256, layer=7)), base)
     with pytest.raises(BadData, match="rank 4 in adapter_model.safetensors but 8 in adapter_config.json"):
         import_peft(write_peft_folder(tmp_path / "rank", {"r": 8}, ok), base)
+    with pytest.raises(BadData, match="not a valid regular expression"):
+        import_peft(write_peft_folder(tmp_path / "regex", {"rank_pattern": {"q_proj(": 2}}, ok), base)
     half = {k: v for k, v in ok.items() if "lora_A" in k}
     with pytest.raises(BadData, match="has no lora_B"):
         import_peft(write_peft_folder(tmp_path / "half", {}, half), base)
