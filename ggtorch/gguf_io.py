@@ -206,9 +206,11 @@ class _HeaderCheck:
         n_kv = self.u64("key/value count")
         rest = self.size - self.offs
         if n_kv * 13 > rest:  # smallest key/value: 8-byte key length, type, 1-byte value
-            raise self.fail(f"header claims {n_kv} key/values but only {rest} bytes follow")
+            raise self.fail(f"header claims {n_kv} key/values but only {rest} bytes follow; "
+                            "the file is truncated or its header lies")
         if n_tensors * 24 > rest:  # smallest tensor info: name length, n_dims, type, offset
-            raise self.fail(f"header claims {n_tensors} tensors but only {rest} bytes follow")
+            raise self.fail(f"header claims {n_tensors} tensors but only {rest} bytes follow; "
+                            "the file is truncated or its header lies")
 
         keys: set[str] = set()
         alignment = GGUF_DEFAULT_ALIGNMENT
