@@ -8,6 +8,7 @@ tensors, and the base file's bytes for everything the merge must not touch.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,18 +18,18 @@ import torch
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType
 
-from ggtorch.adapters import LoraAdapter, adapter_from_model, read_adapter, write_adapter
+from ggtorch.adapters import LoraAdapter, LoraPair, adapter_from_model, read_adapter, write_adapter
 from ggtorch.checkpoint import save_checkpoint
 from ggtorch.cli import main
-from ggtorch.gguf_io import read_gguf
+from ggtorch.gguf_io import GGUFFile, read_gguf
 from ggtorch.lora import LoraConfig, attach_lora, lora_modules, lora_tensors_by_gguf_name
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.loader import build_llama
 from ggtorch.quant import dequantize
 from ggtorch.quant.quantize import QUANTIZABLE_TYPES, quantize
-from tests.llama_models import RandomLlamaShape, llama_cpp_logits, rewrite_gguf
+from tests.llama_models import llama_cpp_logits, rewrite_gguf
 from tests.models.test_llama import random_tokens
-from tests.test_adapters import llama_cpp_with_adapter, trained_looking_model
+from tests.test_adapters import llama_cpp_with_adapter
 
 T = GGMLQuantizationType
 N_TOKENS = 24
@@ -53,17 +54,39 @@ def llama_cpp_stacked(model_path: Path, adapters: list[tuple[Path, float]]):  # 
     return llm
 
 
+@functools.cache
+def base_gguf(path: Path) -> GGUFFile:
+    """A base model read once per session (reading a 32000-token vocabulary takes seconds)."""
+    return read_gguf(path)
+
+
 def write_test_adapter(base_path: Path, out: Path, alpha: float = 8.0, seed: int = 0) -> Path:
-    """A trained-looking adapter on every matrix except UNTOUCHED."""
-    f, model = trained_looking_model(base_path, alpha=alpha)
-    if seed:
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for _, m in lora_modules(model):
-                m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=gen) * 0.1)
+    """A trained-looking adapter (rank 4, random B) on every matrix except UNTOUCHED."""
+    f = base_gguf(base_path)
+    model = build_llama(f, LlamaConfig.from_gguf(f), keep_quantized=True)
+    attach_lora(model, LoraConfig(rank=4, alpha=alpha), seed=1)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, m in lora_modules(model):
+            m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=gen) * 0.1)
     adapter = adapter_from_model(model, f)
     pairs = {n: p for n, p in adapter.pairs.items() if n not in UNTOUCHED}
     return write_adapter(out, LoraAdapter(adapter.architecture, adapter.alpha, pairs))
+
+
+@pytest.fixture(scope="module")
+def test_adapter(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``test_adapter(base_path, alpha=8.0, seed=0)`` -> the adapter file, written once per module."""
+    root = tmp_path_factory.mktemp("adapters")
+    cache: dict[tuple[Path, float, int], Path] = {}
+
+    def make(base_path: Path, alpha: float = 8.0, seed: int = 0) -> Path:
+        key = (base_path, alpha, seed)
+        if key not in cache:
+            cache[key] = write_test_adapter(base_path, root / f"a{len(cache)}.gguf", alpha, seed)
+        return cache[key]
+
+    return make
 
 
 def run_cli(*args: str) -> tuple[int, str]:
@@ -86,9 +109,10 @@ def test_quantizer_is_bit_exact_with_llama_cpp(ggml_quantize: Callable[..., np.n
         assert np.array_equal(ours, ref), ggml_type.name
 
 
-def test_f32_merge_equals_llama_cpp_base_plus_adapter(random_llama: Callable[..., Path], tmp_path: Path) -> None:
+def test_f32_merge_equals_llama_cpp_base_plus_adapter(random_llama: Callable[..., Path], tmp_path: Path,
+                                                      test_adapter: Callable[..., Path]) -> None:
     base_path = random_llama("F32")
-    adapter = write_test_adapter(base_path, tmp_path / "a.gguf")
+    adapter = test_adapter(base_path)
     out = tmp_path / "merged.gguf"
     code, output = run_cli("export-lora", "-m", base_path, "--lora", adapter, "-o", out, "-t", "1")
     assert code == 0, output
@@ -100,7 +124,7 @@ def test_f32_merge_equals_llama_cpp_base_plus_adapter(random_llama: Callable[...
     assert np.abs(merged - ref).max() <= 1e-4  # f32 both ways; measured ~2e-5
     assert np.abs(ref - base).max() > 1.0  # the adapter matters
 
-    f, g = read_gguf(base_path), read_gguf(out)
+    f, g = base_gguf(base_path), read_gguf(out)
     assert g.metadata == f.metadata and g.value_types == f.value_types
     assert list(g.tensors) == list(f.tensors)
     for name, t in f.tensors.items():
@@ -109,35 +133,31 @@ def test_f32_merge_equals_llama_cpp_base_plus_adapter(random_llama: Callable[...
             assert np.array_equal(g.tensors[name].data, t.data), name
 
 
-def test_two_adapters_stack_with_their_scales(random_llama: Callable[..., Path], tmp_path: Path) -> None:
+def test_two_adapters_stack_with_their_scales(random_llama: Callable[..., Path], tmp_path: Path,
+                                              test_adapter: Callable[..., Path]) -> None:
     base_path = random_llama("F32")
-    a1 = write_test_adapter(base_path, tmp_path / "a1.gguf")
-    a2 = write_test_adapter(base_path, tmp_path / "a2.gguf", alpha=2.0, seed=5)
+    a1, a2 = test_adapter(base_path), test_adapter(base_path, alpha=2.0, seed=5)
     tokens = random_tokens(32000, N_TOKENS)
     ref = llama_cpp_logits(llama_cpp_stacked(base_path, [(a1, 0.7), (a2, 0.5)]), tokens)
-    # current spelling, old spelling (-s FILE SCALE) and comma lists give the same file
-    outs = []
-    for i, flags in enumerate([["--lora-scaled", f"{a1}:0.7,{a2}:0.5"],
-                               ["-s", a1, "0.7", "--lora-scaled", a2, "0.5"]]):
-        outs.append(tmp_path / f"m{i}.gguf")
-        code, output = run_cli("export-lora", "-m", base_path, *flags, "--outtype", "f32", "-o", outs[-1])
-        assert code == 0, output
-    assert outs[0].read_bytes() == outs[1].read_bytes()
-    merged = llama_cpp_logits(llama_cpp_with_adapter(outs[0], None), tokens)
+    out = tmp_path / "m.gguf"
+    code, output = run_cli("export-lora", "-m", base_path, "--lora-scaled", f"{a1}:0.7", "-s", a2, "0.5",
+                           "--outtype", "f32", "-o", out)
+    assert code == 0, output
+    merged = llama_cpp_logits(llama_cpp_with_adapter(out, None), tokens)
     assert np.abs(merged - ref).max() <= 1e-4
 
 
 @pytest.mark.parametrize("ftype", ["Q8_0", "Q4_0"])
 def test_requantized_merge_keeps_types_and_matches_llama_cpp(random_llama: Callable[..., Path], tmp_path: Path,
                                                              ggml_quantize: Callable[..., np.ndarray],
-                                                             ftype: str) -> None:
+                                                             test_adapter: Callable[..., Path], ftype: str) -> None:
     base_path = random_llama(ftype)
-    adapter = write_test_adapter(base_path, tmp_path / "a.gguf")
+    adapter = test_adapter(base_path)
     out = tmp_path / "merged.gguf"
     code, output = run_cli("export-lora", "-m", base_path, "--lora", adapter, "-o", out, "--outtype", "same")
     assert code == 0, output
 
-    f, g = read_gguf(base_path), read_gguf(out)
+    f, g = base_gguf(base_path), read_gguf(out)
     assert g.metadata == f.metadata  # the dominant type is unchanged: general.file_type kept
     ad = read_adapter(adapter)
     for name, t in f.tensors.items():
@@ -165,14 +185,15 @@ def test_requantized_merge_keeps_types_and_matches_llama_cpp(random_llama: Calla
     assert np.abs(merged - ref).max() < 0.5 * np.abs(ref - base).max()
 
 
-def test_k_quant_merge_falls_back_to_q8_0(random_llama: Callable[..., Path], tmp_path: Path) -> None:
+def test_k_quant_merge_falls_back_to_q8_0(random_llama: Callable[..., Path], tmp_path: Path,
+                                          test_adapter: Callable[..., Path]) -> None:
     base_path = random_llama("Q4_K_M")
-    adapter = write_test_adapter(base_path, tmp_path / "a.gguf")
+    adapter = test_adapter(base_path)
     out = tmp_path / "merged.gguf"
     code, output = run_cli("export-lora", "-m", base_path, "--lora", adapter, "-o", out)
     assert code == 0, output
     assert "written as Q8_0" in output
-    f, g = read_gguf(base_path), read_gguf(out)
+    f, g = base_gguf(base_path), read_gguf(out)
     for name, t in f.tensors.items():
         exact = t.ggml_type in QUANTIZABLE_TYPES or name in UNTOUCHED or len(t.shape) == 1
         assert g.tensors[name].ggml_type == (t.ggml_type if exact else T.Q8_0), name
@@ -188,7 +209,7 @@ def test_k_quant_merge_falls_back_to_q8_0(random_llama: Callable[..., Path], tmp
 def test_checkpoint_with_norm_adapters_merges(random_llama: Callable[..., Path], tmp_path: Path) -> None:
     """Norm-gain adapters exist only in checkpoints; a merge is how they reach llama.cpp."""
     base_path = random_llama("F32")
-    f = read_gguf(base_path)
+    f = base_gguf(base_path)
     model = build_llama(f, LlamaConfig.from_gguf(f))
     config = LoraConfig(rank=4, alpha=8.0, ranks={"attn_norm": 2, "ffn_norm": 1, "output_norm": 1})
     attach_lora(model, config, seed=3)
@@ -222,21 +243,37 @@ def one_line_error(code: int, output: str, match: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("error:") and match in lines[0], output
 
 
-def test_bad_inputs_are_one_line_errors(random_llama: Callable[..., Path], tmp_path: Path) -> None:
+def test_bad_inputs_are_one_line_errors(random_llama: Callable[..., Path], stories260k: Path, tmp_path: Path,
+                                        test_adapter: Callable[..., Path]) -> None:
     base_path = random_llama("F32")
-    adapter = write_test_adapter(base_path, tmp_path / "a.gguf")
+    adapter = test_adapter(base_path)
     out = tmp_path / "m.gguf"
 
     def export(lora: Path) -> tuple[int, str]:
         return run_cli("export-lora", "-m", base_path, "--lora", lora, "-o", out)
 
     one_line_error(*export(rewrite_gguf(adapter, tmp_path / "qwen.gguf", arch="qwen2")), "architecture 'qwen2'")
-    small = random_llama("F32", RandomLlamaShape(n_embd=128, n_ff=256, n_head=4, n_head_kv=2))
-    one_line_error(*export(write_test_adapter(small, tmp_path / "small-a.gguf")), "do not fit")
+    ad = read_adapter(adapter)
+    narrow = {n: LoraPair(p.a[:, :128], p.b) if n != "token_embd.weight" else p for n, p in ad.pairs.items()}
+    other_shapes = write_adapter(tmp_path / "narrow.gguf", LoraAdapter("llama", ad.alpha, narrow))
+    one_line_error(*export(other_shapes), "do not fit")
     a = read_gguf(adapter).tensors["blk.0.attn_q.weight.lora_a"]
     bad_rank = rewrite_gguf(adapter, tmp_path / "rank.gguf",
                             add_tensors={"blk.0.attn_q.weight.lora_a": a.data.view(np.float32).reshape(a.shape)[:3]})
     one_line_error(*export(bad_rank), "rank 3 but lora_b of rank 4")
-    one_line_error(*export(base_path), "not a LoRA adapter")
+    one_line_error(*export(stories260k), "not a LoRA adapter")
     one_line_error(*export(tmp_path / "missing.gguf"), "no such adapter file")
     assert not out.exists()
+
+
+def test_lora_flag_spellings_normalize_alike() -> None:
+    """llama.cpp's current (FILE:SCALE, comma lists) and old (-s FILE SCALE, -l FILE) spellings."""
+    from ggtorch.cli_export import normalize_lora_args
+
+    expected = ["--lora-scaled", "a.gguf:1.0", "--lora-scaled", "b.gguf:0.5", "-o", "x"]
+    assert normalize_lora_args(["--lora", "a.gguf", "--lora-scaled", "b.gguf:0.5", "-o", "x"]) == expected
+    assert normalize_lora_args(["-l", "a.gguf", "-s", "b.gguf", "0.5", "-o", "x"]) == expected
+    assert normalize_lora_args(["--lora-scaled", "a.gguf:1.0,b.gguf:0.5", "-o", "x"]) == expected
+    assert normalize_lora_args(["--lora=a.gguf", "--lora-scaled", "b.gguf", "0.5", "-o", "x"]) == expected
+    code, output = run_cli("export-lora", "-m", "x.gguf", "--lora-scaled", "b.gguf", "-o", "y.gguf")
+    assert code == 2 and "expected FILE:SCALE or FILE SCALE" in output

@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from ggtorch.gguf_io import read_gguf
 from ggtorch.models import names
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.loader import build_llama
-from tests.export.test_merge import one_line_error, run_cli
+from tests.export.test_merge import base_gguf, one_line_error, run_cli
 from tests.llama_models import llama_cpp_logits
 from tests.models.test_llama import TOLERANCE, random_tokens
 from tests.test_adapters import llama_cpp_with_adapter
@@ -34,7 +33,7 @@ KINDS = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "
 def old_tensors(base_path: Path, rank: int, rank_tok_embd: int,
                 seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Base name -> (A (n_in, r), B (n_out, r)) in the old finetune's order, norms with rank 1."""
-    f = read_gguf(base_path)
+    f = base_gguf(base_path)
     order = ["token_embd", "output_norm", "output"] + [
         f"blk.{i}.{k}" for i in range(f.get("llama.block_count")) for k in KINDS]
     rng = np.random.default_rng(seed)
@@ -70,7 +69,7 @@ def write_ggla(path: Path, lora_r: int, lora_alpha: int, tensors: dict[str, tupl
 
 def write_old_checkpoint(path: Path, base_path: Path, tensors: dict[str, tuple[np.ndarray, np.ndarray]]) -> Path:
     """§8: an old finetune checkpoint (GGUF, training.type = finetune_lora, old layout, 1-D norm b)."""
-    f = read_gguf(base_path)
+    f = base_gguf(base_path)
     w = gguf.GGUFWriter(path, "llama")
     w.add_string("training.type", "finetune_lora")
     w.add_uint32("general.file_type", 0)
@@ -102,7 +101,7 @@ def write_old_checkpoint(path: Path, base_path: Path, tensors: dict[str, tuple[n
 def reference_logits(base_path: Path, tensors: dict[str, tuple[np.ndarray, np.ndarray]], scale: dict[str, float],
                      tokens: list[int], with_norms: bool) -> np.ndarray:
     """ggtorch's f32 model with W += s·B·Aᵀ (norms: g += s·A·b) applied to its weights here."""
-    f = read_gguf(base_path)
+    f = base_gguf(base_path)
     model = build_llama(f, LlamaConfig.from_gguf(f))
     with torch.no_grad():
         for name, (a, b) in tensors.items():
