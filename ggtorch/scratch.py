@@ -67,13 +67,26 @@ def new_config(vocab: GGUFFile, *, n_embd: int, n_ff: int, n_head: int, n_head_k
         raise BadFlag(f"the new model's shape is invalid: {e} (check --embd/--head/--head-kv/--layer/--ff)") from None
 
 
+EXACT_INIT_MAX = 1 << 22
+"""Up to this many values the init is libstdc++'s exact stream; the Python port of it (C logf
+per value) is too slow beyond, where a seeded torch normal with the same clamp is used."""
+
+
 def init_tensors(config: LlamaConfig, seed: int) -> dict[str, torch.Tensor]:
-    """GGUF name -> f32 tensor, filled as train-text-from-scratch's randomize_model did."""
+    """GGUF name -> f32 tensor, filled as train-text-from-scratch's randomize_model did.
+
+    Bit-exact with the old program's stream for models up to EXACT_INIT_MAX values; larger
+    ones draw the same distribution (normal(0, 1) clamped to [-1, 1]) from torch.
+    """
     shapes = expected_shapes(config)
     order = [names.gguf_name("token_embd"), names.gguf_name("output_norm"), names.gguf_name("output")]
     order += [names.gguf_name(kind, bid) for bid in range(config.n_layer) for kind in INIT_ORDER]
     counts = [int(np.prod(shapes[n])) for n in order]
-    values = np.clip(libstdcpp_normal(MT19937(seed & 0xFFFFFFFF), sum(counts)), np.float32(-1), np.float32(1))
+    if sum(counts) <= EXACT_INIT_MAX:
+        normal = libstdcpp_normal(MT19937(seed & 0xFFFFFFFF), sum(counts))
+    else:
+        normal = torch.randn(sum(counts), generator=torch.Generator().manual_seed(seed)).numpy()
+    values = np.clip(normal, np.float32(-1), np.float32(1))
     out: dict[str, torch.Tensor] = {}
     offset = 0
     for name, count in zip(order, counts, strict=True):

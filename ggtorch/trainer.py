@@ -304,9 +304,8 @@ class Trainer:
                 written.append(path)
         if self.full and c.model_out:
             model_tensors = self.model_tensors()
-            for value in dict.fromkeys(names):
-                written.append(write_model(output_name(c.model_out, c.pattern_fn_it, value), self.base.metadata,
-                                           self.base.value_types, model_tensors, c.outtype))
+            for path in dict.fromkeys(output_name(c.model_out, c.pattern_fn_it, value) for value in names):
+                written.append(write_model(path, self.base.metadata, self.base.value_types, model_tensors, c.outtype))
         elif c.lora_out:
             adapter = adapter_from_model(self.model, self.base, self._adapter_metadata(), drop_norms=c.drop_norms)
             for value in dict.fromkeys(names):
