@@ -277,3 +277,25 @@ def test_lora_flag_spellings_normalize_alike() -> None:
     assert normalize_lora_args(["--lora=a.gguf", "--lora-scaled", "b.gguf", "0.5", "-o", "x"]) == expected
     code, output = run_cli("export-lora", "-m", "x.gguf", "--lora-scaled", "b.gguf", "-o", "y.gguf")
     assert code == 2 and "expected FILE:SCALE or FILE SCALE" in output
+
+
+def test_outtype_f16_on_a_q8_0_base_sets_file_type(random_llama: Callable[..., Path], tmp_path: Path,
+                                                  test_adapter: Callable[..., Path]) -> None:
+    base_path = random_llama("Q8_0")
+    adapter = test_adapter(base_path)
+    out = tmp_path / "merged-f16.gguf"
+    code, output = run_cli("export-lora", "-m", base_path, "--lora", adapter, "-o", out, "--outtype", "f16")
+    assert code == 0, output
+    f, g = base_gguf(base_path), read_gguf(out)
+    ad = read_adapter(adapter)
+    for name, t in f.tensors.items():
+        assert g.tensors[name].ggml_type == (T.F16 if name in ad.pairs else t.ggml_type), name
+    # most matrix elements are now F16 (output.weight is as big as token_embd): LLAMA_FTYPE_MOSTLY_F16
+    assert f.metadata["general.file_type"] == 7 and g.metadata["general.file_type"] == 1
+    assert g.value_types["general.file_type"] == f.value_types["general.file_type"]
+    tokens = random_tokens(32000, N_TOKENS)
+    ref = llama_cpp_logits(llama_cpp_with_adapter(base_path, adapter), tokens)
+    merged = llama_cpp_logits(llama_cpp_with_adapter(out, None), tokens)
+    base = llama_cpp_logits(llama_cpp_with_adapter(base_path, None), tokens)
+    f32 = llama_cpp_logits(llama_cpp_with_adapter(random_llama("F32"), None), tokens)
+    assert np.abs(merged - ref).max() <= 1.5 * np.abs(base - f32).max()
