@@ -127,7 +127,8 @@ def test_full_finetune_lowers_heldout_loss_and_llama_cpp_runs_it(stories260k: Pa
 
 
 @pytest.mark.parametrize(("outtype", "ggml_type", "ftype"), [
-    ("f16", GGMLQuantizationType.F16, "F16"), ("q8_0", GGMLQuantizationType.Q8_0, "Q8_0")])
+    ("f16", GGMLQuantizationType.F16, "F16"), ("bf16", GGMLQuantizationType.BF16, "BF16"),
+    ("q8_0", GGMLQuantizationType.Q8_0, "Q8_0")])
 def test_outtype_equals_llama_cpp_quantizing_the_f32_model(outtype: str, ggml_type: GGMLQuantizationType,
                                                            ftype: str, stories260k: Path, texts: dict[str, Path],
                                                            tmp_path: Path) -> None:
@@ -180,3 +181,14 @@ def test_log_records_full_training(stories260k: Path, texts: dict[str, Path], tm
     n = 2 * 512 * 64 + 64 + 2 * (2 * 64 + 2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128)
     assert start["trainable_parameters"] == n, config
     assert read_gguf(tmp_path / "checkpoint-LATEST.gguf").get("training.mode") == "full"
+
+
+def test_a_lora_checkpoint_does_not_resume_full_training(stories260k: Path, texts: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    """Each command resumes only its own kind of checkpoint, and says which command the other needs."""
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), "-c", "32",
+                     "-b", "2", "-n", "1", "--checkpoint-in", "", "--lora-out", "", "-t", "1"], tmp_path)
+    assert code == 0, out
+    code, out = run(["train", "--model-base", str(stories260k), "--train-data", str(texts["train"]), "-c", "32",
+                     "-b", "2", "-n", "1", "--checkpoint-in", "checkpoint-LATEST.gguf", "-t", "1"], tmp_path)
+    assert code != 0 and "ggtorch finetune" in out, out
