@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from .errors import BadGGUF
+from .errors import BadGGUF, GGTorchError
 
 GGUF_MAGIC_BYTES = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -383,10 +383,15 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success fsync it and rename it over ``path``.
 
     A crash or Ctrl-C mid-write leaves the previous file untouched: readers see either the
-    old file or the complete new one, never a truncated one.
+    old file or the complete new one, never a truncated one. A write that fails (disk full)
+    raises GGTorchError naming the file, with the previous file kept.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    except OSError as e:
+        raise GGTorchError(f"cannot write {path}: {e.strerror or e}; check that the folder exists "
+                           "and is writable") from None
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -394,6 +399,9 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp_path, path)
+    except OSError as e:  # disk full, file too large, folder gone: the old file is still whole
+        raise GGTorchError(f"cannot write {path}: {e.strerror or e}; any previous {path.name} is kept "
+                           "unchanged; free some space or write elsewhere") from None
     finally:
         tmp_path.unlink(missing_ok=True)
 
