@@ -190,6 +190,8 @@ def merge_to_gguf(base_path: str | os.PathLike[str], sources: list[MergeSource],
                 yield info.data
 
     metadata = dict(base.metadata)
+    # the writer aligns tensor data to GGUF's default 32 bytes; a copied other alignment would lie
+    metadata.pop("general.alignment", None)
     if plan.file_type is not None:
         metadata["general.file_type"] = plan.file_type
     write_gguf_streaming(out_path, base.architecture, metadata, infos, data(), base.value_types)
