@@ -208,7 +208,7 @@ class ProgressPrinter:
     def on_step(self, trainer: Trainer, r: StepResult) -> None:
         if self.first_loss is None:
             self.first_loss = r.loss
-        bar = "-" * max(0, int(1 + 10 * (self.first_loss - r.loss) + 0.5)) + ">"
+        bar = "-" * min(40, max(0, int(1 + 10 * (self.first_loss - r.loss) + 0.5))) + ">"  # capped: from scratch
         click.echo(f"iter={r.iteration:6d} sample={r.samples}/{r.n_samples} epoch={r.epoch} sched={r.sched:.6f} "
                    f"loss={r.loss:.6f} dt={r.seconds * 1000:.0f}ms {r.tokens_per_second:.0f} tok/s "
                    f"eta={_hms(r.eta_seconds)} |{bar}")

@@ -252,6 +252,9 @@ class Trainer:
                 p.copy_(ck.tensors[name])
 
     def _load_lora(self, ck: Checkpoint) -> None:
+        if ck.metadata.get("training.mode") == "full":
+            raise BadFlag(f"--checkpoint-in {ck.path}: a full-weight training checkpoint; "
+                          "resume it with `ggtorch train`")
         ranks = {k: v for k, v in ck.metadata.items() if k.startswith("training.lora.")}
         mine = self.lora_config.metadata()
         if ranks != mine:
