@@ -85,11 +85,17 @@ def info(model_path: str) -> None:
     tok_model = f.get("tokenizer.ggml.model")
     if tok_model is not None:
         click.echo(f"tokenizer:     {tok_model}, {len(f.get('tokenizer.ggml.tokens', []))} tokens")
-    config = LlamaConfig.from_gguf(f)
-    click.echo("hyperparameters:")
-    for field, value in vars(config).items():
-        click.echo(f"  {field:<16} {value:g}" if isinstance(value, float) else f"  {field:<16} {value}")
-    click.echo(f"  {'head_dim':<16} {config.head_dim}")
+    if f.get("general.type") == "adapter":
+        click.echo(f"kind:          LoRA adapter ({f.get('adapter.type')}, alpha {f.get('adapter.lora.alpha', 0):g})")
+    elif f.get("training.type"):
+        click.echo(f"kind:          training checkpoint ({f.get('training.type')}, "
+                   f"iteration {f.get('training.iteration_count', 0)})")
+    else:
+        config = LlamaConfig.from_gguf(f)
+        click.echo("hyperparameters:")
+        for field, value in vars(config).items():
+            click.echo(f"  {field:<16} {value:g}" if isinstance(value, float) else f"  {field:<16} {value}")
+        click.echo(f"  {'head_dim':<16} {config.head_dim}")
     counts = Counter(t.ggml_type.name for t in f.tensors.values())
     nbytes = Counter()
     for t in f.tensors.values():

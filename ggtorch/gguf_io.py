@@ -398,12 +398,19 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         yield tmp_path
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp creates 0600; outputs follow the umask
         os.replace(tmp_path, path)
     except OSError as e:  # disk full, file too large, folder gone: the old file is still whole
         raise GGTorchError(f"cannot write {path}: {e.strerror or e}; any previous {path.name} is kept "
                            "unchanged; free some space or write elsewhere") from None
     finally:
         tmp_path.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_gguf(path: str | os.PathLike[str], arch: str, metadata: dict[str, Any],

@@ -22,7 +22,6 @@ ROWS: list[tuple[str, str]] = [
     ("info {missing}.gguf", "no such file"),
     ("info {text}", "not a GGUF file"),
     ("info {truncated}", "runs past the end of the file"),
-    ("info {adapter}", "required metadata key 'llama.attention.head_count' is missing"),
     ("info", "Missing argument 'MODEL.gguf'"),
     # generate
     ("generate -m {missing}.gguf", "no such file"),

@@ -38,6 +38,22 @@ def test_info(stories260k: Path) -> None:
     assert "F32         47 tensors" in out and "260,032 parameters" in out
 
 
+def test_info_tells_adapters_and_checkpoints_apart(stories260k: Path, tmp_path: Path) -> None:
+    import torch
+
+    from ggtorch.adapters import LoraAdapter, LoraPair, write_adapter
+    from ggtorch.checkpoint import save_checkpoint
+    from ggtorch.gguf_io import read_gguf
+
+    pair = LoraPair(torch.zeros(4, 64), torch.zeros(64, 4))
+    write_adapter(tmp_path / "a.gguf", LoraAdapter("llama", 8.0, {"blk.0.attn_q.weight": pair}))
+    result = run("info", str(tmp_path / "a.gguf"))
+    assert result.exit_code == 0 and "kind:          LoRA adapter (lora, alpha 8)" in result.stdout
+    save_checkpoint(tmp_path / "c.gguf", read_gguf(stories260k), {"training.iteration_count": 7}, {}, {})
+    result = run("info", str(tmp_path / "c.gguf"))
+    assert result.exit_code == 0 and "training checkpoint (ggtorch.finetune_lora, iteration 7)" in result.stdout
+
+
 def test_generate_greedy_from_bos(stories260k: Path) -> None:
     result = run("generate", "-m", str(stories260k), "-n", "100")
     assert result.exit_code == 0, result.output
