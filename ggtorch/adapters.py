@@ -93,7 +93,11 @@ def validate_against_base(adapter: LoraAdapter, base: GGUFFile, source: str = "a
     if adapter.architecture != base.architecture:
         raise GGTorchError(f"{source}: adapter is for architecture '{adapter.architecture}', "
                            f"the base model {base.path} is '{base.architecture}'")
+    tied = "output.weight" not in base.tensors
     for name, pair in adapter.pairs.items():
+        if name == TOKEN_EMBD and tied:
+            raise GGTorchError(f"{source}: adapter targets token_embd.weight, but {base.path} ties its output "
+                               "to token_embd and llama.cpp aborts on such an adapter; drop that tensor")
         if name not in base.tensors:
             raise GGTorchError(f"{source}: adapter targets tensor '{name}', which the base model "
                                f"{base.path} does not have (tied output? another model?)")

@@ -158,6 +158,15 @@ def test_bad_adapters_are_refused(random_llama: Callable[..., Path], stories260k
         read_adapter(base_path)
 
 
+def test_token_embd_adapter_on_a_tied_base_is_refused(stories260k: Path) -> None:
+    """llama.cpp aborts when an adapter targets token_embd of a model whose output is tied to it."""
+    stories = read_gguf(stories260k)
+    pair = LoraPair(torch.zeros(512, 4), torch.zeros(64, 4))
+    adapter = LoraAdapter("llama", 4.0, {"token_embd.weight": pair})
+    with pytest.raises(GGTorchError, match="ties its output"):
+        load_adapter_into(build_llama(stories, LlamaConfig.from_gguf(stories)), stories, [(adapter, 1.0)])
+
+
 def test_norm_adapters_cannot_go_into_a_llama_cpp_file(stories260k: Path) -> None:
     f = read_gguf(stories260k)
     model = build_llama(f, LlamaConfig.from_gguf(f))

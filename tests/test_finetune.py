@@ -89,25 +89,74 @@ def test_finetune_lowers_heldout_loss(base: str, stories260k: Path, stories_q8: 
     assert (tmp_path / "a-40.gguf").is_file() and (tmp_path / "a-LATEST.gguf").is_file()
 
 
-def test_llama_cpp_runs_the_finetuned_adapter(random_llama: Callable[..., Path], texts: dict[str, Path],
-                                              tmp_path: Path) -> None:
-    """An untied Q4_0 model finetuned on every matrix kind: llama.cpp + adapter == ggtorch's logits."""
+@pytest.fixture(scope="module")
+def finetuned(stories260k: Path, stories_q8: Path, random_llama: Callable[..., Path], texts: dict[str, Path],
+              tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Path, Trainer]]:
+    """A short finetune per base (cached): (base path, adapter path, trainer with the trained model)."""
+    bases = {"stories-F32": lambda: stories260k, "stories-Q8_0": lambda: stories_q8,
+             "random-Q4_0": lambda: random_llama("Q4_0"), "random-Q4_K_M": lambda: random_llama("Q4_K_M")}
+    cache: dict[str, tuple[Path, Path, Trainer]] = {}
+
+    def get(name: str) -> tuple[Path, Path, Trainer]:
+        if name not in cache:
+            base = bases[name]()
+            out = tmp_path_factory.mktemp(name) / "lora.gguf"
+            config = FinetuneConfig(model_base=str(base), train_data=str(texts["train"]), ctx=16, batch=2,
+                                    adam_iter=4, warmup=0, adam_alpha=0.02, seed=1, save_every=0, checkpoint_in="",
+                                    checkpoint_out="", lora_out=str(out), use_checkpointing=False)
+            trainer = Trainer(config)
+            trainer.train()
+            trainer.close()
+            cache[name] = (base, out, trainer)
+        return cache[name]
+
+    return get
+
+
+# The base-parity tolerances of tests/models/test_llama.py (why: see there).
+PARITY = {"stories-F32": 1e-4, "stories-Q8_0": 0.6, "random-Q4_0": 0.6, "random-Q4_K_M": 0.6}
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+@pytest.mark.parametrize("name", list(PARITY))
+def test_llama_cpp_runs_the_finetuned_adapter(finetuned: Callable[[str], tuple[Path, Path, Trainer]], name: str,
+                                              scale: float) -> None:
+    """After a short finetune, llama.cpp + the written adapter == ggtorch's base + adapter, on held-out tokens.
+
+    The random untied models adapt every matrix kind, token_embd and output included.
+    """
     import llama_cpp
 
-    base = random_llama("Q4_0")
-    config = FinetuneConfig(model_base=str(base), train_data=str(texts["train"]), ctx=16, batch=2, adam_iter=4,
-                            warmup=0, adam_alpha=0.02, seed=1, save_every=0, checkpoint_in="",
-                            checkpoint_out="", lora_out=str(tmp_path / "lora.gguf"), use_checkpointing=False)
-    trainer = Trainer(config)
-    trainer.train()
-    trainer.close()
-    tokens = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889]
-    with torch.no_grad():
-        ours = trainer.model(torch.tensor([tokens]))[0].numpy()
-    llm = llama_cpp.Llama(model_path=str(base), lora_path=str(tmp_path / "lora.gguf"), logits_all=True, n_ctx=32,
-                          n_threads=2, verbose=False, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
+    from ggtorch.adapters import read_adapter
+    from ggtorch.lora import lora_modules
+
+    base, adapter_path, trainer = finetuned(name)
+    kinds = {n.split(".")[-2] if n.startswith("blk.") else n.split(".")[0] for n in read_adapter(adapter_path).pairs}
+    expected = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_down", "ffn_up"}
+    assert kinds == (expected | {"token_embd", "output"} if name.startswith("random") else expected)
+    n_vocab = trainer.model_config.n_vocab
+    tokens = [1] + np.random.default_rng(5).integers(3, n_vocab, 23).tolist()
+    modules = [m for _, m in lora_modules(trainer.model)]
+    scales = [m.scale for m in modules]
+    try:
+        for m in modules:
+            m.scale *= scale
+        with torch.no_grad():
+            trainer.model.eval()
+            ours = trainer.model(torch.tensor([tokens]))[0].numpy()
+    finally:
+        for m, s in zip(modules, scales, strict=True):
+            m.scale = s
+    llm = llama_cpp.Llama(model_path=str(base), lora_path=str(adapter_path), lora_scale=scale, logits_all=True,
+                          n_ctx=32, n_threads=2, verbose=False, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
     ref = llama_cpp_logits(llm, tokens)
-    assert np.abs(ours - ref).max() < 0.6  # the Q4_0 base-parity tolerance (tests/models/test_llama.py)
+    assert np.abs(ours - ref).max() <= PARITY[name]
+    del llm
+    plain = llama_cpp.Llama(model_path=str(base), logits_all=True, n_ctx=32, n_threads=2, verbose=False,
+                            type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
+    effect = np.abs(ref - llama_cpp_logits(plain, tokens)).max()
+    print(f"{name} scale {scale}: max |ggtorch - llama.cpp| {np.abs(ours - ref).max():.3g}, adapter effect {effect:.3g}")
+    assert effect > 2 * PARITY[name]  # the adapter moves the logits well beyond the tolerance
 
 
 def test_help_lists_old_flags_in_groups() -> None:
