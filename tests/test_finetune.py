@@ -155,7 +155,8 @@ def test_llama_cpp_runs_the_finetuned_adapter(finetuned: Callable[[str], tuple[P
     plain = llama_cpp.Llama(model_path=str(base), logits_all=True, n_ctx=32, n_threads=2, verbose=False,
                             type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
     effect = np.abs(ref - llama_cpp_logits(plain, tokens)).max()
-    print(f"{name} scale {scale}: max |ggtorch - llama.cpp| {np.abs(ours - ref).max():.3g}, adapter effect {effect:.3g}")
+    print(f"{name} scale {scale}: max |ggtorch - llama.cpp| {np.abs(ours - ref).max():.3g}, "
+          f"adapter effect {effect:.3g}")
     assert effect > 2 * PARITY[name]  # the adapter moves the logits well beyond the tolerance
 
 
