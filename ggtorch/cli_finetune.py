@@ -237,24 +237,43 @@ def finetune(**values: Any) -> None:
     """
     ctx = click.get_current_context()  # not a parameter: 'ctx' is the --ctx flag here
     config, notes = config_from_cli(ctx, values)
-    for note in notes:
-        click.echo(note, err=True)
-    trainer = Trainer(config, [ProgressPrinter()])
-    for warning in trainer.warnings:
-        click.echo(f"warning: {warning}", err=True)
+    trainer = start_trainer(config, notes)
     n_trainable = sum(p.numel() for _, p, _ in trainer.params)
     click.echo(f"model: {config.model_base} ({trainer.model_config.n_layer} layers, n_embd "
                f"{trainer.model_config.n_embd}), base weights {config.base_dtype}, compute {config.dtype}, "
                f"device {trainer.device}")
     click.echo(f"LoRA: {n_trainable:,} trainable parameters; seed {trainer.seed}")
+    run_trainer(ctx, trainer, "--only-write-lora", "--lora-out", config.only_write_lora, config.lora_out)
+
+
+def start_trainer(config: FinetuneConfig, notes: list[str]) -> Trainer:
+    """A Trainer with the CLI's progress printer; notes and warnings go to stderr."""
+    for note in notes:
+        click.echo(note, err=True)
+    trainer = Trainer(config, [ProgressPrinter()])
+    for warning in trainer.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    return trainer
+
+
+def run_trainer(ctx: click.Context, trainer: Trainer, only_write_flag: str, output_flag: str, only_write: bool,
+                output: str) -> None:
+    """Train (or with ``only_write`` just write the output), handle Ctrl-C, print the summary.
+
+    Shared by ``finetune`` and ``train``: exit 130 after an interrupted-but-saved run, at once
+    on a second Ctrl-C.
+    """
+    config = trainer.config
     click.echo(f"data: {trainer.data.n_tokens:,} tokens, {trainer.data.n_samples:,} samples of ctx {config.ctx}"
                + (f"; resumed from {trainer.resumed_from} at iteration {trainer.iteration}"
                   if trainer.resumed_from else ""))
     start = time.perf_counter()
+    results: list[StepResult] = []
+    val = None
     try:
-        if config.only_write_lora:
-            if not config.lora_out:
-                raise BadFlag("--only-write-lora needs a --lora-out file name")
+        if only_write:
+            if not output:
+                raise BadFlag(f"{only_write_flag} needs a {output_flag} file name")
             trainer.save(checkpoint=False)
             return
         results = trainer.train()
@@ -269,7 +288,7 @@ def finetune(**values: Any) -> None:
         trainer.close()
     elapsed = time.perf_counter() - start
     if results:
-        tokens = sum(config.batch * config.grad_acc * config.ctx for _ in results)
+        tokens = len(results) * config.batch * config.grad_acc * config.ctx
         click.echo(f"done: {len(results)} iterations in {_hms(elapsed)}, loss {results[0].loss:.4f} -> "
                    f"{results[-1].loss:.4f}, {tokens / elapsed:.0f} tokens/s"
                    + (f", validation loss {val:.4f}" if val is not None else ""))

@@ -8,16 +8,13 @@ old program's flag names (``--vocab-model``, ``--embd``, ``--ff``, ``--head``, `
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import click
 
-from .cli_finetune import GROUPS, GroupedCommand, Option, ProgressPrinter, _hms, _options, config_from_cli
-from .errors import BadFlag
+from .cli_finetune import GROUPS, GroupedCommand, Option, _options, config_from_cli, run_trainer, start_trainer
 from .scratch import OUTTYPES
 from .train_config import TrainConfig
-from .trainer import Interrupted, Trainer
 
 _DROPPED = {"model_base", "lora_out", "only_write_lora", "base_dtype"}
 _REPLACED_GROUPS = ("Model and data", "Outputs and checkpoints", "LoRA")
@@ -76,40 +73,10 @@ def train(**values: Any) -> None:
     ctx = click.get_current_context()  # not a parameter: 'ctx' is the --ctx flag here
     config, notes = config_from_cli(ctx, values, TrainConfig)
     assert isinstance(config, TrainConfig)
-    for note in notes:
-        click.echo(note, err=True)
-    trainer = Trainer(config, [ProgressPrinter()])
-    for warning in trainer.warnings:
-        click.echo(f"warning: {warning}", err=True)
+    trainer = start_trainer(config, notes)
     mc = trainer.model_config
     source = f"full finetune of {config.model_base}" if config.model_base else f"new model over {config.vocab_model}"
     click.echo(f"model: {source}: {mc.n_layer} layers, n_embd {mc.n_embd}, n_ff {mc.n_ff}, heads {mc.n_head}/"
                f"{mc.n_head_kv}, vocab {mc.n_vocab}; {sum(p.numel() for _, p, _ in trainer.params):,} "
                f"trainable parameters; compute {config.dtype}, device {trainer.device}, seed {trainer.seed}")
-    click.echo(f"data: {trainer.data.n_tokens:,} tokens, {trainer.data.n_samples:,} samples of ctx {config.ctx}"
-               + (f"; resumed from {trainer.resumed_from} at iteration {trainer.iteration}"
-                  if trainer.resumed_from else ""))
-    start = time.perf_counter()
-    results = []
-    try:
-        if config.only_write_model:
-            if not config.model_out:
-                raise BadFlag("--only-write-model needs a --model-out file name")
-            trainer.save(checkpoint=False)
-            return
-        results = trainer.train()
-        val = trainer.evaluate()
-    except Interrupted as e:
-        click.echo(f"interrupted: {e}", err=True)
-        ctx.exit(130)
-    except KeyboardInterrupt:
-        click.echo("interrupted twice: stopped at once; the last saved checkpoint is kept", err=True)
-        ctx.exit(130)
-    finally:
-        trainer.close()
-    elapsed = time.perf_counter() - start
-    if results:
-        tokens = len(results) * config.batch * config.grad_acc * config.ctx
-        click.echo(f"done: {len(results)} iterations in {_hms(elapsed)}, loss {results[0].loss:.4f} -> "
-                   f"{results[-1].loss:.4f}, {tokens / elapsed:.0f} tokens/s"
-                   + (f", validation loss {val:.4f}" if val is not None else ""))
+    run_trainer(ctx, trainer, "--only-write-model", "--model-out", config.only_write_model, config.model_out)
