@@ -416,33 +416,14 @@ def _umask() -> int:
 def write_gguf(path: str | os.PathLike[str], arch: str, metadata: dict[str, Any],
                tensors: Iterable[TensorOut],
                value_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] | None = None) -> None:
-    """Write a GGUF file atomically.
+    """Write a GGUF file atomically (see write_gguf_streaming for data produced one tensor at a time).
 
     ``metadata`` values keep the GGUF types given in ``value_types`` (as read from another
-    file) and otherwise get a natural type (int → u32, float → f32). ``tensors`` may be a
-    generator: tensor data is streamed one tensor at a time, so only the tensor infos (not
-    the data) need to exist up front.
+    file) and otherwise get a natural type (int → u32, float → f32).
     """
     tensors = list(tensors)
-    value_types = value_types or {}
-    with atomic_path(path) as tmp:
-        writer = GGUFWriter(tmp, arch)
-        for key, value in metadata.items():
-            if key in ("general.architecture", ) or key.startswith("GGUF."):
-                continue
-            _add_value(writer, key, value, value_types.get(key))
-        for t in tensors:
-            expected = raw_nbytes(t.ggml_type, t.shape)
-            if t.data.nbytes != expected:
-                raise ValueError(f"tensor {t.name}: {t.data.nbytes} bytes, expected {expected} "
-                                 f"for {t.ggml_type.name} {t.shape}")
-            writer.add_tensor_info(t.name, _byte_shape(t), np.dtype(np.uint8), expected, raw_dtype=t.ggml_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for t in tensors:
-            writer.write_tensor_data(np.ascontiguousarray(t.data).view(np.uint8).reshape(_byte_shape(t)))
-        writer.close()
+    write_gguf_streaming(path, arch, metadata, [(t.name, t.ggml_type, t.shape) for t in tensors],
+                         (t.data for t in tensors), value_types)
 
 
 def _byte_shape(t: TensorOut) -> tuple[int, ...]:
