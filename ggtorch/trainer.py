@@ -227,6 +227,8 @@ class Trainer:
             "data": self.data.state_dict(),
             "counters": dict(self.counters),
             "torch_rng": torch.get_rng_state(),
+            # dropout on CUDA draws from the device's generator
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
             "seed": self.seed,
         }
 
@@ -240,6 +242,8 @@ class Trainer:
         self.warnings += self.data.load_state_dict(ck.state["data"], force_reshuffle=self.config.force_reshuffle)
         self.counters = dict(ck.state["counters"])
         torch.set_rng_state(ck.state["torch_rng"])
+        if self.device.type == "cuda" and ck.state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(ck.state["cuda_rng"], self.device)
         self.resumed_from = ck.path
 
     def _load_full_weights(self, ck: Checkpoint) -> None:
