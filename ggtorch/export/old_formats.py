@@ -109,6 +109,8 @@ def read_old_checkpoint(path: str | os.PathLike[str]) -> LoraWithNorms:
 
 def read_old(path: str | os.PathLike[str]) -> LoraWithNorms:
     """An old adapter (ggla) or old checkpoint (GGUF), told apart by their first bytes."""
+    if not Path(path).is_file():
+        raise BadGGUF(f"{path}: no such file; pass an old lora-*.bin adapter or finetune checkpoint")
     return read_ggla(path) if is_ggla(path) else read_old_checkpoint(path)
 
 
