@@ -52,10 +52,8 @@ def losses(log: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "iter"]
 
 
-def test_resume_is_exact(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
-    """6 iterations in one run == 3, stop, resume for 3: same adapter bytes and loss sequence."""
-    common = ["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), *SMALL,
-              "--save-every", "0", "--lora-dropout", "0.1"]
+def run_whole_and_resumed(common: list[str], tmp_path: Path) -> tuple[Path, Path]:
+    """``common`` for 6 iterations in folder one; for 3, then resumed for 3, in folder two."""
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
     code, out = run([*common, "-n", "6", "--checkpoint-in", "none.gguf"], one)
@@ -65,6 +63,14 @@ def test_resume_is_exact(stories260k: Path, texts: dict[str, Path], tmp_path: Pa
     code, out = run([*common, "-n", "3", "--checkpoint-in", "checkpoint-LATEST.gguf"], two)
     assert code == 0, out
     assert "resumed from checkpoint-LATEST.gguf at iteration 3" in out
+    return one, two
+
+
+def test_resume_is_exact(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
+    """6 iterations in one run == 3, stop, resume for 3: same adapter bytes and loss sequence."""
+    common = ["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), *SMALL,
+              "--save-every", "0", "--lora-dropout", "0.1"]
+    one, two = run_whole_and_resumed(common, tmp_path)
     assert (one / "ggml-lora-LATEST-f32.gguf").read_bytes() == (two / "ggml-lora-LATEST-f32.gguf").read_bytes()
     assert (one / "ggml-lora-6-f32.gguf").read_bytes() == (two / "ggml-lora-6-f32.gguf").read_bytes()
     assert losses(one / "checkpoint-log.jsonl") == losses(two / "checkpoint-log.jsonl")

@@ -19,7 +19,7 @@ from ggtorch.scratch import init_tensors
 from ggtorch.train_config import TrainConfig
 from ggtorch.trainer import Trainer
 from tests.llama_models import llama_cpp_logits, open_llama_cpp, quantize_with_llama_cpp
-from tests.test_finetune import losses, run
+from tests.test_finetune import losses, run, run_whole_and_resumed
 
 TINY = ["--embd", "64", "--ff", "128", "--head", "4", "--head-kv", "2", "--layer", "2", "-c", "32", "-b", "4",
         "--warmup", "2", "--adam-alpha", "0.01", "--seed", "3", "--no-checkpointing", "-t", "1"]
@@ -93,15 +93,7 @@ def test_resume_is_exact(mode: str, stories260k: Path, texts: dict[str, Path], t
     source = ["--vocab-model", str(stories260k), *TINY] if mode == "scratch" else \
         ["--model-base", str(stories260k), "-c", "32", "-b", "4", "--warmup", "2", "--seed", "3", "-t", "1"]
     common = ["train", *source, "--train-data", str(texts["train"]), "--save-every", "0"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir(), two.mkdir()
-    code, out = run([*common, "-n", "6", "--checkpoint-in", "none.gguf"], one)
-    assert code == 0, out
-    code, out = run([*common, "-n", "3", "--checkpoint-in", "none.gguf"], two)
-    assert code == 0, out
-    code, out = run([*common, "-n", "3", "--checkpoint-in", "checkpoint-LATEST.gguf"], two)
-    assert code == 0, out
-    assert "resumed from checkpoint-LATEST.gguf at iteration 3" in out
+    one, two = run_whole_and_resumed(common, tmp_path)
     assert (one / "ggml-model-6-f32.gguf").read_bytes() == (two / "ggml-model-6-f32.gguf").read_bytes()
     assert losses(one / "checkpoint-log.jsonl") == losses(two / "checkpoint-log.jsonl")
 

@@ -89,6 +89,13 @@ def test_adapter(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path
     return make
 
 
+def merge_logits(base_path: Path, adapter: Path, merged_path: Path, f32_path: Path,
+                 tokens: list[int]) -> tuple[np.ndarray, ...]:
+    """llama.cpp's logits of: base + adapter at run time, the merged model, the base alone, the F32 original."""
+    return tuple(llama_cpp_logits(llama_cpp_with_adapter(model, lora), tokens)
+                 for model, lora in ((base_path, adapter), (merged_path, None), (base_path, None), (f32_path, None)))
+
+
 def run_cli(*args: str) -> tuple[int, str]:
     result = CliRunner().invoke(main, [str(a) for a in args])
     if result.exception and not isinstance(result.exception, SystemExit):
@@ -175,10 +182,7 @@ def test_requantized_merge_keeps_types_and_matches_llama_cpp(random_llama: Calla
     assert np.array_equal(g.tensors[name].data.reshape(ref_bytes.shape), ref_bytes)
 
     tokens = random_tokens(32000, N_TOKENS)
-    ref = llama_cpp_logits(llama_cpp_with_adapter(base_path, adapter), tokens)
-    merged = llama_cpp_logits(llama_cpp_with_adapter(out, None), tokens)
-    base = llama_cpp_logits(llama_cpp_with_adapter(base_path, None), tokens)
-    f32 = llama_cpp_logits(llama_cpp_with_adapter(random_llama("F32"), None), tokens)
+    ref, merged, base, f32 = merge_logits(base_path, adapter, out, random_llama("F32"), tokens)
     # Quantization tolerance = what quantizing the base itself cost. Measured: Q8_0 merge 0.28 vs
     # base 0.25, Q4_0 merge 2.0 vs base 2.7; the adapter moves logits by ~8.
     assert np.abs(merged - ref).max() <= 1.5 * np.abs(base - f32).max()
@@ -198,10 +202,7 @@ def test_k_quant_merge_falls_back_to_q8_0(random_llama: Callable[..., Path], tmp
         exact = t.ggml_type in QUANTIZABLE_TYPES or name in UNTOUCHED or len(t.shape) == 1
         assert g.tensors[name].ggml_type == (t.ggml_type if exact else T.Q8_0), name
     tokens = random_tokens(32000, N_TOKENS)
-    ref = llama_cpp_logits(llama_cpp_with_adapter(base_path, adapter), tokens)
-    merged = llama_cpp_logits(llama_cpp_with_adapter(out, None), tokens)
-    base = llama_cpp_logits(llama_cpp_with_adapter(base_path, None), tokens)
-    f32 = llama_cpp_logits(llama_cpp_with_adapter(random_llama("F32"), None), tokens)
+    ref, merged, base, f32 = merge_logits(base_path, adapter, out, random_llama("F32"), tokens)
     # Q8_0 is finer than Q4_K: measured merge error 0.34 vs 2.1 for the base's own quantization
     assert np.abs(merged - ref).max() <= 0.5 * np.abs(base - f32).max()
 
@@ -294,8 +295,5 @@ def test_outtype_f16_on_a_q8_0_base_sets_file_type(random_llama: Callable[..., P
     assert f.metadata["general.file_type"] == 7 and g.metadata["general.file_type"] == 1
     assert g.value_types["general.file_type"] == f.value_types["general.file_type"]
     tokens = random_tokens(32000, N_TOKENS)
-    ref = llama_cpp_logits(llama_cpp_with_adapter(base_path, adapter), tokens)
-    merged = llama_cpp_logits(llama_cpp_with_adapter(out, None), tokens)
-    base = llama_cpp_logits(llama_cpp_with_adapter(base_path, None), tokens)
-    f32 = llama_cpp_logits(llama_cpp_with_adapter(random_llama("F32"), None), tokens)
+    ref, merged, base, f32 = merge_logits(base_path, adapter, out, random_llama("F32"), tokens)
     assert np.abs(merged - ref).max() <= 1.5 * np.abs(base - f32).max()
