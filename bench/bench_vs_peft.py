@@ -1,0 +1,553 @@
+"""ggtorch vs transformers+peft: LoRA finetune throughput and memory on identical work.
+
+Not a test. One command builds random-weight llamas (``tests/llama_models.py``: written by
+gguf-py, quantized by llama.cpp's own quantizer), then for every case runs one step loop per
+side, each in its own child process so that peak RSS is per side:
+
+- ggtorch: the real training path, :class:`ggtorch.trainer.Trainer` (what ``ggtorch finetune``
+  runs) on the GGUF, base kept as it is in the file (``--base-dtype quantized``, the default);
+- peer: transformers loads the same GGUF (it dequantizes every tensor), peft wraps it.
+
+Both train LoRA rank 4 (alpha 4) on q/k/v/o/gate/up/down from the same token batches (ggtorch's
+data pipeline over the same text, same seed), with AdamW (lr 1e-3, decay 0.1, clip 1.0) and
+the same batch, context and threads. Tokens/s is the median over the timed optimizer steps
+after the warm-up steps. ``f32``/``bf16`` is the compute dtype: ggtorch runs bf16 autocast over
+its base; the peer runs its model in bf16 (what a transformers user does), and the ggtorch bf16
+rows are also compared with the peer in f32.
+
+GFLOP/s counts the useful matmul work of a LoRA step, 4 × (parameters of the base's matrices)
+per token (forward plus input gradient; attention, LoRA and recomputation are not counted), and
+is set against a GEMM peak measured in the same run: the best of torch.mm over the model's
+matrix shapes, f32 and bf16.
+
+Run from the repository root: ``python bench/bench_vs_peft.py [--quick] [--threads N]``.
+It prints a table and writes ``BENCHMARKS.md`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHARED = ROOT.parent / "shared"
+VOCAB = SHARED / "vocab" / "ggml-vocab-llama-spm.gguf"
+TEXT = SHARED / "data" / "tinyshakespeare.txt"
+TEXT_BYTES = 200_000
+"""Enough text for every case (samples start at every token) while tokenizing in a second."""
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_RANK = 4
+LR, DECAY, GCLIP = 1e-3, 0.1, 1.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A llama shape, named; the argument of tests.llama_models.RandomLlamaShape."""
+
+    name: str
+    n_embd: int
+    n_ff: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ctx: int = 2048
+
+    def matrices(self, n_vocab: int = 32000) -> list[tuple[int, int]]:
+        """(out, in) of every matrix a token passes through (untied output)."""
+        kv = self.n_embd // self.n_head * self.n_head_kv
+        layer = [(self.n_embd, self.n_embd), (kv, self.n_embd), (kv, self.n_embd), (self.n_embd, self.n_embd),
+                 (self.n_ff, self.n_embd), (self.n_ff, self.n_embd), (self.n_embd, self.n_ff)]
+        return layer * self.n_layer + [(n_vocab, self.n_embd)]
+
+    def flops_per_token(self) -> float:
+        """Forward + input-gradient matmul FLOPs per token (2 per multiply-add, twice)."""
+        return 4.0 * sum(o * i for o, i in self.matrices())
+
+
+SHAPES = {
+    "110M": Shape("110M", n_embd=768, n_ff=2048, n_layer=12, n_head=12, n_head_kv=12),
+    "1.1B": Shape("1.1B", n_embd=2048, n_ff=5632, n_layer=22, n_head=32, n_head_kv=4),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the table: the same work for both sides."""
+
+    shape: str
+    ftype: str
+    dtype: str  # compute: f32 | bf16
+    ctx: int
+    batch: int
+    checkpointing: bool = False
+    warmup: int = 2
+    steps: int = 3
+
+    @property
+    def label(self) -> str:
+        ck = " ckpt" if self.checkpointing else ""
+        return f"{self.shape} {self.ftype} {self.dtype} b{self.batch}x{self.ctx}{ck}"
+
+
+def full_cases() -> list[Case]:
+    base = Case("110M", "F32", "f32", ctx=256, batch=4)
+    return [
+        base,
+        replace(base, dtype="bf16"),
+        replace(base, ftype="Q8_0"),
+        replace(base, ftype="Q4_0"),
+        replace(base, ftype="Q4_K_M"),
+        replace(base, ftype="Q4_0", dtype="bf16"),
+        replace(base, checkpointing=True),
+        replace(base, ctx=64, warmup=2, steps=5),
+        replace(base, ctx=1024, warmup=1, steps=2),
+        Case("1.1B", "F32", "f32", ctx=256, batch=1, warmup=1, steps=2),
+        Case("1.1B", "Q4_0", "f32", ctx=256, batch=1, warmup=1, steps=2),
+    ]
+
+
+def quick_cases() -> list[Case]:
+    base = Case("110M", "F32", "f32", ctx=64, batch=4, warmup=1, steps=3)
+    return [base, replace(base, ftype="Q4_0"), replace(base, dtype="bf16")]
+
+
+# --- model files ------------------------------------------------------------------------------
+
+
+def model_file(workdir: Path, shape: Shape, ftype: str) -> Path:
+    """The random llama of ``shape`` in ``ftype``, built once and cached in ``workdir``."""
+    from tests.llama_models import RandomLlamaShape, quantize_with_llama_cpp, write_random_llama
+
+    folder = workdir / shape.name
+    folder.mkdir(parents=True, exist_ok=True)
+    f32 = folder / "model-F32.gguf"
+    if not f32.exists():
+        rshape = RandomLlamaShape(n_embd=shape.n_embd, n_ff=shape.n_ff, n_layer=shape.n_layer, n_head=shape.n_head,
+                                  n_head_kv=shape.n_head_kv, n_ctx=shape.n_ctx)
+        tmp = folder / "model-F32.gguf.tmp"
+        write_random_llama(tmp, VOCAB, rshape, seed=0)
+        tmp.rename(f32)
+    if ftype == "F32":
+        return f32
+    path = folder / f"model-{ftype}.gguf"
+    if not path.exists():
+        tmp = folder / f"model-{ftype}.gguf.tmp"
+        quantize_with_llama_cpp(f32, tmp, ftype)
+        tmp.rename(path)
+    return path
+
+
+# --- children ---------------------------------------------------------------------------------
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM), in bytes."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def finetune_config(spec: dict[str, Any]) -> Any:
+    """The FinetuneConfig both sides take their data (and ggtorch everything) from."""
+    from ggtorch.finetune_config import FinetuneConfig
+
+    return FinetuneConfig(
+        model_base=spec["model"], train_data=spec["text"], checkpoint_in="", checkpoint_out="", lora_out="",
+        save_every=0, seed=1, ctx=spec["ctx"], batch=spec["batch"], threads=spec["threads"],
+        adam_iter=spec["warmup"] + spec["steps"], use_checkpointing=spec["checkpointing"], dtype=spec["dtype"],
+        lora_r=LORA_RANK, lora_alpha=LORA_RANK, rank_tok_embd=0, rank_out=0,
+        adam_alpha=LR, adam_decay=DECAY, adam_gclip=GCLIP, warmup=0)
+
+
+def child_ggtorch(spec: dict[str, Any]) -> dict[str, Any]:
+    """Trainer.train over the case; per-step seconds from its StepResults."""
+    import torch
+
+    from ggtorch.trainer import Trainer
+
+    torch.set_num_threads(spec["threads"])
+    t0 = time.perf_counter()
+    trainer = Trainer(finetune_config(spec), log_records=False)
+    load = time.perf_counter() - t0
+    results = trainer.train()
+    trainer.close()
+    return {"load_s": load, "step_s": [r.seconds for r in results], "loss": [r.loss for r in results]}
+
+
+def child_peer(spec: dict[str, Any]) -> dict[str, Any]:
+    """transformers (GGUF dequantized on load) + peft, the same batches, a plain AdamW loop."""
+    import torch
+    import torch.nn.functional as F
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ggtorch.data import DataOptions, TrainingData, read_text_file
+    from ggtorch.gguf_io import read_gguf
+    from ggtorch.models.tokenizer import Tokenizer
+
+    torch.set_num_threads(spec["threads"])
+    config = finetune_config(spec)
+    dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    t0 = time.perf_counter()
+    path = Path(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    if spec["checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, lora_dropout=0.0,
+                                             target_modules=LORA_TARGETS))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=DECAY)
+    load = time.perf_counter() - t0
+    tokenizer = Tokenizer.from_gguf(read_gguf(path))
+    data = TrainingData(read_text_file(config.train_data), tokenizer, n_ctx=config.ctx,
+                        options=DataOptions.from_finetune(config), seed=config.seed)
+    step_s, losses = [], []
+    for _ in range(spec["warmup"] + spec["steps"]):
+        inputs, targets = data.next_batch(config.batch)
+        t = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, GCLIP)
+        optimizer.step()
+        step_s.append(time.perf_counter() - t)
+        losses.append(float(loss))
+    return {"load_s": load, "step_s": step_s, "loss": losses}
+
+
+def child_gemm(spec: dict[str, Any]) -> dict[str, Any]:
+    """Best torch.mm GFLOP/s over the model's matrix shapes with N = batch*ctx rows, f32 and bf16."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    n = spec["rows"]
+    out: dict[str, Any] = {}
+    for name, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+        best, per_shape = 0.0, {}
+        for o, i in sorted(set(map(tuple, spec["shapes"]))):
+            x = torch.randn(n, i, dtype=dtype)
+            w = torch.randn(i, o, dtype=dtype)
+            flops = 2.0 * n * i * o
+            reps = max(2, min(20, int(2e9 / flops)))
+            torch.mm(x, w)
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                torch.mm(x, w)
+                times.append(time.perf_counter() - t)
+            gflops = flops / statistics.median(times) / 1e9
+            per_shape[f"{n}x{i}x{o}"] = gflops
+            best = max(best, gflops)
+        out[name] = best
+        out[f"{name}_shapes"] = per_shape
+    return out
+
+
+CHILDREN = {"ggtorch": child_ggtorch, "peer": child_peer, "gemm": child_gemm}
+
+
+def run_child(kind: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run one side in a fresh interpreter; its result JSON, or {"error": ...}."""
+    with tempfile.TemporaryDirectory(prefix="ggtorch-bench-") as tmp:
+        result_path = Path(tmp) / "result.json"
+        env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]),
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--spec", json.dumps(spec),
+               "--result", str(result_path)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s"}
+        if proc.returncode != 0 or not result_path.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            return {"error": f"exit {proc.returncode}: {' | '.join(tail)}"}
+        result = json.loads(result_path.read_text())
+        result["wall_s"] = time.perf_counter() - t0
+        return result
+
+
+def child_main(kind: str, spec_json: str, result_path: str) -> None:
+    spec = json.loads(spec_json)
+    result = CHILDREN[kind](spec)
+    result["peak_rss"] = peak_rss_bytes()
+    Path(result_path).write_text(json.dumps(result))
+
+
+# --- the parent -------------------------------------------------------------------------------
+
+
+def tokens_per_second(result: dict[str, Any], case: Case) -> float | None:
+    """Median over the steps after warm-up (tokens per optimizer step = batch*ctx)."""
+    steps = result.get("step_s") or []
+    timed = steps[case.warmup:] or steps
+    if not timed:
+        return None
+    return case.batch * case.ctx / statistics.median(timed)
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = ""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in text)
+    except OSError:
+        pass
+    try:
+        mem = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        mem = 0
+    import peft
+    import transformers
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "flags": flags, "memory_gib": mem / 2**30,
+            "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+            "python": platform.python_version(), "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
+def gib(n: float | None) -> str:
+    return "—" if n is None else f"{n / 2**30:.2f}"
+
+
+def fmt(x: float | None, spec: str = ".0f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="three small cases (ctx 64), about 2 minutes")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per side")
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "ggtorch-bench-vs-peft",
+                    help="where the model files are built and cached")
+    ap.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md", help="the report to (re)write")
+    ap.add_argument("--only", default="", help="run only cases whose label contains this text")
+    ap.add_argument("--sides", default="ggtorch,peer", help="comma list of ggtorch,peer")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per child before giving up")
+    ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child_main(args.child, args.spec, args.result)
+        return
+
+    t_start = time.perf_counter()
+    cases = quick_cases() if args.quick else full_cases()
+    if args.only:
+        cases = [c for c in cases if args.only in c.label]
+    sides = [s for s in args.sides.split(",") if s]
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    text = args.workdir / "train.txt"
+    if not text.exists():
+        text.write_bytes(TEXT.read_bytes()[:TEXT_BYTES])
+    info = machine()
+    print(f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.threads} threads", flush=True)
+
+    gemm: dict[tuple[str, int], dict[str, Any]] = {}
+    rows = []
+    for case in cases:
+        shape = SHAPES[case.shape]
+        t = time.perf_counter()
+        path = model_file(args.workdir, shape, case.ftype)
+        built = time.perf_counter() - t
+        if built > 1:
+            print(f"  built {path.name} for {shape.name} in {built:.0f} s", flush=True)
+        n_rows = case.batch * case.ctx
+        if (case.shape, n_rows) not in gemm:
+            gemm[(case.shape, n_rows)] = run_child("gemm", {"threads": args.threads, "rows": n_rows,
+                                                            "shapes": sorted(set(shape.matrices()))}, args.timeout)
+        spec = {"model": str(path), "text": str(text), "threads": args.threads, **asdict(case)}
+        row: dict[str, Any] = {"case": case, "gemm": gemm[(case.shape, n_rows)]}
+        for side in sides:
+            row[side] = run_child(side, spec, args.timeout)
+            row[f"{side}_tps"] = tokens_per_second(row[side], case)
+        rows.append(row)
+        print_row(row, sides)
+    total = time.perf_counter() - t_start
+    print(f"total {total:.0f} s", flush=True)
+    args.out.write_text(report(rows, sides, info, args, total))
+    print(f"wrote {args.out}", flush=True)
+
+
+def ggtorch_gflops(row: dict[str, Any]) -> float | None:
+    tps = row.get("ggtorch_tps")
+    return None if tps is None else tps * SHAPES[row["case"].shape].flops_per_token() / 1e9
+
+
+def print_row(row: dict[str, Any], sides: list[str]) -> None:
+    case = row["case"]
+    parts = [f"{case.label:34s}"]
+    for side in sides:
+        r = row[side]
+        if "error" in r:
+            parts.append(f"{side}: ERROR {r['error']}")
+            continue
+        parts.append(f"{side} {fmt(row[f'{side}_tps']):>6s} tok/s rss {gib(r.get('peak_rss'))} GiB "
+                     f"load {fmt(r.get('load_s'), '.1f')} s")
+    if row.get("ggtorch_tps") and row.get("peer_tps"):
+        parts.append(f"ratio {row['ggtorch_tps'] / row['peer_tps']:.2f}x")
+    gf = ggtorch_gflops(row)
+    peak = row["gemm"].get(case.dtype)
+    if gf and peak:
+        parts.append(f"{gf:.0f} GFLOP/s = {100 * gf / peak:.0f}% of {case.dtype} GEMM {peak:.0f}")
+    print("  ".join(parts), flush=True)
+
+
+def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], args: argparse.Namespace,
+           total: float) -> str:
+    """BENCHMARKS.md: machine, method, table, targets."""
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = "python bench/bench_vs_peft.py" + (" --quick" if args.quick else "") + f" --threads {args.threads}"
+    lines = [
+        "# Benchmarks: ggtorch vs transformers + peft",
+        "",
+        f"Generated by `{cmd}` on {now} in {total / 60:.1f} min; do not edit by hand, re-run the command.",
+        "",
+        "## Machine",
+        "",
+        f"- CPU: {info['cpu']}, {info['cores']} cores ({info['flags']}), {info['memory_gib']:.0f} GiB RAM",
+        f"- torch {info['torch']}, transformers {info['transformers']}, peft {info['peft']}, "
+        f"Python {info['python']}; {args.threads} torch threads per side",
+        f"- load average when the run started: {fmt(info['load'], '.2f')} "
+        "(other processes on the machine make every number lower and noisier)",
+        "",
+        "## Method",
+        "",
+        "Random-weight llamas around the 32000-token llama vocabulary, written by gguf-py and quantized by "
+        "llama.cpp (`tests/llama_models.py`). 110M shape: n_embd 768, n_ff 2048, 12 layers, 12 heads, untied "
+        "output; 1.1B: TinyLlama's shape (n_embd 2048, n_ff 5632, 22 layers, 32 heads, 4 KV heads).",
+        "Both sides train LoRA rank 4 (alpha 4) on q/k/v/o/gate/up/down with AdamW (lr 1e-3, weight decay 0.1, "
+        "gradient clipping 1.0) on the same token batches, each side in its own process. ggtorch runs its "
+        "`Trainer` (what `ggtorch finetune` runs) with the base kept as stored in the GGUF; the peer loads the "
+        "GGUF with transformers (dequantized on load) and wraps it with peft. Compute bf16 means bf16 autocast "
+        "for ggtorch and a bf16 model for the peer. tok/s: median over the timed steps after warm-up; RSS: "
+        "peak resident set of the side's process (VmHWM); load: model + LoRA setup. GFLOP/s counts 4 × base "
+        "matrix parameters per token (forward + input gradient) against the best torch.mm GFLOP/s over the "
+        "model's matrix shapes (rows = batch × ctx), measured in the same run.",
+        "",
+        "## Results",
+        "",
+        "| case | ggtorch tok/s | peer tok/s | ggtorch / peer | ggtorch GFLOP/s | % of GEMM peak "
+        "| ggtorch RSS GiB | peer RSS GiB | RSS ratio | ggtorch load s | peer load s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        case = row["case"]
+        g, p = row.get("ggtorch", {}), row.get("peer", {})
+        gt, pt = row.get("ggtorch_tps"), row.get("peer_tps")
+        gf = ggtorch_gflops(row)
+        peak = row["gemm"].get(case.dtype)
+        g_rss, p_rss = g.get("peak_rss"), p.get("peak_rss")
+        cells = [case.label, fmt(gt) if "error" not in g else "error", fmt(pt) if "error" not in p else "error",
+                 f"{gt / pt:.2f}×" if gt and pt else "—", fmt(gf),
+                 f"{100 * gf / peak:.0f}% of {peak:.0f}" if gf and peak else "—",
+                 gib(g_rss), gib(p_rss), f"{g_rss / p_rss:.0%}" if g_rss and p_rss else "—",
+                 fmt(g.get("load_s"), ".1f"), fmt(p.get("load_s"), ".1f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    errors = [(row["case"].label, side, row[side]["error"]) for row in rows for side in sides
+              if "error" in row.get(side, {})]
+    if errors:
+        lines += ["", "Errors:", ""] + [f"- {label} ({side}): {err}" for label, side, err in errors]
+    lines += ["", "## Targets (110M shape, batch 4, context 256)", ""]
+    lines += [f"- {t}" for t in targets(rows)]
+    lines += ["", "GEMM peaks measured (GFLOP/s, best over the model's shapes):", ""]
+    for (shape, n), g in sorted(rows_gemm(rows).items()):
+        lines.append(f"- {shape}, {n} rows: f32 {fmt(g.get('f32'))}, bf16 {fmt(g.get('bf16'))}")
+    return "\n".join(lines) + "\n"
+
+
+def rows_gemm(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+    return {(r["case"].shape, r["case"].batch * r["case"].ctx): r["gemm"] for r in rows}
+
+
+def find(rows: list[dict[str, Any]], **want: Any) -> dict[str, Any] | None:
+    defaults = {"shape": "110M", "ftype": "F32", "dtype": "f32", "ctx": 256, "batch": 4, "checkpointing": False}
+    want = defaults | want
+    for row in rows:
+        if all(getattr(row["case"], k) == v for k, v in want.items()):
+            return row
+    return None
+
+
+def _verdict(ok: bool | None) -> str:
+    return "not measured in this run" if ok is None else ("**met**" if ok else "**missed**")
+
+
+def targets(rows: list[dict[str, Any]]) -> list[str]:
+    """Each target of issue 7, with the measured value and whether it is met."""
+    out = []
+    f32 = find(rows)
+    bf16 = find(rows, dtype="bf16")
+    ck = find(rows, checkpointing=True)
+
+    ratio = f32["ggtorch_tps"] / f32["peer_tps"] if f32 and f32.get("ggtorch_tps") and f32.get("peer_tps") else None
+    out.append(f"f32, F32 base: ≥ 1.3× transformers+peft — {fmt(ratio, '.2f')}× "
+               f"({_verdict(None if ratio is None else ratio >= 1.3)})")
+    gf = ggtorch_gflops(f32) if f32 else None
+    peak = f32["gemm"].get("f32") if f32 else None
+    frac = gf / peak if gf and peak else None
+    out.append(f"f32, F32 base: ≥ 70% of the f32 GEMM peak — {fmt(None if frac is None else 100 * frac)}% "
+               f"({_verdict(None if frac is None else frac >= 0.7)})")
+
+    peer_f32 = f32.get("peer_tps") if f32 else None
+    b = bf16.get("ggtorch_tps") if bf16 else None
+    r2 = b / peer_f32 if b and peer_f32 else None
+    out.append(f"bf16 autocast: ≥ 2× transformers+peft in f32 — {fmt(r2, '.2f')}× "
+               f"({_verdict(None if r2 is None else r2 >= 2.0)})")
+    pb = bf16.get("peer_tps") if bf16 else None
+    r3 = b / pb if b and pb else None
+    out.append(f"bf16 autocast: ahead of transformers+peft in bf16 — {fmt(r3, '.2f')}× "
+               f"({_verdict(None if r3 is None else r3 > 1.0)})")
+
+    own = f32.get("ggtorch_tps") if f32 else None
+    for ftype in ("Q4_0", "Q4_K_M"):
+        q = find(rows, ftype=ftype)
+        qt = q.get("ggtorch_tps") if q else None
+        rs = own and qt and qt / own
+        rss = (q["ggtorch"].get("peak_rss") / q["peer"]["peak_rss"]
+               if q and q.get("ggtorch", {}).get("peak_rss") and q.get("peer", {}).get("peak_rss") else None)
+        ok = None if not rs or rss is None else (rs >= 0.8 and rss <= 0.35)
+        out.append(f"{ftype} base: ≥ 0.8× ggtorch's F32-base speed — {fmt(rs or None, '.2f')}×, and peak RSS "
+                   f"≤ 35% of the peer's — {fmt(None if rss is None else 100 * rss)}% ({_verdict(ok)})")
+    c = ck.get("ggtorch_tps") if ck else None
+    cost = 1 - c / own if c and own else None
+    out.append(f"gradient checkpointing costs ≤ 35% of throughput — costs "
+               f"{fmt(None if cost is None else 100 * cost)}% ({_verdict(None if cost is None else cost <= 0.35)})")
+    return out
+
+
+if __name__ == "__main__":
+    main()
