@@ -21,6 +21,7 @@ from .cli_export import convert_old_lora, export_lora
 from .cli_finetune import finetune, plot
 from .cli_peft import convert_lora, export_peft_cmd
 from .cli_train import train
+from .distributed import env_rank, env_world_size
 from .errors import BadData, BadFlag, GGTorchError
 from .gguf_io import read_gguf
 from .inference import SamplingParams, iter_tokens, perplexity
@@ -37,8 +38,11 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except GGTorchError as e:
-            message = " ".join(str(e).split())
-            click.echo(f"error: {message}", err=True)
+            rank, world = env_rank(), env_world_size()
+            if rank == 0 or not getattr(e, "on_every_rank", False):  # all ranks saw it: rank 0 says it once
+                message = " ".join(str(e).split())
+                click.echo(f"error: {message}" if world == 1 else f"error (rank {rank} of {world}): {message}",
+                           err=True)
             ctx.exit(1)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)

@@ -14,6 +14,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from .distributed import BACKENDS, env_rank
 from .errors import BadFlag
 from .finetune_config import FinetuneConfig, read_config_file
 from .trainer import Interrupted, StepResult, Trainer
@@ -58,6 +59,8 @@ GROUPS: list[tuple[str, list[Option]]] = [
         (("--dtype",), "dtype", click.Choice(["f32", "bf16", "f16"]), "Compute dtype (bf16/f16 = autocast). [f32]"),
         (("--base-dtype",), "base_dtype", click.Choice(["quantized", "f32", "bf16", "f16"]),
          "Hold base weights as raw ggml blocks (quantized) or as floats (faster, more memory). [quantized]"),
+        (("--dist-backend",), "dist_backend", click.Choice(list(BACKENDS)),
+         "torch.distributed backend under torchrun. [nccl on CUDA, else gloo]"),
     ]),
     ("LoRA", [
         (("--lora-r",), "lora_r", int, "Default rank of every adapted matrix. [4]"),
@@ -239,19 +242,26 @@ def finetune(**values: Any) -> None:
     config, notes = config_from_cli(ctx, values)
     trainer = start_trainer(config, notes)
     n_trainable = sum(p.numel() for _, p, _ in trainer.params)
-    click.echo(f"model: {config.model_base} ({trainer.model_config.n_layer} layers, n_embd "
-               f"{trainer.model_config.n_embd}), base weights {config.base_dtype}, compute {config.dtype}, "
-               f"device {trainer.device}")
-    click.echo(f"LoRA: {n_trainable:,} trainable parameters; seed {trainer.seed}")
+    echo = _echo(trainer)
+    echo(f"model: {config.model_base} ({trainer.model_config.n_layer} layers, n_embd "
+         f"{trainer.model_config.n_embd}), base weights {config.base_dtype}, compute {config.dtype}, "
+         f"device {trainer.device}")
+    echo(f"LoRA: {n_trainable:,} trainable parameters; seed {trainer.seed}")
     run_trainer(ctx, trainer, "--only-write-lora", "--lora-out", config.only_write_lora, config.lora_out)
 
 
+def _echo(trainer: Trainer) -> Any:
+    """click.echo on rank 0; silence on the other torchrun ranks (they compute the same numbers)."""
+    return click.echo if trainer.dist.is_main else (lambda *args, **kwargs: None)
+
+
 def start_trainer(config: FinetuneConfig, notes: list[str]) -> Trainer:
-    """A Trainer with the CLI's progress printer; notes and warnings go to stderr."""
-    for note in notes:
+    """A Trainer with the CLI's progress printer; notes and warnings go to stderr (rank 0 only)."""
+    main_rank = env_rank() == 0
+    for note in notes if main_rank else ():
         click.echo(note, err=True)
-    trainer = Trainer(config, [ProgressPrinter()])
-    for warning in trainer.warnings:
+    trainer = Trainer(config, [ProgressPrinter()] if main_rank else [])
+    for warning in trainer.warnings if trainer.dist.is_main else ():
         click.echo(f"warning: {warning}", err=True)
     return trainer
 
@@ -264,9 +274,14 @@ def run_trainer(ctx: click.Context, trainer: Trainer, only_write_flag: str, outp
     on a second Ctrl-C.
     """
     config = trainer.config
-    click.echo(f"data: {trainer.data.n_tokens:,} tokens, {trainer.data.n_samples:,} samples of ctx {config.ctx}"
-               + (f"; resumed from {trainer.resumed_from} at iteration {trainer.iteration}"
-                  if trainer.resumed_from else ""))
+    echo = _echo(trainer)
+    world = trainer.dist.world_size
+    echo(f"data: {trainer.data.n_tokens:,} tokens, {trainer.data.n_samples:,} samples of ctx {config.ctx}"
+         + (f"; resumed from {trainer.resumed_from} at iteration {trainer.iteration}"
+            if trainer.resumed_from else ""))
+    ranks = f" per rank x {world} ranks (torch.distributed {trainer.dist.backend})" if world > 1 else ""
+    echo(f"batch: {config.batch} x grad-acc {config.grad_acc}{ranks} = {config.batch * config.grad_acc * world} "
+         "sequences per optimizer step")
     start = time.perf_counter()
     results: list[StepResult] = []
     val = None
@@ -279,19 +294,19 @@ def run_trainer(ctx: click.Context, trainer: Trainer, only_write_flag: str, outp
         results = trainer.train()
         val = trainer.evaluate()
     except Interrupted as e:
-        click.echo(f"interrupted: {e}", err=True)
+        echo(f"interrupted: {e}", err=True)
         ctx.exit(130)
     except KeyboardInterrupt:
-        click.echo("interrupted twice: stopped at once; the last saved checkpoint is kept", err=True)
+        echo("interrupted twice: stopped at once; the last saved checkpoint is kept", err=True)
         ctx.exit(130)
     finally:
         trainer.close()
     elapsed = time.perf_counter() - start
     if results:
-        tokens = len(results) * config.batch * config.grad_acc * config.ctx
-        click.echo(f"done: {len(results)} iterations in {_hms(elapsed)}, loss {results[0].loss:.4f} -> "
-                   f"{results[-1].loss:.4f}, {tokens / elapsed:.0f} tokens/s"
-                   + (f", validation loss {val:.4f}" if val is not None else ""))
+        tokens = len(results) * config.batch * config.grad_acc * world * config.ctx
+        echo(f"done: {len(results)} iterations in {_hms(elapsed)}, loss {results[0].loss:.4f} -> "
+             f"{results[-1].loss:.4f}, {tokens / elapsed:.0f} tokens/s"
+             + (f", validation loss {val:.4f}" if val is not None else ""))
 
 
 @click.command(name="plot")

@@ -12,7 +12,16 @@ from typing import Any
 
 import click
 
-from .cli_finetune import GROUPS, GroupedCommand, Option, _options, config_from_cli, run_trainer, start_trainer
+from .cli_finetune import (
+    GROUPS,
+    GroupedCommand,
+    Option,
+    _echo,
+    _options,
+    config_from_cli,
+    run_trainer,
+    start_trainer,
+)
 from .scratch import OUTTYPES
 from .train_config import TrainConfig
 
@@ -76,7 +85,7 @@ def train(**values: Any) -> None:
     trainer = start_trainer(config, notes)
     mc = trainer.model_config
     source = f"full finetune of {config.model_base}" if config.model_base else f"new model over {config.vocab_model}"
-    click.echo(f"model: {source}: {mc.n_layer} layers, n_embd {mc.n_embd}, n_ff {mc.n_ff}, heads {mc.n_head}/"
-               f"{mc.n_head_kv}, vocab {mc.n_vocab}; {sum(p.numel() for _, p, _ in trainer.params):,} "
-               f"trainable parameters; compute {config.dtype}, device {trainer.device}, seed {trainer.seed}")
+    _echo(trainer)(f"model: {source}: {mc.n_layer} layers, n_embd {mc.n_embd}, n_ff {mc.n_ff}, heads "
+                   f"{mc.n_head}/{mc.n_head_kv}, vocab {mc.n_vocab}; {sum(p.numel() for _, p, _ in trainer.params):,} "
+                   f"trainable parameters; compute {config.dtype}, device {trainer.device}, seed {trainer.seed}")
     run_trainer(ctx, trainer, "--only-write-model", "--model-out", config.only_write_model, config.model_out)

@@ -80,6 +80,8 @@ class FinetuneConfig:
     """Compute dtype: f32, or bf16/f16 autocast."""
     base_dtype: str = "quantized"
     """How base weights are held: 'quantized' (raw ggml blocks, dequantized on the fly) or f32/bf16/f16."""
+    dist_backend: str | None = None
+    """torch.distributed backend under torchrun: gloo, nccl, ... (default: nccl on CUDA, gloo otherwise)."""
     val_split: float = 0.0
     """Fraction of the training text held out for a validation loss (0: none)."""
     val_data: str | None = None

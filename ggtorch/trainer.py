@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import signal
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -34,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from .adapters import adapter_from_model, write_adapter
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .data import DataOptions, TrainingData, read_text_file
+from .distributed import RankFailed, setup
 from .errors import BadFlag, GGTorchError
 from .finetune_config import FinetuneConfig
 from .gguf_io import GGUFFile, read_gguf
@@ -47,6 +50,9 @@ from .optim import AdamConfig, GGMLAdamW
 from .scratch import full_trainable_parameters, new_config, write_model, write_new_model
 from .train_config import TrainConfig
 from .train_log import TrainLog
+
+IGNORE_INDEX = -100
+"""A target that adds no loss (torch's ignore_index): masked prompt tokens, padding."""
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -136,11 +142,13 @@ class Trainer:
         self.callbacks = list(callbacks)
         if c.threads:
             torch.set_num_threads(c.threads)
-        self.device = resolve_device(c.device)
-        self.seed = c.seed if c.seed >= 0 else int(time.time()) & 0xFFFFFFFF
+        self.dist, self.device = setup(resolve_device(c.device), c.dist_backend)
+        # under torchrun every rank trains the same order: rank 0's seed (drawn from the clock for -1)
+        self.seed = self.dist.broadcast_int(c.seed if c.seed >= 0 else int(time.time()) & 0xFFFFFFFF, self.device)
         torch.manual_seed(self.seed)  # dropout masks; a resumed run restores the RNG state instead
         self.full = isinstance(c, TrainConfig)
-        self._check_outputs_writable()
+        if self.dist.is_main:  # only rank 0 writes
+            self._check_outputs_writable()
 
         self._scratch_dir: tempfile.TemporaryDirectory[str] | None = None
         self.base = self._open_full_base() if self.full else read_gguf(c.model_base)
@@ -166,6 +174,9 @@ class Trainer:
                                  name=f"--train-data {c.train_data}")
         self.warnings += self.data.warnings
         self.val_batches = self._validation_batches()
+        self.dist.check_same("the options or the training data", [self.data.hash, self.data.n_samples,
+                                                                    len(self.val_batches), _options_hash(c)],
+                             self.device)
 
         self.counters = {"iteration": 0, "samples": 0, "tokens": 0, "epochs": 0}
         self.resumed_from: Path | None = None
@@ -173,8 +184,10 @@ class Trainer:
             self._resume(load_checkpoint(c.checkpoint_in))
         if c.use_checkpointing:
             enable_block_checkpointing(self.model)
+        self.forward_model = self.dist.wrap(self.model, self.device)
+        """What the training step calls: ``self.model`` itself, or its DDP wrapper under torchrun."""
 
-        self.log = TrainLog(self._log_path() if log_records else None)
+        self.log = TrainLog(self._log_path() if log_records and self.dist.is_main else None)
         self._last_save_iteration = self.iteration
         self._stop_requested = False
         self.history: list[StepResult] = []
@@ -295,6 +308,15 @@ class Trainer:
 
         ``checkpoint=False`` writes only the adapter or model (``--only-write-lora/-model``).
         """
+        if not self.dist.is_main:  # only rank 0 writes; the others wait so none runs ahead
+            self._last_save_iteration = self.iteration
+            self.dist.barrier()
+            return []
+        written = self._save(checkpoint)
+        self.dist.barrier()
+        return written
+
+    def _save(self, checkpoint: bool) -> list[Path]:
         c = self.config
         written: list[Path] = []
         names = [str(self.iteration), c.fn_latest]
@@ -345,32 +367,59 @@ class Trainer:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
 
+    def _next_batches(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """This rank's ``grad_acc`` micro-batches of the step and the samples the whole step used.
+
+        Each micro-step takes ``world_size`` consecutive batches of the shared stream and rank r
+        keeps the r-th, so N ranks consume exactly what one process with ``--grad-acc`` x N does,
+        and the stream position stays global (a checkpoint resumes with any number of ranks).
+        """
+        mine = []
+        used = 0
+        for _ in range(self.config.grad_acc):
+            for rank in range(self.dist.world_size):
+                batch = self.data.next_batch(self.config.batch)
+                used += self.data.last_used
+                if rank == self.dist.rank:
+                    mine.append(batch)
+        return mine, used
+
     def step(self) -> StepResult:
-        """One optimizer step over ``grad_acc`` micro-batches (ggml: mean of micro-batch means)."""
+        """One optimizer step over ``grad_acc`` micro-batches (on every rank under torchrun).
+
+        The step loss is the sum of the cross-entropy over every counted position of all
+        micro-batches of all ranks over their number (for plain text: the mean of the micro-batch
+        means, as ggml). DDP averages gradients over ranks, so each rank's part is scaled by
+        world_size / global count; only the last micro-batch's backward synchronizes.
+        """
         c = self.config
         t0 = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad()
-        losses = []
-        samples_used = 0
-        for _ in range(c.grad_acc):
-            inputs, targets = self.data.next_batch(c.batch)
-            samples_used += self.data.last_used
+        batches, samples_used = self._next_batches()
+        counts = [int((targets != IGNORE_INDEX).sum()) for _, targets in batches]
+        global_count = self.dist.reduce_sum([float(sum(counts))], self.device)[0]
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, ((inputs, targets), count) in enumerate(zip(batches, counts, strict=True)):
             inputs, targets = inputs.to(self.device), targets.to(self.device)
-            with self._autocast():
-                logits = self.model(inputs)
-            loss = ggml_cross_entropy(logits, targets)
-            (loss / c.grad_acc).backward()
-            losses.append(loss.detach())
-        loss_value = float(torch.stack(losses).mean())
+            last = i == len(batches) - 1
+            with self._autocast(), (nullcontext() if last or not self.dist.enabled else self.forward_model.no_sync()):
+                logits = self.forward_model(inputs)
+                # a micro-batch without counted positions still runs backward (DDP expects every rank's)
+                loss = ggml_cross_entropy(logits, targets) if count else logits.sum() * 0.0
+                (loss * (count * self.dist.world_size / global_count)).backward()
+            loss_sum += loss.detach().double() * count
+        loss_total, stop = self.dist.reduce_sum([float(loss_sum), float(self._stop_requested)], self.device)
+        loss_value = loss_total / global_count if global_count else float("nan")
+        self._stop_agreed = bool(stop)  # Ctrl-C on any rank stops every rank after this same step
         if not math.isfinite(loss_value):
-            raise GGTorchError(
+            raise RankFailed(
                 f"the loss became {loss_value} at iteration {self.iteration + 1}; training stopped and the "
                 "last saved checkpoint was kept. Lower --adam-alpha, or use --dtype f32 if you trained in f16")
         sched = self.optimizer.sched
         lr = self.optimizer.lr
         self.optimizer.step()
-        used = c.batch * c.grad_acc
+        used = c.batch * c.grad_acc * self.dist.world_size
         self.counters["samples"] += samples_used  # with fill, a row can use several samples
         self.counters["tokens"] += used * c.ctx
         seconds = time.perf_counter() - t0
@@ -401,11 +450,11 @@ class Trainer:
             return None
         self.model.eval()
         total = 0.0
-        for inputs, targets in self.val_batches:
+        for inputs, targets in self.val_batches[self.dist.rank::self.dist.world_size]:  # ranks share the work
             with self._autocast():
                 logits = self.model(inputs.to(self.device))
             total += float(ggml_cross_entropy(logits, targets.to(self.device)))
-        loss = total / len(self.val_batches)
+        loss = self.dist.reduce_sum([total], self.device)[0] / len(self.val_batches)
         self.log.write("eval", iteration=self.iteration, loss=loss)
         for cb in self.callbacks:
             getattr(cb, "on_eval", lambda *a: None)(self, self.iteration, loss)
@@ -423,19 +472,25 @@ class Trainer:
         """Stop after the current step (and save); what Ctrl-C and notebook buttons call."""
         self._stop_requested = True
 
+    _stop_agreed = False
+
+    def _stopping(self) -> bool:
+        """Stop now? Under torchrun only what all ranks agreed on in the last step counts."""
+        return self._stop_agreed if self.dist.enabled else self._stop_requested
+
     def train(self, n_iterations: int | None = None) -> list[StepResult]:
         """Run ``n_iterations`` (default ``adam_iter``) optimizer steps; save as configured."""
         c = self.config
         n = c.adam_iter if n_iterations is None else n_iterations
         self._target_iteration = self.iteration + n
         first_epoch = self.data.epoch
-        self._stop_requested = False
+        self._stop_requested = self._stop_agreed = False
         self.log.write("start", iteration=self.iteration, seed=self.seed, config=asdict(c),
                        trainable_parameters=sum(p.numel() for _, p, _ in self.params),
                        resumed_from=str(self.resumed_from) if self.resumed_from else None)
         results = []
         with _sigint_requests_stop(self):
-            while self.iteration < self._target_iteration and not self._stop_requested:
+            while self.iteration < self._target_iteration and not self._stopping():
                 results.append(self.step())
                 if c.save_every > 0 and self.iteration - self._last_save_iteration >= c.save_every:
                     self.save()
@@ -449,17 +504,24 @@ class Trainer:
             self.save()
         self.log.write("end", iteration=self.iteration, steps=len(results),
                        loss=results[-1].loss if results else None,
-                       seconds=sum(r.seconds for r in results), interrupted=self._stop_requested)
-        if self._stop_requested:
+                       seconds=sum(r.seconds for r in results), interrupted=self._stopping())
+        if self._stopping():
             raise Interrupted(f"interrupted at iteration {self.iteration}; saved, resume with "
                               f"--checkpoint-in {output_name(c.checkpoint_out, c.pattern_fn_it, c.fn_latest)}")
         return results
 
     def close(self) -> None:
         self.log.close()
+        self.dist.close()
         if self._scratch_dir is not None:
             self._scratch_dir.cleanup()
             self._scratch_dir = None
+
+
+def _options_hash(config: FinetuneConfig) -> int:
+    """A fingerprint of the options every rank must share (not the per-rank device or threads)."""
+    options = {k: v for k, v in asdict(config).items() if k not in ("device", "threads")}
+    return zlib.crc32(json.dumps(options, sort_keys=True, default=str).encode())
 
 
 class _sigint_requests_stop:

@@ -25,6 +25,7 @@ LAYERS: dict[str, float] = {
     "data": 6,
     "optim": 6,
     "checkpoint": 7,
+    "distributed": 7,
     "finetune_config": 7,
     "train_config": 7.5,  # extends finetune_config, below trainer
     "train_log": 7,

@@ -1,0 +1,173 @@
+"""Data-parallel runs under torchrun (2 CPU ranks, gloo on loopback) against one process with --grad-acc 2.
+
+N ranks with --batch b take, at every micro-step, N consecutive batches of the one shared data
+stream (rank r the r-th), so they must train exactly what one process with --grad-acc N does on
+the same global batches: the same losses and the same adapter, to float tolerance (DDP sums
+gradients in another order). Checkpoints keep the global data position, so a run moves between
+world sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ggtorch.adapters import read_adapter
+from tests.test_finetune import losses, run
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["-c", "32", "-b", "4", "--warmup", "2", "--adam-alpha", "0.01", "--seed", "7", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def train_text(shared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ddp-text") / "train.txt"
+    path.write_text((shared / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(args: list[str], cwd: Path, nproc: int = 2, timeout: float = 120) -> tuple[int, str]:
+    """``torchrun --nproc-per-node nproc -m ggtorch ARGS`` on loopback; (exit code, stdout+stderr)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "ggtorch", *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {timeout} s (a rank hangs):\n{out}")
+    return proc.returncode, out
+
+
+def records(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def assert_same_adapter(a: Path, b: Path) -> None:
+    ta, tb = read_adapter(a), read_adapter(b)
+    assert ta.pairs.keys() == tb.pairs.keys()
+    for name in ta.pairs:
+        for x, y in ((ta.pairs[name].a, tb.pairs[name].a), (ta.pairs[name].b, tb.pairs[name].b)):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(stories260k: Path, train_text: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """2 ranks x --batch 4, 4 iterations, saving at 2 and 4: (folder, torchrun's output)."""
+    folder = tmp_path_factory.mktemp("two-ranks")
+    code, out = torchrun(["finetune", "--model-base", str(stories260k), "--train-data", str(train_text), *SMALL,
+                          "-n", "4", "--save-every", "2", "--checkpoint-in", "none.gguf"], folder)
+    assert code == 0, out
+    return folder, out
+
+
+def one_rank(stories260k: Path, train_text: Path, folder: Path, *args: str) -> str:
+    folder.mkdir(exist_ok=True)
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(train_text), *SMALL,
+                     "--grad-acc", "2", "--save-every", "2", *args], folder)
+    assert code == 0, out
+    return out
+
+
+def test_two_ranks_train_what_one_process_with_grad_acc_2_trains(two_ranks: tuple[Path, str], stories260k: Path,
+                                                                  train_text: Path, tmp_path: Path) -> None:
+    folder, out = two_ranks
+    assert "batch: 4 x grad-acc 1 per rank x 2 ranks (torch.distributed gloo) = 8 sequences" in out
+    one_rank(stories260k, train_text, tmp_path, "-n", "4", "--checkpoint-in", "none.gguf")
+    two = losses(folder / "checkpoint-log.jsonl")
+    one = losses(tmp_path / "checkpoint-log.jsonl")
+    assert len(two) == 4 and two[0] != two[-1]
+    np.testing.assert_allclose(two, one, rtol=1e-5)
+    assert_same_adapter(folder / "ggml-lora-4-f32.gguf", tmp_path / "ggml-lora-4-f32.gguf")
+    # the data position is global: both consumed the same samples
+    last_two, last_one = (records(f / "checkpoint-log.jsonl")[-2] for f in (folder, tmp_path))
+    assert last_two["kind"] == last_one["kind"] == "save"
+    assert [r["samples"] for r in records(folder / "checkpoint-log.jsonl") if r["kind"] == "iter"] == \
+        [r["samples"] for r in records(tmp_path / "checkpoint-log.jsonl") if r["kind"] == "iter"]
+
+
+def test_only_rank_0_writes_and_prints(two_ranks: tuple[Path, str]) -> None:
+    folder, out = two_ranks
+    assert sorted(p.name for p in folder.iterdir()) == sorted([
+        "checkpoint-2.gguf", "checkpoint-4.gguf", "checkpoint-LATEST.gguf", "checkpoint-log.jsonl",
+        "ggml-lora-2-f32.gguf", "ggml-lora-4-f32.gguf", "ggml-lora-LATEST-f32.gguf"])
+    kinds = [r["kind"] for r in records(folder / "checkpoint-log.jsonl")]
+    assert kinds == ["start", "iter", "iter", "save", "iter", "iter", "save", "end"]  # one writer, not two
+    assert sum(line.startswith("iter=") for line in out.splitlines()) == 4
+    assert out.count("model: ") == 1 and out.count("done: ") == 1
+
+
+def test_a_two_rank_checkpoint_resumes_in_one_process(two_ranks: tuple[Path, str], stories260k: Path,
+                                                       train_text: Path, tmp_path: Path) -> None:
+    """2 ranks to iteration 2, then 1 process (--grad-acc 2) to 4 == the 2-rank run to 4."""
+    folder, _ = two_ranks
+    shutil.copy(folder / "checkpoint-2.gguf", tmp_path / "start.gguf")
+    out = one_rank(stories260k, train_text, tmp_path, "-n", "2", "--checkpoint-in", "start.gguf")
+    assert "resumed from start.gguf at iteration 2" in out
+    np.testing.assert_allclose(losses(tmp_path / "checkpoint-log.jsonl"),
+                               losses(folder / "checkpoint-log.jsonl")[2:], rtol=1e-5)
+    assert_same_adapter(folder / "ggml-lora-4-f32.gguf", tmp_path / "ggml-lora-4-f32.gguf")
+
+
+def test_full_training_resumes_from_one_process_on_two_ranks(stories260k: Path, train_text: Path,
+                                                              tmp_path: Path) -> None:
+    """`ggtorch train` from scratch: 1 process (--grad-acc 2) to 2, 2 ranks to 4 == 1 process to 4."""
+    common = ["train", "--vocab-model", str(stories260k), "--train-data", str(train_text), "--embd", "32", "--ff",
+              "64", "--head", "2", "--layer", "1", *SMALL, "--save-every", "2", "--outtype", "f32"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    whole.mkdir(), split.mkdir()
+    code, out = run([*common, "--grad-acc", "2", "-n", "4", "--checkpoint-in", "none.gguf"], whole)
+    assert code == 0, out
+    code, out = run([*common, "--grad-acc", "2", "-n", "2", "--checkpoint-in", "none.gguf"], split)
+    assert code == 0, out
+    code, out = torchrun([*common, "-n", "2", "--checkpoint-in", "checkpoint-LATEST.gguf"], split)
+    assert code == 0, out
+    assert "at iteration 2" in out
+    np.testing.assert_allclose(losses(split / "checkpoint-log.jsonl"), losses(whole / "checkpoint-log.jsonl"),
+                               rtol=1e-5)
+    from ggtorch.gguf_io import read_gguf
+
+    a, b = read_gguf(whole / "ggml-model-4-f32.gguf"), read_gguf(split / "ggml-model-4-f32.gguf")
+    for name, t in a.tensors.items():
+        np.testing.assert_allclose(b.tensors[name].data.view(np.float32), t.data.view(np.float32), rtol=1e-4,
+                                   atol=1e-6)
+
+
+def test_an_error_on_one_rank_stops_all_with_one_message(stories260k: Path, train_text: Path,
+                                                          tmp_path: Path) -> None:
+    """Only rank 0 writes, so only rank 0 checks (and misses) the output folder; rank 1 must not hang."""
+    code, out = torchrun(["finetune", "--model-base", str(stories260k), "--train-data", str(train_text), *SMALL,
+                          "-n", "4", "--checkpoint-in", "none.gguf", "--checkpoint-out", "missing/ck.gguf"], tmp_path)
+    assert code != 0
+    assert out.count("error (rank 0 of 2): output folder 'missing'") == 1, out
+    assert "iter=" not in out
+
+
+def test_a_nan_loss_stops_every_rank_and_is_reported_once(stories260k: Path, train_text: Path,
+                                                          tmp_path: Path) -> None:
+    code, out = torchrun(["finetune", "--model-base", str(stories260k), "--train-data", str(train_text), *SMALL,
+                          "-n", "6", "--checkpoint-in", "none.gguf", "--adam-alpha", "1e30", "--adam-gclip", "0",
+                          "--warmup", "0"], tmp_path)
+    assert code != 0
+    assert out.count("the loss became") == 1, out
+    assert "error (rank 0 of 2): the loss became" in out
