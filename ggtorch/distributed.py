@@ -103,25 +103,29 @@ class Distributed:
             dist.barrier()
 
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        """``model`` in DistributedDataParallel over its trainable parameters only.
-
-        Frozen parameters and buffers (the base weights, quantized or not) are left out of
-        DDP's start-up broadcast and of every later sync: each rank loaded them from the same
-        file. Only the trainable (LoRA, or all weights in full training) gradients are reduced.
-        """
-        if not self.enabled:
-            return model
-        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-        buffers = [n for n, _ in model.named_buffers()]
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen + buffers)
-        # with every buffer ignored, DDP has no buffers to sync at start or before each forward
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        """``model`` under DDP when this run has several ranks, else ``model`` itself."""
+        return data_parallel(model, device) if self.enabled else model
 
     def close(self) -> None:
         """Leave the process group if this object created it."""
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
+
+
+def data_parallel(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    """``model`` in DistributedDataParallel over its trainable parameters only.
+
+    Frozen parameters and buffers (the base weights, quantized or not) are left out of DDP's
+    start-up broadcast and of every later sync: each rank loaded them from the same file. Only
+    the trainable (LoRA, or all weights in full training) gradients are reduced. Needs an
+    initialized process group.
+    """
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    buffers = [n for n, _ in model.named_buffers()]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen + buffers)
+    # with every buffer ignored, DDP has no buffers to sync at start or before each forward
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def default_backend(device: torch.device) -> str:

@@ -23,6 +23,12 @@ import pytest
 import torch
 
 from ggtorch.adapters import read_adapter
+from ggtorch.distributed import data_parallel
+from ggtorch.finetune_config import FinetuneConfig
+from ggtorch.gguf_io import read_gguf
+from ggtorch.quant.modules import QuantLinear
+from ggtorch.trainer import Trainer
+from tests.llama_models import quantize_with_llama_cpp
 from tests.test_finetune import losses, run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,28 +78,34 @@ def assert_same_adapter(a: Path, b: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(stories260k: Path, train_text: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """2 ranks x --batch 4, 4 iterations, saving at 2 and 4: (folder, torchrun's output)."""
+def stories_q8(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A quantized base: it stays quantized on every rank and is never sent between them."""
+    return quantize_with_llama_cpp(stories260k, tmp_path_factory.mktemp("ddp-q8") / "stories260K-Q8_0.gguf", "Q8_0")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(stories_q8: Path, train_text: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """2 ranks x --batch 4 on the Q8_0 base, 4 iterations, saving at 2 and 4: (folder, torchrun's output)."""
     folder = tmp_path_factory.mktemp("two-ranks")
-    code, out = torchrun(["finetune", "--model-base", str(stories260k), "--train-data", str(train_text), *SMALL,
+    code, out = torchrun(["finetune", "--model-base", str(stories_q8), "--train-data", str(train_text), *SMALL,
                           "-n", "4", "--save-every", "2", "--checkpoint-in", "none.gguf"], folder)
     assert code == 0, out
     return folder, out
 
 
-def one_rank(stories260k: Path, train_text: Path, folder: Path, *args: str) -> str:
+def one_rank(base: Path, train_text: Path, folder: Path, *args: str) -> str:
     folder.mkdir(exist_ok=True)
-    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(train_text), *SMALL,
+    code, out = run(["finetune", "--model-base", str(base), "--train-data", str(train_text), *SMALL,
                      "--grad-acc", "2", "--save-every", "2", *args], folder)
     assert code == 0, out
     return out
 
 
-def test_two_ranks_train_what_one_process_with_grad_acc_2_trains(two_ranks: tuple[Path, str], stories260k: Path,
+def test_two_ranks_train_what_one_process_with_grad_acc_2_trains(two_ranks: tuple[Path, str], stories_q8: Path,
                                                                   train_text: Path, tmp_path: Path) -> None:
     folder, out = two_ranks
     assert "batch: 4 x grad-acc 1 per rank x 2 ranks (torch.distributed gloo) = 8 sequences" in out
-    one_rank(stories260k, train_text, tmp_path, "-n", "4", "--checkpoint-in", "none.gguf")
+    one_rank(stories_q8, train_text, tmp_path, "-n", "4", "--checkpoint-in", "none.gguf")
     two = losses(folder / "checkpoint-log.jsonl")
     one = losses(tmp_path / "checkpoint-log.jsonl")
     assert len(two) == 4 and two[0] != two[-1]
@@ -117,12 +129,12 @@ def test_only_rank_0_writes_and_prints(two_ranks: tuple[Path, str]) -> None:
     assert out.count("model: ") == 1 and out.count("done: ") == 1
 
 
-def test_a_two_rank_checkpoint_resumes_in_one_process(two_ranks: tuple[Path, str], stories260k: Path,
+def test_a_two_rank_checkpoint_resumes_in_one_process(two_ranks: tuple[Path, str], stories_q8: Path,
                                                        train_text: Path, tmp_path: Path) -> None:
     """2 ranks to iteration 2, then 1 process (--grad-acc 2) to 4 == the 2-rank run to 4."""
     folder, _ = two_ranks
     shutil.copy(folder / "checkpoint-2.gguf", tmp_path / "start.gguf")
-    out = one_rank(stories260k, train_text, tmp_path, "-n", "2", "--checkpoint-in", "start.gguf")
+    out = one_rank(stories_q8, train_text, tmp_path, "-n", "2", "--checkpoint-in", "start.gguf")
     assert "resumed from start.gguf at iteration 2" in out
     np.testing.assert_allclose(losses(tmp_path / "checkpoint-log.jsonl"),
                                losses(folder / "checkpoint-log.jsonl")[2:], rtol=1e-5)
@@ -131,22 +143,23 @@ def test_a_two_rank_checkpoint_resumes_in_one_process(two_ranks: tuple[Path, str
 
 def test_full_training_resumes_from_one_process_on_two_ranks(stories260k: Path, train_text: Path,
                                                               tmp_path: Path) -> None:
-    """`ggtorch train` from scratch: 1 process (--grad-acc 2) to 2, 2 ranks to 4 == 1 process to 4."""
+    """`ggtorch train` from scratch: 1 process (--grad-acc 4) to 2, 2 ranks (--grad-acc 2) to 4 == 1 process to 4.
+
+    With --grad-acc 2 on each rank, the first micro-batch's backward skips DDP's all-reduce (no_sync).
+    """
     common = ["train", "--vocab-model", str(stories260k), "--train-data", str(train_text), "--embd", "32", "--ff",
               "64", "--head", "2", "--layer", "1", *SMALL, "--save-every", "2", "--outtype", "f32"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     whole.mkdir(), split.mkdir()
-    code, out = run([*common, "--grad-acc", "2", "-n", "4", "--checkpoint-in", "none.gguf"], whole)
+    code, out = run([*common, "--grad-acc", "4", "-n", "4", "--checkpoint-in", "none.gguf"], whole)
     assert code == 0, out
-    code, out = run([*common, "--grad-acc", "2", "-n", "2", "--checkpoint-in", "none.gguf"], split)
+    code, out = run([*common, "--grad-acc", "4", "-n", "2", "--checkpoint-in", "none.gguf"], split)
     assert code == 0, out
-    code, out = torchrun([*common, "-n", "2", "--checkpoint-in", "checkpoint-LATEST.gguf"], split)
+    code, out = torchrun([*common, "--grad-acc", "2", "-n", "2", "--checkpoint-in", "checkpoint-LATEST.gguf"], split)
     assert code == 0, out
     assert "at iteration 2" in out
     np.testing.assert_allclose(losses(split / "checkpoint-log.jsonl"), losses(whole / "checkpoint-log.jsonl"),
                                rtol=1e-5)
-    from ggtorch.gguf_io import read_gguf
-
     a, b = read_gguf(whole / "ggml-model-4-f32.gguf"), read_gguf(split / "ggml-model-4-f32.gguf")
     for name, t in a.tensors.items():
         np.testing.assert_allclose(b.tensors[name].data.view(np.float32), t.data.view(np.float32), rtol=1e-4,
@@ -171,3 +184,25 @@ def test_a_nan_loss_stops_every_rank_and_is_reported_once(stories260k: Path, tra
     assert code != 0
     assert out.count("the loss became") == 1, out
     assert "error (rank 0 of 2): the loss became" in out
+
+
+def test_ddp_reduces_only_the_lora_tensors(stories_q8: Path, train_text: Path, tmp_path: Path) -> None:
+    """DDP's buckets hold the LoRA parameters only; the quantized base and every buffer are never sent."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        trainer = Trainer(FinetuneConfig(model_base=str(stories_q8), train_data=str(train_text), ctx=16, batch=2,
+                                         seed=1, threads=1, checkpoint_in="", checkpoint_out="", lora_out=""),
+                          log_records=False)
+        assert not trainer.dist.enabled and trainer.forward_model is trainer.model  # one rank: no DDP
+        assert any(isinstance(m, QuantLinear) for m in trainer.model.modules())
+        ddp = data_parallel(trainer.model, trainer.device)
+        lora_bytes = sum(p.numel() * p.element_size() for _, p, _ in trainer.params)
+        assert ddp._get_ddp_logging_data()["total_parameter_size_bytes"] == lora_bytes
+        buffers = {n for n, _ in trainer.model.named_buffers()}
+        assert buffers and buffers <= ddp.parameters_to_ignore  # not in the start-up broadcast
+        frozen = {n for n, p in trainer.model.named_parameters() if not p.requires_grad}
+        assert frozen <= ddp.parameters_to_ignore
+    finally:
+        dist.destroy_process_group()
