@@ -39,7 +39,8 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except GGTorchError as e:
             rank, world = env_rank(), env_world_size()
-            if rank == 0 or not getattr(e, "on_every_rank", False):  # all ranks saw it: rank 0 says it once
+            quiet = getattr(e, "quiet", False)  # another rank failed and says why
+            if not quiet and (rank == 0 or not getattr(e, "on_every_rank", False)):  # all saw it: rank 0 says it
                 message = " ".join(str(e).split())
                 click.echo(f"error: {message}" if world == 1 else f"error (rank {rank} of {world}): {message}",
                            err=True)

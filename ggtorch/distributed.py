@@ -11,6 +11,7 @@ same data with the same options.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -32,6 +33,12 @@ class RankFailed(GGTorchError):
     """An error every rank detects at once (e.g. a NaN loss after the all-reduce): rank 0 reports it."""
 
     on_every_rank = True
+
+
+class OtherRankFailed(GGTorchError):
+    """Another rank failed and reports why; this rank exits with an error status, silently."""
+
+    quiet = True
 
 
 def launched_by_torchrun() -> bool:
@@ -97,6 +104,30 @@ class Distributed:
         if not torch.equal(lo, hi):
             raise RankFailed(f"the {self.world_size} ranks disagree on {what}; start every rank with the same "
                              "flags, and give every node the same model and data files")
+
+    def agree_on_errors(self, work: Callable[[], None], device: torch.device) -> None:
+        """Run ``work`` (which runs no collective); if it fails on any rank, fail on every rank.
+
+        The lowest failing rank raises its own error (the one message the user sees); the
+        others raise :class:`OtherRankFailed`. Errors that are not GGTorchErrors (bugs)
+        propagate at once; torchrun then stops the ranks waiting here.
+        """
+        if not self.enabled:
+            work()
+            return
+        error: GGTorchError | None = None
+        try:
+            work()
+        except GGTorchError as e:
+            error = e
+        first = torch.tensor([self.rank if error is not None else self.world_size], dtype=torch.int64, device=device)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        failed = int(first.item())
+        if failed == self.world_size:
+            return
+        if error is not None and failed == self.rank:
+            raise error
+        raise OtherRankFailed(f"rank {failed} failed (see its error)")
 
     def barrier(self) -> None:
         if self.enabled:

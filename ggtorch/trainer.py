@@ -146,6 +146,26 @@ class Trainer:
         # under torchrun every rank trains the same order: rank 0's seed (drawn from the clock for -1)
         self.seed = self.dist.broadcast_int(c.seed if c.seed >= 0 else int(time.time()) & 0xFFFFFFFF, self.device)
         torch.manual_seed(self.seed)  # dropout masks; a resumed run restores the RNG state instead
+        # an error on any rank (a bad file, an unwritable output) stops every rank here, reported once
+        self.dist.agree_on_errors(self._build, self.device)
+        self.dist.check_same("the options, the training data or the checkpoint they resume",
+                             [self.data.hash, self.data.n_samples, len(self.val_batches), _options_hash(c),
+                              self.iteration, self.data.next_sample], self.device)
+        self.forward_model = self.dist.wrap(self.model, self.device)
+        """What the training step calls: ``self.model`` itself, or its DDP wrapper under torchrun."""
+
+        self.log = TrainLog(self._log_path() if log_records and self.dist.is_main else None)
+        self._last_save_iteration = self.iteration
+        self._stop_requested = False
+        self.history: list[StepResult] = []
+
+    def _build(self) -> None:
+        """Read the base, build model, LoRA, optimizer and data, resume: everything that can fail on one rank.
+
+        No collective runs in here, so a rank that fails early meets the others in
+        :meth:`Distributed.agree_on_errors`.
+        """
+        c = self.config
         self.full = isinstance(c, TrainConfig)
         if self.dist.is_main:  # only rank 0 writes
             self._check_outputs_writable()
@@ -174,9 +194,6 @@ class Trainer:
                                  name=f"--train-data {c.train_data}")
         self.warnings += self.data.warnings
         self.val_batches = self._validation_batches()
-        self.dist.check_same("the options or the training data", [self.data.hash, self.data.n_samples,
-                                                                    len(self.val_batches), _options_hash(c)],
-                             self.device)
 
         self.counters = {"iteration": 0, "samples": 0, "tokens": 0, "epochs": 0}
         self.resumed_from: Path | None = None
@@ -184,13 +201,6 @@ class Trainer:
             self._resume(load_checkpoint(c.checkpoint_in))
         if c.use_checkpointing:
             enable_block_checkpointing(self.model)
-        self.forward_model = self.dist.wrap(self.model, self.device)
-        """What the training step calls: ``self.model`` itself, or its DDP wrapper under torchrun."""
-
-        self.log = TrainLog(self._log_path() if log_records and self.dist.is_main else None)
-        self._last_save_iteration = self.iteration
-        self._stop_requested = False
-        self.history: list[StepResult] = []
 
     # --- state -------------------------------------------------------------------------
     @property

@@ -166,14 +166,20 @@ def test_full_training_resumes_from_one_process_on_two_ranks(stories260k: Path, 
                                    atol=1e-6)
 
 
-def test_an_error_on_one_rank_stops_all_with_one_message(stories260k: Path, train_text: Path,
-                                                          tmp_path: Path) -> None:
-    """Only rank 0 writes, so only rank 0 checks (and misses) the output folder; rank 1 must not hang."""
+@pytest.mark.parametrize(("flags", "message"), [
+    # only rank 0 writes, so only rank 0 checks (and misses) the output folder
+    (["--checkpoint-out", "missing/ck.gguf"], "error (rank 0 of 2): output folder 'missing'"),
+    # every rank misses the file: still one message
+    (["--train-data", "nothing.txt"], "error (rank 0 of 2): --train-data"),
+])
+def test_an_error_on_a_rank_stops_all_with_one_message(flags: list[str], message: str, stories260k: Path,
+                                                       train_text: Path, tmp_path: Path) -> None:
     code, out = torchrun(["finetune", "--model-base", str(stories260k), "--train-data", str(train_text), *SMALL,
-                          "-n", "4", "--checkpoint-in", "none.gguf", "--checkpoint-out", "missing/ck.gguf"], tmp_path)
+                          "-n", "4", "--checkpoint-in", "none.gguf", *flags], tmp_path)
     assert code != 0
-    assert out.count("error (rank 0 of 2): output folder 'missing'") == 1, out
-    assert "iter=" not in out
+    assert out.count(message) == 1 and out.count("error (rank") == 1, out
+    assert not any(line.startswith("iter=") for line in out.splitlines())
+    assert out.count("Traceback (most recent call last)") <= 1  # torchrun's own ChildFailedError, no worker's
 
 
 def test_a_nan_loss_stops_every_rank_and_is_reported_once(stories260k: Path, train_text: Path,
