@@ -14,6 +14,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from .data import RecordData
 from .distributed import BACKENDS, env_rank
 from .errors import BadFlag
 from .finetune_config import FinetuneConfig, read_config_file
@@ -25,11 +26,23 @@ Option = tuple[tuple[str, ...], str | None, Any, str]
 GROUPS: list[tuple[str, list[Option]]] = [
     ("Model and data", [
         (("--model-base",), "model_base", str, "Base model GGUF (F32/F16/BF16 or any supported quantization)."),
-        (("--train-data",), "train_data", str, "Training text file (UTF-8). [default: shakespeare.txt]"),
-        (("--val-data",), "val_data", str, "Separate text for a held-out validation loss."),
+        (("--train-data",), "train_data", str,
+         "Training text (UTF-8), or records: .jsonl/.parquet file or folder. [default: shakespeare.txt]"),
+        (("--val-data",), "val_data", str, "Separate text (or records) for a held-out validation loss."),
         (("--val-split",), "val_split", float, "Fraction of the training text held out for validation. [0]"),
         (("--eval-every",), "eval_every", int, "Validation loss every N iterations (0: at the end). [0]"),
         (("--config",), None, str, "YAML/TOML file of options (keys = long flag names); flags override it."),
+    ]),
+    ("Instruction and chat records (docs/chat-data.md)", [
+        (("--data-format",), "data_format", click.Choice(["auto", "text", "chat", "prompt-response"]),
+         "Record format: messages (chat), prompt/response or instruction/output, text. [auto]"),
+        (("--chat-template",), "chat_template", str,
+         "Jinja chat template file for chat records. [the model's tokenizer.chat_template]"),
+        (("--train-on-prompt",), "train_on_prompt", "flag", "Loss on every token, not only on the answers."),
+        (("--batching",), "batching", click.Choice(["pack", "pad"]),
+         "pack: several records per context, attention kept within each; pad: one per row. [pack]"),
+        (("--long-records",), "long_records", click.Choice(["truncate", "split"]),
+         "Records longer than --ctx: keep the start, or split into pieces. [truncate]"),
     ]),
     ("Outputs and checkpoints", [
         (("--checkpoint-in",), "checkpoint_in", str,
@@ -276,9 +289,11 @@ def run_trainer(ctx: click.Context, trainer: Trainer, only_write_flag: str, outp
     config = trainer.config
     echo = _echo(trainer)
     world = trainer.dist.world_size
-    echo(f"data: {trainer.data.n_tokens:,} tokens, {trainer.data.n_samples:,} samples of ctx {config.ctx}"
-         + (f"; resumed from {trainer.resumed_from} at iteration {trainer.iteration}"
-            if trainer.resumed_from else ""))
+    data = trainer.data
+    described = (data.summary() if isinstance(data, RecordData)
+                 else f"{data.n_tokens:,} tokens, {data.n_samples:,} samples of ctx {config.ctx}")
+    echo(f"data: {described}" + (f"; resumed from {trainer.resumed_from} at iteration {trainer.iteration}"
+                                  if trainer.resumed_from else ""))
     ranks = f" per rank x {world} ranks (torch.distributed {trainer.dist.backend})" if world > 1 else ""
     echo(f"batch: {config.batch} x grad-acc {config.grad_acc}{ranks} = {config.batch * config.grad_acc * world} "
          "sequences per optimizer step")

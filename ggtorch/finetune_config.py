@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from .data import DataOptions
+from .data import FORMATS, DataOptions, RecordOptions
 from .errors import BadFlag
 from .optim import AdamConfig
 
@@ -37,7 +37,7 @@ class FinetuneConfig:
     model_base: str = ""
     """Base model GGUF (any supported ggml type; quantized bases stay quantized)."""
     train_data: str = "shakespeare.txt"
-    """Training text (UTF-8)."""
+    """Training text (UTF-8), or records: a .jsonl/.parquet file or a folder of them (docs/chat-data.md)."""
     checkpoint_in: str = "checkpoint.gguf"
     """Resume from this checkpoint when it exists; start fresh when it does not."""
     checkpoint_out: str = "checkpoint-ITERATION.gguf"
@@ -85,9 +85,16 @@ class FinetuneConfig:
     val_split: float = 0.0
     """Fraction of the training text held out for a validation loss (0: none)."""
     val_data: str | None = None
-    """Separate text file for the validation loss."""
+    """Separate text file (or records file, for record training data) for the validation loss."""
     eval_every: int = 0
     """Compute the validation loss every N iterations (0: only at the end)."""
+
+    # --- instruction and chat records (docs/chat-data.md): meaning and defaults are RecordOptions' ---
+    data_format: str = RecordOptions.data_format
+    chat_template: str | None = RecordOptions.chat_template
+    train_on_prompt: bool = RecordOptions.train_on_prompt
+    batching: str = RecordOptions.batching
+    long_records: str = RecordOptions.long_records
 
     # --- model overrides ----------------------------------------------------------------
     norm_rms_eps: float | None = None
@@ -170,6 +177,9 @@ class FinetuneConfig:
             raise BadFlag(f"--dtype must be f32, bf16 or f16, got '{self.dtype}'")
         if self.base_dtype not in ("quantized", "f32", "bf16", "f16"):
             raise BadFlag(f"--base-dtype must be quantized, f32, bf16 or f16, got '{self.base_dtype}'")
+        if self.data_format not in FORMATS:
+            raise BadFlag(f"--data-format must be one of {', '.join(FORMATS)}, got '{self.data_format}'")
+        RecordOptions.from_finetune(self)  # checks --batching and --long-records
         if self.val_split and self.val_data:
             raise BadFlag("--val-split and --val-data exclude each other; pass one of them")
 

@@ -23,7 +23,7 @@ import signal
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,7 +35,17 @@ from torch.utils.checkpoint import checkpoint
 
 from .adapters import adapter_from_model, write_adapter
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from .data import DataOptions, TrainingData, read_text_file
+from .data import (
+    IGNORE_INDEX,
+    DataOptions,
+    RecordData,
+    RecordOptions,
+    TrainingData,
+    is_record_source,
+    load_records,
+    read_records,
+    read_text_file,
+)
 from .distributed import RankFailed, setup
 from .errors import BadFlag, GGTorchError
 from .finetune_config import FinetuneConfig
@@ -50,9 +60,6 @@ from .optim import AdamConfig, GGMLAdamW
 from .scratch import full_trainable_parameters, new_config, write_model, write_new_model
 from .train_config import TrainConfig
 from .train_log import TrainLog
-
-IGNORE_INDEX = -100
-"""A target that adds no loss (torch's ignore_index): masked prompt tokens, padding."""
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -137,7 +144,10 @@ class Trainer:
     """
 
     def __init__(self, config: FinetuneConfig, callbacks: Sequence[Callback] = (), *,
-                 log_records: bool = True) -> None:
+                 log_records: bool = True, records: Sequence[Mapping[str, Any]] | None = None,
+                 val_records: Sequence[Mapping[str, Any]] | None = None) -> None:
+        """``records``/``val_records``: train (and validate) on a list of dicts instead of
+        ``config.train_data``/``val_data`` (the record formats of docs/chat-data.md)."""
         self.config = c = config
         self.callbacks = list(callbacks)
         if c.threads:
@@ -146,6 +156,8 @@ class Trainer:
         # under torchrun every rank trains the same order: rank 0's seed (drawn from the clock for -1)
         self.seed = self.dist.broadcast_int(c.seed if c.seed >= 0 else int(time.time()) & 0xFFFFFFFF, self.device)
         torch.manual_seed(self.seed)  # dropout masks; a resumed run restores the RNG state instead
+        self.records_given = records is not None
+        self._given_records = (records, val_records)  # read by _build
         # an error on any rank (a bad file, an unwritable output) stops every rank here, reported once
         self.dist.agree_on_errors(self._build, self.device)
         self.dist.check_same("the options, the training data or the checkpoint they resume",
@@ -189,11 +201,10 @@ class Trainer:
         self.model.to(self.device)
         self.params = full_trainable_parameters(self.model) if self.full else trainable_parameters(self.model)
         self.optimizer = GGMLAdamW(self.params, AdamConfig.from_finetune(c))
-        self.data = TrainingData(read_text_file(c.train_data, "--train-data"), self.tokenizer,
-                                 n_ctx=c.ctx, options=DataOptions.from_finetune(c), seed=self.seed,
-                                 name=f"--train-data {c.train_data}")
+        records, val_records = self._given_records
+        self.data = self._open_data(records)
         self.warnings += self.data.warnings
-        self.val_batches = self._validation_batches()
+        self.val_batches = self._validation_batches(val_records)
 
         self.counters = {"iteration": 0, "samples": 0, "tokens": 0, "epochs": 0}
         self.resumed_from: Path | None = None
@@ -235,6 +246,18 @@ class Trainer:
         self._scratch_dir = tempfile.TemporaryDirectory(prefix="ggtorch-scratch-")
         path = write_new_model(Path(self._scratch_dir.name) / "init.gguf", vocab, config, self.seed)
         return read_gguf(path)
+
+    def _open_data(self, records: Sequence[Mapping[str, Any]] | None) -> TrainingData | RecordData:
+        """Records (a list, a .jsonl/.parquet file or folder, or a forced record format) or plain text."""
+        c = self.config
+        if records is not None or is_record_source(c.train_data) or c.data_format in ("chat", "prompt-response"):
+            source = records if records is not None else c.train_data
+            flag = "records" if records is not None else "--train-data"
+            return RecordData(load_records(source, flag), self.tokenizer, c.ctx, RecordOptions.from_finetune(c),
+                              self.seed, self.base.get("tokenizer.chat_template"), name=flag)
+        return TrainingData(read_text_file(c.train_data, "--train-data"), self.tokenizer,
+                            n_ctx=c.ctx, options=DataOptions.from_finetune(c), seed=self.seed,
+                            name=f"--train-data {c.train_data}")
 
     def model_tensors(self) -> dict[str, torch.Tensor]:
         """GGUF name -> current weight of a fully trained model, in the base file's tensor order."""
@@ -368,7 +391,7 @@ class Trainer:
                 "adapter.base_model": str(self.base.get("general.name", self.base.path.stem)),
                 "training.iteration_count": self.iteration,
                 "training.token_count": self.counters["tokens"],
-                "training.data": Path(self.config.train_data).name}
+                "training.data": "records" if self.records_given else Path(self.config.train_data).name}
 
     # --- the loop ------------------------------------------------------------------------
     def _autocast(self) -> Any:
@@ -377,7 +400,7 @@ class Trainer:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def _next_batches(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    def _next_batches(self) -> tuple[list[Sequence[torch.Tensor | None]], int]:
         """This rank's ``grad_acc`` micro-batches of the step and the samples the whole step used.
 
         Each micro-step takes ``world_size`` consecutive batches of the shared stream and rank r
@@ -394,6 +417,13 @@ class Trainer:
                     mine.append(batch)
         return mine, used
 
+    def _forward(self, model: torch.nn.Module, batch: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """Logits of a batch: (inputs, targets) or a packed RecordBatch with positions and segments."""
+        inputs = batch[0].to(self.device)
+        if len(batch) > 2 and batch[2] is not None:
+            return model(inputs, positions=batch[2].to(self.device), segments=batch[3].to(self.device))
+        return model(inputs)
+
     def step(self) -> StepResult:
         """One optimizer step over ``grad_acc`` micro-batches (on every rank under torchrun).
 
@@ -407,14 +437,14 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad()
         batches, samples_used = self._next_batches()
-        counts = [int((targets != IGNORE_INDEX).sum()) for _, targets in batches]
+        counts = [int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]
         global_count = self.dist.reduce_sum([float(sum(counts))], self.device)[0]
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, ((inputs, targets), count) in enumerate(zip(batches, counts, strict=True)):
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
+        for i, (batch, count) in enumerate(zip(batches, counts, strict=True)):
+            targets = batch[1].to(self.device)
             last = i == len(batches) - 1
             with self._autocast(), (nullcontext() if last or not self.dist.enabled else self.forward_model.no_sync()):
-                logits = self.forward_model(inputs)
+                logits = self._forward(self.forward_model, batch)
                 # a micro-batch without counted positions still runs backward (DDP expects every rank's)
                 loss = ggml_cross_entropy(logits, targets) if count else logits.sum() * 0.0
                 (loss * (count * self.dist.world_size / global_count)).backward()
@@ -455,24 +485,40 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the held-out batches (None when there are none)."""
+        """Held-out loss: cross-entropy summed over the counted targets of all batches / their number."""
         if not self.val_batches:
             return None
         self.model.eval()
-        total = 0.0
-        for inputs, targets in self.val_batches[self.dist.rank::self.dist.world_size]:  # ranks share the work
-            with self._autocast():
-                logits = self.model(inputs.to(self.device))
-            total += float(ggml_cross_entropy(logits, targets.to(self.device)))
-        loss = self.dist.reduce_sum([total], self.device)[0] / len(self.val_batches)
+        total, count = 0.0, 0
+        for batch in self.val_batches[self.dist.rank::self.dist.world_size]:  # ranks share the work
+            n = int((batch[1] != IGNORE_INDEX).sum())
+            if n:
+                with self._autocast():
+                    logits = self._forward(self.model, batch)
+                total += float(ggml_cross_entropy(logits, batch[1].to(self.device))) * n
+                count += n
+        total, count = self.dist.reduce_sum([total, float(count)], self.device)
+        loss = total / count
         self.log.write("eval", iteration=self.iteration, loss=loss)
         for cb in self.callbacks:
             getattr(cb, "on_eval", lambda *a: None)(self, self.iteration, loss)
         return loss
 
-    def _validation_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _validation_batches(self, val_records: Sequence[Mapping[str, Any]] | None) -> list[Sequence[torch.Tensor]]:
         c = self.config
+        records = isinstance(self.data, RecordData)
+        if val_records is not None or (c.val_data and records):
+            if not records:
+                raise BadFlag("validation records need record training data (a .jsonl/.parquet file, a folder "
+                              "or records=[...]); pass a text file with --val-data")
+            held = (load_records(val_records, "val_records") if val_records is not None
+                    else read_records(c.val_data, "--val-data"))
+            return self.data.eval_batches_from(held, c.batch,
+                                               "val_records" if val_records is not None else "--val-data")
         if c.val_data:
+            if is_record_source(c.val_data):
+                raise BadFlag(f"--val-data {c.val_data} holds records but --train-data is plain text; "
+                              "pass a text file (or train on records too)")
             return self.data.eval_batches_from_text(read_text_file(c.val_data, "--val-data"), c.batch)
         if c.val_split:
             return self.data.split_validation(c.val_split, c.batch)

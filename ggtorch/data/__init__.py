@@ -11,12 +11,28 @@ line of the old program sees the same samples in the same order:
 - A batch row is ``[BOS, t0 … t_{N-2}]`` with targets ``[t0 … t_{N-1}]``, padded with EOS
   or filled with the following samples.
 
+Instruction and chat datasets (JSONL/Parquet records, chat templates, answer-only loss,
+packing) live in ``records``, ``chat`` and ``packing``; :class:`RecordData` offers the same
+stream surface as :class:`TrainingData`.
+
 Targets are class ids (the trainer computes ggml's cross-entropy from them) instead of the
 old dense one-hot tensor. Everything here runs once per batch on the host; the tensors it
 returns are moved to the device by the trainer.
 """
 
 from .batches import Shuffled, build_batch, shuffle_samples
+from .chat import PROMPT_TEMPLATE, PROMPT_TEMPLATE_WITH_INPUT, ChatTemplate, Encoded, RecordEncoder
+from .packing import (
+    IGNORE_INDEX,
+    RecordBatch,
+    RecordData,
+    RecordOptions,
+    collate,
+    fit_to_context,
+    group_rows,
+    load_records,
+)
+from .records import FORMATS, Example, Record, detect_format, is_record_source, read_records, records_from_dicts
 from .samples import (
     DataOptions,
     Samples,
@@ -30,7 +46,11 @@ from .samples import (
 from .stream import Batch, DataState, TrainingData, eval_batches, eval_windows
 from .text import check_utf8, process_escapes, read_text_file
 
-__all__ = ["Batch", "DataOptions", "DataState", "Samples", "Shuffled", "TokenizerLike", "TrainingData", "Vocab",
+__all__ = ["FORMATS", "IGNORE_INDEX", "PROMPT_TEMPLATE", "PROMPT_TEMPLATE_WITH_INPUT", "ChatTemplate", "Encoded",
+           "Example", "Record", "RecordBatch", "RecordData", "RecordEncoder", "RecordOptions", "collate",
+           "detect_format", "fit_to_context", "group_rows", "is_record_source", "load_records", "read_records",
+           "records_from_dicts",
+           "Batch", "DataOptions", "DataState", "Samples", "Shuffled", "TokenizerLike", "TrainingData", "Vocab",
            "build_batch", "check_utf8", "eval_batches", "eval_windows", "make_samples", "process_escapes",
            "read_text_file", "resolve_seed", "samples_hash", "shuffle_samples",
            "stream_samples"]

@@ -44,10 +44,21 @@ def rope_angles(start_pos: int, n_tokens: int, n_rot: int, freq_base: float, fre
     theta_scale = base^(-2/n_rot) once per pair (a running product, not a fresh power), so
     the rounding is ggml's and long positions do not drift from llama.cpp.
     """
+    positions = torch.arange(start_pos, start_pos + n_tokens, dtype=torch.float32, device=device)
+    return rope_angles_at(positions, n_rot, freq_base, freq_scale, freq_factors)
+
+
+def rope_angles_at(positions: torch.Tensor, n_rot: int, freq_base: float, freq_scale: float,
+                   freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (*positions.shape, n_rot/2) for arbitrary positions (packed records restart at 0).
+
+    The same running product as :func:`rope_angles`, so a position gets the same angle either way.
+    """
     theta_scale = torch.tensor(freq_base, dtype=torch.float32) ** (torch.tensor(-2.0, dtype=torch.float32) / n_rot)
-    steps = torch.full((n_tokens, n_rot // 2), float(theta_scale), dtype=torch.float32, device=device)
-    steps[:, 0] = torch.arange(start_pos, start_pos + n_tokens, dtype=torch.float32, device=device)
-    theta = torch.cumprod(steps, dim=1)  # (T, n_rot/2)
+    steps = torch.full((*positions.shape, n_rot // 2), float(theta_scale), dtype=torch.float32,
+                       device=positions.device)
+    steps[..., 0] = positions.to(torch.float32)
+    theta = torch.cumprod(steps, dim=-1)  # (..., n_rot/2)
     if freq_factors is not None:
         theta = theta / freq_factors.float()
     theta = theta * freq_scale
@@ -57,12 +68,13 @@ def rope_angles(start_pos: int, n_tokens: int, n_rot: int, freq_base: float, fre
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs (x[2i], x[2i+1]) by theta_i: ggml's NORM mode, not NeoX halves.
 
-    x: (B, T, H, D); cos, sin: (T, D/2). Computed in f32, returned in x's dtype.
+    x: (B, T, H, D); cos, sin: (T, D/2), or (B, T, D/2) for per-row positions. Computed in f32,
+    returned in x's dtype.
     """
     B, T, H, D = x.shape
     pairs = x.float().view(B, T, H, D // 2, 2)
     x0, x1 = pairs[..., 0], pairs[..., 1]  # (B, T, H, D/2)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T|B,T, 1, D/2) broadcast over heads
     out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)  # (B, T, H, D/2, 2)
     return out.view(B, T, H, D).to(x.dtype)
 
@@ -104,7 +116,8 @@ class Attention(nn.Module):
         self.o = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = apply_rope(self.q(x).view(B, T, self.n_head, self.head_dim), cos, sin)
         k = apply_rope(self.k(x).view(B, T, self.n_head_kv, self.head_dim), cos, sin)
@@ -121,6 +134,8 @@ class Attention(nn.Module):
             # Queries sit at positions start_pos..S-1: is_causal would align them to 0..T-1.
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
             causal = False
+        if attn_mask is not None:  # packed records: (B, 1, T, T), True where a query may attend
+            mask, causal = attn_mask, False
         # Query head h reads KV head h // (H / Hkv), as llama.cpp's ggml_mul_mat broadcast does.
         y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal,
                                            scale=1.0 / math.sqrt(self.head_dim),
@@ -152,8 +167,9 @@ class Block(nn.Module):
         self.ffn = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv, start_pos)
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv, start_pos, attn_mask)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -194,30 +210,52 @@ class Llama(nn.Module):
                              dtype or torch.float32)
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, *, positions: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for ``tokens`` (B, T) at positions start_pos..start_pos+T-1.
 
         With a cache, the positions continue from ``cache.length`` (``start_pos`` is ignored),
         the new keys/values are stored and the cache advances by T. ``last_only`` returns only
         the last position's logits (B, 1, V): generation needs nothing else.
+
+        Packed training rows (several records in one row) pass ``positions`` (B, T), each
+        record's own rope positions from 0, and ``segments`` (B, T), a record id per token: a
+        token attends only to earlier tokens of its own segment, so each record is computed as
+        if it were alone. Both are for cache-free calls.
         """
         B, T = tokens.shape
         if cache is not None:
+            if positions is not None or segments is not None:
+                raise ValueError("positions/segments are for packed training rows, not for a KV cache")
             start_pos = cache.length
             if start_pos + T > cache.max_len:
                 raise ValueError(f"KV cache holds {cache.max_len} positions; {start_pos} + {T} do not fit")
         x = self.tok_embd(tokens)  # (B, T, C)
         c = self.config
-        cos, sin = rope_angles(start_pos, T, c.n_rot, c.rope_freq_base, c.rope_freq_scale, x.device, self.rope_freqs)
+        if positions is None:
+            cos, sin = rope_angles(start_pos, T, c.n_rot, c.rope_freq_base, c.rope_freq_scale, x.device,
+                                   self.rope_freqs)
+        else:
+            cos, sin = rope_angles_at(positions, c.n_rot, c.rope_freq_base, c.rope_freq_scale,
+                                      self.rope_freqs)  # (B, T, n_rot/2)
+        mask = None if segments is None else segment_mask(segments)
         for i, block in enumerate(self.layers):
             kv = (cache.k[i], cache.v[i]) if cache is not None else None
-            x = block(x, cos, sin, kv, start_pos)  # (B, T, C)
+            x = block(x, cos, sin, kv, start_pos, mask)  # (B, T, C)
         if cache is not None:
             cache.length += T
         x = self.output_norm(x)
         if last_only:
             x = x[:, -1:]
         return self.output(x).float()  # (B, T, V)
+
+
+def segment_mask(segments: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) attention mask: causal within each segment, nothing across (block diagonal)."""
+    T = segments.shape[1]
+    same = segments[:, :, None] == segments[:, None, :]  # (B, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
+    return (same & causal)[:, None]
 
 
 def _init_weights(module: nn.Module) -> None:

@@ -1,0 +1,355 @@
+"""Record datasets as training batches: context fitting, packing or padding, shuffling, resume state.
+
+Each encoded record of n tokens gives n - 1 (input, target) positions: inputs are its tokens
+but the last, targets its tokens but the first, and a target whose token is not trained is
+-100 (no loss). A record longer than the context (n - 1 > n_ctx) is truncated to its first
+n_ctx + 1 tokens or split into consecutive pieces that each predict the next n_ctx tokens
+(``long_records``); a piece with no trained target (e.g. a prompt that fills the context) is
+dropped. The counts are reported.
+
+``batching="pack"`` fills each row with consecutive pieces while they fit; each piece gets
+its own rope positions from 0 and a segment id, so attention never crosses pieces and each
+is computed as if alone. ``"pad"`` puts one piece per row. Either way the rest of a row is
+padding with target -100.
+
+The order is a permutation of the pieces per epoch, drawn by numpy's PCG64 from
+``(seed, epoch)``; the data state (epoch, next piece) resumes it exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from ..errors import BadData, BadFlag
+from .chat import Encoded, RecordEncoder
+from .records import Example, Record, detect_format, read_records, records_from_dicts, to_example
+from .samples import TokenizerLike, resolve_seed
+
+IGNORE_INDEX = -100
+"""A target that does not count in the loss (torch's ``ignore_index``)."""
+BATCHING = ("pack", "pad")
+LONG_RECORDS = ("truncate", "split")
+
+
+@dataclass
+class RecordOptions:
+    """How records become batches; defaults are FinetuneConfig's."""
+
+    data_format: str = "auto"
+    """auto (from the first record's keys), text, chat or prompt-response."""
+    chat_template: str | None = None
+    """A jinja chat template file used instead of the GGUF's ``tokenizer.chat_template``."""
+    train_on_prompt: bool = False
+    """Train on every token (prompts too), not only on the answers."""
+    batching: str = "pack"
+    """pack: several records per row, attention kept within each; pad: one record per row."""
+    long_records: str = "truncate"
+    """Records longer than the context: truncate (keep the start) or split into several pieces."""
+
+    def __post_init__(self) -> None:
+        if self.batching not in BATCHING:
+            raise BadFlag(f"--batching must be pack or pad, got '{self.batching}'")
+        if self.long_records not in LONG_RECORDS:
+            raise BadFlag(f"--long-records must be truncate or split, got '{self.long_records}'")
+
+    @classmethod
+    def from_finetune(cls, config: Any) -> RecordOptions:
+        names = [f for f in cls.__dataclass_fields__ if hasattr(config, f)]
+        return cls(**{f: getattr(config, f) for f in names})
+
+
+class RecordBatch(NamedTuple):
+    """``(inputs, targets, positions, segments)``, each (n_batch, n_ctx); the last two None when padded."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor | None
+    segments: torch.Tensor | None
+
+
+@dataclass
+class FitCounts:
+    """What fitting records to the context did (reported in the run summary)."""
+
+    records: int = 0
+    truncated: int = 0
+    split: int = 0
+    dropped: int = 0
+    pieces: int = 0
+
+
+def fit_to_context(encoded: Sequence[Encoded], n_ctx: int, long_records: str) -> tuple[list[Encoded], FitCounts]:
+    """Pieces of at most n_ctx + 1 tokens, each with at least one trained target."""
+    pieces: list[Encoded] = []
+    counts = FitCounts(records=len(encoded))
+    for enc in encoded:
+        n = len(enc)
+        if n - 1 <= n_ctx:
+            parts = [enc]
+        elif long_records == "truncate":
+            counts.truncated += 1
+            parts = [Encoded(enc.tokens[:n_ctx + 1], enc.trained[:n_ctx + 1])]
+        else:
+            counts.split += 1
+            # piece k predicts tokens k*n_ctx+1 .. (k+1)*n_ctx: every target exactly once
+            parts = [Encoded(enc.tokens[s:s + n_ctx + 1], enc.trained[s:s + n_ctx + 1])
+                     for s in range(0, n - 1, n_ctx)]
+        for p in parts:
+            if len(p) >= 2 and p.trained[1:].any():
+                pieces.append(p)
+            else:
+                counts.dropped += 1
+    counts.pieces = len(pieces)
+    return pieces, counts
+
+
+def collate(rows: Sequence[Sequence[Encoded]], n_ctx: int, pad_id: int, pack: bool) -> RecordBatch:
+    """Rows of pieces -> a batch; padding positions get target -100 (and their own segment)."""
+    n = len(rows)
+    inputs = np.full((n, n_ctx), pad_id, dtype=np.int64)
+    targets = np.full((n, n_ctx), IGNORE_INDEX, dtype=np.int64)
+    positions = np.zeros((n, n_ctx), dtype=np.int64)
+    segments = np.full((n, n_ctx), -1, dtype=np.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for s, piece in enumerate(row):
+            m = len(piece) - 1
+            inputs[r, at:at + m] = piece.tokens[:-1]
+            targets[r, at:at + m] = np.where(piece.trained[1:], piece.tokens[1:], IGNORE_INDEX)
+            positions[r, at:at + m] = np.arange(m)
+            segments[r, at:at + m] = s
+            at += m
+        positions[r, at:] = np.arange(n_ctx - at)
+    if not pack:
+        return RecordBatch(torch.from_numpy(inputs), torch.from_numpy(targets), None, None)
+    return RecordBatch(torch.from_numpy(inputs), torch.from_numpy(targets), torch.from_numpy(positions),
+                       torch.from_numpy(segments))
+
+
+def group_rows(pieces: Sequence[Encoded], n_ctx: int, pack: bool) -> list[list[Encoded]]:
+    """Pieces in order grouped greedily into rows (one per row without packing)."""
+    rows: list[list[Encoded]] = []
+    room = 0
+    for p in pieces:
+        need = len(p) - 1
+        if not rows or not pack or need > room:
+            rows.append([])
+            room = n_ctx
+        rows[-1].append(p)
+        room -= need
+    return rows
+
+
+def pieces_hash(pieces: Sequence[Encoded]) -> int:
+    """A 64-bit fingerprint of the pieces (tokens and masks): a changed dataset restarts the order."""
+    h = hashlib.sha256()
+    h.update(np.asarray(len(pieces), dtype="<i8").tobytes())
+    for p in pieces:
+        h.update(np.asarray(len(p), dtype="<i8").tobytes())
+        h.update(np.ascontiguousarray(p.tokens, dtype="<i8").tobytes())
+        h.update(np.packbits(p.trained).tobytes())
+    return int.from_bytes(h.digest()[:8], "little")
+
+
+def epoch_order(seed: int, epoch: int, count: int) -> np.ndarray:
+    """The piece order of an epoch: a permutation drawn from ``(seed, epoch)`` alone."""
+    return np.random.Generator(np.random.PCG64([seed, epoch])).permutation(count)
+
+
+def load_records(source: str | os.PathLike[str] | Sequence[Mapping[str, Any]], flag: str) -> list[Record]:
+    """Records from a path (.jsonl, .parquet, folder) or from the Python API's list of dicts."""
+    if isinstance(source, str | os.PathLike):
+        return read_records(source, flag)
+    return records_from_dicts(source, flag)
+
+
+def read_template_file(path: str | os.PathLike[str]) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise BadFlag(f"--chat-template {p}: no such file; pass a jinja chat template file")
+    try:
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadFlag(f"--chat-template {p}: cannot be read as UTF-8 text ({e})") from None
+
+
+class RecordData:
+    """A record dataset as the trainer's data stream (the same surface as :class:`TrainingData`).
+
+    ``next_batch`` returns :class:`RecordBatch`; ``state_dict``/``load_state_dict`` resume the
+    order exactly; ``split_validation`` and ``eval_batches_from`` give held-out batches.
+    """
+
+    def __init__(self, records: Sequence[Record], tokenizer: TokenizerLike, n_ctx: int,
+                 options: RecordOptions | None = None, seed: int = -1, model_template: str | None = None,
+                 name: str = "--train-data") -> None:
+        self.options = o = options or RecordOptions()
+        self.n_ctx = n_ctx
+        self.seed = resolve_seed(seed)
+        self.name = name
+        template, template_name = model_template, "model's chat template (tokenizer.chat_template)"
+        if o.chat_template:
+            template, template_name = read_template_file(o.chat_template), f"chat template {o.chat_template}"
+        self.format = detect_format(list(records), o.data_format, name)
+        self.encoder = RecordEncoder(tokenizer, template, o.train_on_prompt, template_name)
+        self.pad_id = max(tokenizer.eos_id, 0)
+        self.template_source = "default prompt template" if self.format == "prompt-response" else (
+            template_name if self.format == "chat" else "none")
+        self.encoded = self._encode(records, name)
+        self.samples_used = 0
+        self.last_used = 0
+        self._set_pieces(self.encoded)
+
+    def _encode(self, records: Sequence[Record], name: str) -> list[Encoded]:
+        examples: list[Example] = [to_example(r, self.format, name) for r in records]
+        out = []
+        for ex in examples:
+            try:
+                out.append(self.encoder.encode(ex))
+            except BadData as e:
+                msg = str(e)
+                raise BadData(msg if msg.startswith(name) else f"{name} {msg}") from None
+        return out
+
+    def _set_pieces(self, encoded: Sequence[Encoded]) -> None:
+        self.pieces, self.counts = fit_to_context(encoded, self.n_ctx, self.options.long_records)
+        if not self.pieces:
+            raise BadData(f"{self.name}: no record has an answer token within the context of {self.n_ctx}; "
+                          "raise --ctx or shorten the prompts")
+        self.hash = pieces_hash(self.pieces)
+        self.warnings = self._fit_warnings(self.counts)
+        self.state = {"kind": "records", "epoch": 0, "next_sample": 0, "samples_hash": self.hash,
+                      "sample_count": len(self.pieces)}
+        self._order = epoch_order(self.seed, 0, len(self.pieces))
+
+    def _fit_warnings(self, c: FitCounts) -> list[str]:
+        notes = []
+        if c.truncated:
+            notes.append(f"{c.truncated} records are longer than the context of {self.n_ctx} tokens and were "
+                         "truncated (--long-records split keeps the rest)")
+        if c.dropped:
+            notes.append(f"{c.dropped} records (or pieces) have no answer token within the context and were dropped")
+        return notes
+
+    # --- the surface the trainer uses ------------------------------------------------------
+    @property
+    def n_samples(self) -> int:
+        return len(self.pieces)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(p) for p in self.pieces)
+
+    @property
+    def n_trained(self) -> int:
+        """Targets that count in the loss, over all pieces."""
+        return sum(int(p.trained[1:].sum()) for p in self.pieces)
+
+    @property
+    def epoch(self) -> int:
+        return int(self.state["epoch"])
+
+    @property
+    def next_sample(self) -> int:
+        return int(self.state["next_sample"])
+
+    def summary(self) -> str:
+        """One line for the run summary: format, template, counts, masking and batching."""
+        c = self.counts
+        parts = [f"{c.records:,} {self.format} records ({self.template_source})"]
+        if c.truncated or c.split or c.dropped:
+            parts.append(f"{c.truncated} truncated, {c.split} split, {c.dropped} dropped")
+        loss_on = "all tokens" if self.options.train_on_prompt or self.format == "text" else "responses only"
+        parts.append(f"{self.n_samples:,} pieces, {self.n_tokens:,} tokens, {self.n_trained:,} trained "
+                     f"(loss on {loss_on}), {self.options.batching}ed into ctx {self.n_ctx}")
+        return "; ".join(parts)
+
+    def _advance(self) -> None:
+        self.state["next_sample"] += 1
+        if self.state["next_sample"] >= len(self.pieces):
+            self.state["epoch"] += 1
+            self.state["next_sample"] = 0
+            self._order = epoch_order(self.seed, self.state["epoch"], len(self.pieces))
+
+    def next_batch(self, n_batch: int) -> RecordBatch:
+        """The next ``n_batch`` rows; an epoch ending inside a batch continues with the next epoch's order."""
+        pack = self.options.batching == "pack"
+        rows: list[list[Encoded]] = []
+        used = 0
+        for _ in range(n_batch):
+            row: list[Encoded] = []
+            room = self.n_ctx
+            while True:
+                piece = self.pieces[int(self._order[self.state["next_sample"]])]
+                need = len(piece) - 1
+                if row and (not pack or need > room):
+                    break
+                row.append(piece)
+                room -= need
+                used += 1
+                self._advance()
+            rows.append(row)
+        self.last_used = used
+        self.samples_used += used
+        return collate(rows, self.n_ctx, self.pad_id, pack)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, Any], force_reshuffle: bool | None = None) -> list[str]:
+        """Continue a checkpointed order; restart the epoch (keeping its number) if the data changed."""
+        notes = []
+        epoch = int(state.get("epoch", 0))
+        changed = (state.get("kind") != "records" or int(state.get("samples_hash", 0)) != self.hash
+                   or int(state.get("sample_count", 0)) != len(self.pieces))
+        if changed:
+            notes.append("train data seems to have changed since the checkpoint: restarting the shuffled epoch")
+        if force_reshuffle:
+            notes.append("forced reshuffling of data: restarting the epoch")
+        next_sample = 0 if changed or force_reshuffle else int(state.get("next_sample", 0))
+        if not 0 <= next_sample < len(self.pieces):
+            raise BadData(f"the checkpoint's data position {next_sample} is outside the {len(self.pieces)} pieces; "
+                          "pass --force-reshuffle to start a fresh order")
+        self.state = {"kind": "records", "epoch": epoch, "next_sample": next_sample, "samples_hash": self.hash,
+                      "sample_count": len(self.pieces)}
+        self._order = epoch_order(self.seed, epoch, len(self.pieces))
+        self.warnings += notes
+        return notes
+
+    # --- held-out data -----------------------------------------------------------------------
+    def eval_batches(self, pieces: Sequence[Encoded], n_batch: int) -> list[RecordBatch]:
+        """Every piece once, in order, grouped into rows as training groups them."""
+        pack = self.options.batching == "pack"
+        rows = group_rows(pieces, self.n_ctx, pack)
+        return [collate(rows[i:i + n_batch], self.n_ctx, self.pad_id, pack) for i in range(0, len(rows), n_batch)]
+
+    def split_validation(self, fraction: float, n_batch: int) -> list[RecordBatch]:
+        """``--val-split``: hold out the last ``fraction`` of the records (file order); train on the rest."""
+        if not 0.0 < fraction < 1.0:
+            raise BadFlag(f"--val-split must be in (0, 1), got {fraction}")
+        n = len(self.encoded)
+        n_val = max(1, round(n * fraction))
+        if n - n_val < 1:
+            raise BadData(f"{self.name} has {n} records: too few to hold out {fraction:.0%}; "
+                          "use --val-data with a separate file")
+        held = fit_to_context(self.encoded[n - n_val:], self.n_ctx, self.options.long_records)[0]
+        self.encoded = self.encoded[:n - n_val]
+        self._set_pieces(self.encoded)
+        if not held:
+            raise BadData(f"{self.name}: the held-out records have no answer token within the context")
+        return self.eval_batches(held, n_batch)
+
+    def eval_batches_from(self, records: Sequence[Record], n_batch: int, name: str = "--val-data") -> list[RecordBatch]:
+        """``--val-data``: held-out batches of other records, in this dataset's format and template."""
+        held = fit_to_context(self._encode(records, name), self.n_ctx, self.options.long_records)[0]
+        if not held:
+            raise BadData(f"{name}: no record has an answer token within the context of {self.n_ctx}")
+        return self.eval_batches(held, n_batch)
