@@ -77,6 +77,16 @@ ROWS: list[tuple[str, str]] = [
     ("finetune --model-base {S} --train-data {text} --norm-rms-eps -1", "rms_eps = -1.0 must be positive"),
     ("finetune --model-base {S} --train-data {text} --device nonsense", "--device: 'nonsense' is not a device"),
     ("finetune --model-base {S} --train-data {text} --nonsense-flag", "No such option '--nonsense-flag'"),
+    # finetune: instruction and chat records
+    ("finetune --model-base {S} --train-data {bad_json}", "bad.jsonl line 2: not valid JSON"),
+    ("finetune --model-base {S} --train-data {no_response}", "noresp.jsonl line 1: missing field 'response'"),
+    ("finetune --model-base {S} --train-data {empty_response}", "emptyresp.jsonl line 1: empty response"),
+    ("finetune --model-base {S} --train-data {chat}", "has no tokenizer.chat_template; pass one with --chat-template"),
+    ("finetune --model-base {S} --train-data {chat} --chat-template {bad_template}", "failed to render (no roles"),
+    ("finetune --model-base {S} --train-data {chat} --chat-template {missing}.jinja", "--chat-template"),
+    ("finetune --model-base {S} --train-data {text} --val-data {chat}", "holds records but --train-data is plain"),
+    ("finetune --model-base {S} --train-data {empty_dir}", "holds no .jsonl or .parquet files"),
+    ("finetune --model-base {S} --train-data {chat} --batching zip", "Invalid value for '--batching'"),
     # plot
     ("plot {missing}.jsonl", "no such log file"),
     ("plot {empty}", "the log holds no iterations yet"),
@@ -124,6 +134,12 @@ def inputs(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     (root / "nokeys.jsonl").write_text('{"kind": "iter"}\n', encoding="utf-8")
     (root / "ok.jsonl").write_text('{"kind": "iter", "iteration": 1, "loss": 2.0}\n', encoding="utf-8")
     (root / "empty_dir").mkdir()
+    (root / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "resp\n', encoding="utf-8")
+    (root / "noresp.jsonl").write_text('{"prompt": "a"}\n', encoding="utf-8")
+    (root / "emptyresp.jsonl").write_text('{"prompt": "a", "response": ""}\n', encoding="utf-8")
+    (root / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "a"}, '
+                                     '{"role": "assistant", "content": "b"}]}\n', encoding="utf-8")
+    (root / "bad.jinja").write_text("{{ raise_exception('no roles here') }}", encoding="utf-8")
     pair = LoraPair(torch.zeros(2, 64), torch.zeros(64, 2))
     write_adapter(root / "adapter.gguf", LoraAdapter("llama", 4.0, {"blk.0.attn_q.weight": pair}))
     return {"S": str(stories260k), "tmp": str(root), "missing": str(root / "missing"),
@@ -131,7 +147,9 @@ def inputs(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
             "truncated": str(root / "truncated.gguf"), "adapter": str(root / "adapter.gguf"),
             "log_list": str(root / "list.jsonl"), "log_text": str(root / "text.jsonl"),
             "log_nokeys": str(root / "nokeys.jsonl"), "log_ok": str(root / "ok.jsonl"),
-            "empty_dir": str(root / "empty_dir")}
+            "empty_dir": str(root / "empty_dir"), "bad_json": str(root / "bad.jsonl"),
+            "no_response": str(root / "noresp.jsonl"), "empty_response": str(root / "emptyresp.jsonl"),
+            "chat": str(root / "chat.jsonl"), "bad_template": str(root / "bad.jinja")}
 
 
 def invoke(args: list[str]) -> tuple[int, str, BaseException | None]:

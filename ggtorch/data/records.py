@@ -134,7 +134,7 @@ def detect_format(records: list[Record], forced: str = "auto", name: str = "--tr
     keys = set(records[0].data)
     if "messages" in keys:
         return "chat"
-    if {"prompt", "response"} <= keys or {"instruction", "output"} <= keys:
+    if keys & {"prompt", "response", "instruction", "output"}:  # a missing partner is reported by to_example
         return "prompt-response"
     if "text" in keys:
         return "text"
