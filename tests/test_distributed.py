@@ -88,7 +88,8 @@ def two_ranks(stories_q8: Path, train_text: Path, tmp_path_factory: pytest.TempP
     """2 ranks x --batch 4 on the Q8_0 base, 4 iterations, saving at 2 and 4: (folder, torchrun's output)."""
     folder = tmp_path_factory.mktemp("two-ranks")
     code, out = torchrun(["finetune", "--model-base", str(stories_q8), "--train-data", str(train_text), *SMALL,
-                          "-n", "4", "--save-every", "2", "--checkpoint-in", "none.gguf"], folder)
+                          "-n", "4", "--save-every", "2", "--checkpoint-in", "none.gguf", "--val-split", "0.05"],
+                         folder)
     assert code == 0, out
     return folder, out
 
@@ -96,7 +97,7 @@ def two_ranks(stories_q8: Path, train_text: Path, tmp_path_factory: pytest.TempP
 def one_rank(base: Path, train_text: Path, folder: Path, *args: str) -> str:
     folder.mkdir(exist_ok=True)
     code, out = run(["finetune", "--model-base", str(base), "--train-data", str(train_text), *SMALL,
-                     "--grad-acc", "2", "--save-every", "2", *args], folder)
+                     "--grad-acc", "2", "--save-every", "2", "--val-split", "0.05", *args], folder)
     assert code == 0, out
     return out
 
@@ -111,9 +112,12 @@ def test_two_ranks_train_what_one_process_with_grad_acc_2_trains(two_ranks: tupl
     assert len(two) == 4 and two[0] != two[-1]
     np.testing.assert_allclose(two, one, rtol=1e-5)
     assert_same_adapter(folder / "ggml-lora-4-f32.gguf", tmp_path / "ggml-lora-4-f32.gguf")
+    # the held-out batches are shared out among the ranks; the validation loss is the same
+    evals = [[r["loss"] for r in records(f / "checkpoint-log.jsonl") if r["kind"] == "eval"]
+             for f in (folder, tmp_path)]
+    assert len(evals[0]) == 1
+    np.testing.assert_allclose(evals[0], evals[1], rtol=1e-6)
     # the data position is global: both consumed the same samples
-    last_two, last_one = (records(f / "checkpoint-log.jsonl")[-2] for f in (folder, tmp_path))
-    assert last_two["kind"] == last_one["kind"] == "save"
     assert [r["samples"] for r in records(folder / "checkpoint-log.jsonl") if r["kind"] == "iter"] == \
         [r["samples"] for r in records(tmp_path / "checkpoint-log.jsonl") if r["kind"] == "iter"]
 
@@ -124,7 +128,7 @@ def test_only_rank_0_writes_and_prints(two_ranks: tuple[Path, str]) -> None:
         "checkpoint-2.gguf", "checkpoint-4.gguf", "checkpoint-LATEST.gguf", "checkpoint-log.jsonl",
         "ggml-lora-2-f32.gguf", "ggml-lora-4-f32.gguf", "ggml-lora-LATEST-f32.gguf"])
     kinds = [r["kind"] for r in records(folder / "checkpoint-log.jsonl")]
-    assert kinds == ["start", "iter", "iter", "save", "iter", "iter", "save", "end"]  # one writer, not two
+    assert kinds == ["start", "iter", "iter", "save", "iter", "iter", "save", "end", "eval"]  # one writer
     assert sum(line.startswith("iter=") for line in out.splitlines()) == 4
     assert out.count("model: ") == 1 and out.count("done: ") == 1
 
