@@ -1,3 +1,52 @@
-"""ggtorch: finetune GGUF models with PyTorch, output what llama.cpp loads."""
+"""ggtorch: finetune GGUF models with PyTorch and get back files llama.cpp loads.
+
+The names here are the public API (each documented where it is defined):
+
+- Models: :func:`load_model` → :class:`GGUFModel` (generate, perplexity, add_lora, load_adapter,
+  save_adapter, merge_lora); :class:`Llama`, :class:`LlamaConfig`, :class:`Tokenizer`.
+- Training: :func:`finetune` (LoRA, the old llama.cpp finetune) and :func:`train` (every weight,
+  from scratch or a full finetune) return a :class:`Trainer`; options are :class:`FinetuneConfig`
+  / :class:`TrainConfig` fields (the CLI's long flag names); :class:`Callback`,
+  :class:`StepResult`, :class:`ProgressBar`, :func:`plot_losses`.
+- Files: :func:`read_gguf`, :func:`read_adapter` / :func:`write_adapter` (GGUF LoRA),
+  :func:`load_checkpoint`, :func:`merge_adapters` (export-lora), :func:`new_model` (an untrained
+  llama), :func:`export_peft` / :func:`import_peft`, :func:`dequantize` / :func:`quantize` (ggml
+  blocks ↔ torch).
+- Errors: every user-facing error is a :class:`GGTorchError` whose message names the fix.
+"""
+
+from .adapters import LoraAdapter, read_adapter, write_adapter
+from .api import (
+    GGUFModel,
+    ProgressBar,
+    export_peft,
+    finetune,
+    import_peft,
+    load_model,
+    merge_adapters,
+    new_model,
+    plot_losses,
+    train,
+)
+from .checkpoint import Checkpoint, load_checkpoint
+from .errors import BadData, BadFlag, BadGGUF, GGTorchError, Unsupported
+from .finetune_config import FinetuneConfig
+from .gguf_io import GGUFFile, read_gguf
+from .lora import LoraConfig
+from .models.config import LlamaConfig
+from .models.llama import Llama
+from .models.tokenizer import Tokenizer
+from .quant import dequantize
+from .quant.quantize import quantize
+from .train_config import TrainConfig
+from .trainer import Callback, StepResult, Trainer
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "BadData", "BadFlag", "BadGGUF", "Callback", "Checkpoint", "FinetuneConfig", "GGTorchError", "GGUFFile",
+    "GGUFModel", "Llama", "LlamaConfig", "LoraAdapter", "LoraConfig", "ProgressBar", "StepResult", "Tokenizer",
+    "TrainConfig", "Trainer", "Unsupported", "dequantize", "export_peft", "finetune", "import_peft",
+    "load_checkpoint", "load_model", "merge_adapters", "new_model", "plot_losses", "quantize", "read_adapter",
+    "read_gguf", "train", "write_adapter",
+]

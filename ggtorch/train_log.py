@@ -24,11 +24,19 @@ class TrainLog:
         self._file: TextIO | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
+            self._open()
+
+    def _open(self) -> None:
+        assert self.path is not None
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
 
     def write(self, kind: str, **fields: Any) -> None:
-        if self._file is None:
+        """Append one record; a closed log reopens (a notebook trains the same run again)."""
+        if self.path is None:
             return
+        if self._file is None:
+            self._open()
+        assert self._file is not None
         self._file.write(json.dumps({"kind": kind, **fields}, default=str) + "\n")
         self._file.flush()
 
@@ -92,14 +100,7 @@ def plot_loss(log_path: str | os.PathLike[str], png_path: str | os.PathLike[str]
     fig = None
     if ax is None:
         fig, ax = plt.subplots(figsize=(7, 4))
-    if iters:
-        ax.plot(*zip(*iters, strict=True), label="train loss", linewidth=1)
-    if evals:
-        ax.plot(*zip(*evals, strict=True), "o-", label="validation loss")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("loss (cross-entropy, nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    draw_losses(ax, iters, evals)
     if fig is None:
         return None
     out = Path(png_path) if png_path else Path(log_path).with_suffix(".png")
@@ -111,3 +112,15 @@ def plot_loss(log_path: str | os.PathLike[str], png_path: str | os.PathLike[str]
     finally:
         plt.close(fig)
     return out
+
+
+def draw_losses(ax: Any, iters: list[tuple[float, float]], evals: list[tuple[float, float]]) -> None:
+    """Training loss as a line and validation loss as dots, per iteration, into a matplotlib Axes."""
+    if iters:
+        ax.plot(*zip(*iters, strict=True), label="train loss", linewidth=1)
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="validation loss")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss (cross-entropy, nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()

@@ -169,6 +169,7 @@ class Trainer:
         self.log = TrainLog(self._log_path() if log_records and self.dist.is_main else None)
         self._last_save_iteration = self.iteration
         self._stop_requested = False
+        self._interrupted = False
         self.history: list[StepResult] = []
 
     def _build(self) -> None:
@@ -244,7 +245,7 @@ class Trainer:
                             n_layer=c.layer, n_ctx=c.ctx, rms_eps=c.norm_rms_eps or 1e-5,
                             rope_freq_base=c.rope_freq_base or 10000.0, rope_freq_scale=c.rope_freq_scale or 1.0)
         self._scratch_dir = tempfile.TemporaryDirectory(prefix="ggtorch-scratch-")
-        path = write_new_model(Path(self._scratch_dir.name) / "init.gguf", vocab, config, self.seed)
+        path = write_new_model(Path(self._scratch_dir.name) / "init.gguf", vocab, config, self.seed, init=c.init)
         return read_gguf(path)
 
     def _open_data(self, records: Sequence[Mapping[str, Any]] | None) -> TrainingData | RecordData:
@@ -525,7 +526,11 @@ class Trainer:
         return []
 
     def request_stop(self) -> None:
-        """Stop after the current step (and save); what Ctrl-C and notebook buttons call."""
+        """Stop after the current step and save; ``train()`` then returns (call it again to go on).
+
+        A callback or a notebook button calls this. Ctrl-C does too, and then ``train()`` raises
+        :class:`Interrupted` after saving, so the CLI exits with 130.
+        """
         self._stop_requested = True
 
     _stop_agreed = False
@@ -541,6 +546,7 @@ class Trainer:
         self._target_iteration = self.iteration + n
         first_epoch = self.data.epoch
         self._stop_requested = self._stop_agreed = False
+        self._interrupted = False
         self.log.write("start", iteration=self.iteration, seed=self.seed, config=asdict(c),
                        trainable_parameters=sum(p.numel() for _, p, _ in self.params),
                        resumed_from=str(self.resumed_from) if self.resumed_from else None)
@@ -560,8 +566,10 @@ class Trainer:
             self.save()
         self.log.write("end", iteration=self.iteration, steps=len(results),
                        loss=results[-1].loss if results else None,
-                       seconds=sum(r.seconds for r in results), interrupted=self._stopping())
-        if self._stopping():
+                       seconds=sum(r.seconds for r in results), stopped=self._stopping(),
+                       interrupted=self._interrupted)
+        # Ctrl-C here, or (under torchrun) on another rank: the CLI exits 130. A stop a callback asked for returns.
+        if self._interrupted or (self.dist.enabled and self._stop_agreed and not self._stop_requested):
             raise Interrupted(f"interrupted at iteration {self.iteration}; saved, resume with "
                               f"--checkpoint-in {output_name(c.checkpoint_out, c.pattern_fn_it, c.fn_latest)}")
         return results
@@ -588,8 +596,9 @@ class _sigint_requests_stop:
         self.previous: Callable[..., Any] | int | None = None
 
     def _handler(self, signum: int, frame: Any) -> None:
-        if self.trainer._stop_requested:
+        if self.trainer._interrupted:
             raise KeyboardInterrupt
+        self.trainer._interrupted = True
         self.trainer.request_stop()
 
     def __enter__(self) -> _sigint_requests_stop:

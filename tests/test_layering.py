@@ -32,9 +32,11 @@ LAYERS: dict[str, float] = {
     "trainer": 8,
     "export": 8,
     "api": 9,
+    "demo": 9.5,  # runs the API end to end
     "cli_finetune": 10,
     "cli_peft": 10,
     "cli_export": 10,
+    "cli_demo": 10,
     "cli_train": 10.5,  # reuses cli_finetune's option table
     "cli": 11,
     "__main__": 12,

@@ -1,0 +1,313 @@
+"""The Python API: what a notebook calls, and what the ``ggtorch`` commands are thin layers over.
+
+Three objects cover the work:
+
+- :func:`load_model` → :class:`GGUFModel`: a GGUF llama in torch with its tokenizer; generate,
+  perplexity, attach trainable LoRA, load/save adapters, merge them in.
+- :func:`finetune` / :func:`train` → :class:`~ggtorch.trainer.Trainer`: a training run configured
+  by the same options as the CLI (a :class:`~ggtorch.finetune_config.FinetuneConfig` or keyword
+  arguments), with callbacks, a progress bar that renders as a widget in Jupyter, stoppable
+  (``trainer.request_stop()``) and resumable (``trainer.train(more)``, or a new run with
+  ``checkpoint_in``).
+- Files: :func:`merge_adapters` (llama.cpp's export-lora), :func:`export_peft` and
+  :func:`import_peft` (PEFT folders), :func:`read_adapter`/:func:`write_adapter`,
+  :func:`load_checkpoint`.
+
+Example::
+
+    import ggtorch
+    base = ggtorch.load_model("stories260K.gguf")
+    print(base.generate("Once upon a time", n_tokens=40))
+    run = ggtorch.finetune(model_base="stories260K.gguf", train_data="tinyshakespeare.txt",
+                           ctx=64, batch=8, adam_iter=40, lora_out="lora.gguf", checkpoint_out="")
+    ggtorch.plot_losses(run)
+    print(ggtorch.GGUFModel.from_trainer(run).generate("Once upon a time", n_tokens=40))
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .adapters import LoraAdapter, adapter_from_model, load_adapter_into, read_adapter, write_adapter
+from .checkpoint import Checkpoint, load_checkpoint
+from .errors import BadFlag
+from .export.merge import MergePlan, merge_to_gguf, read_source
+from .export.peft import export_peft as _export_peft
+from .export.peft import import_peft as _import_peft
+from .finetune_config import FinetuneConfig
+from .gguf_io import GGUFFile, read_gguf
+from .inference import PerplexityResult, generate, perplexity
+from .lora import LoraConfig, attach_lora, count_trainable_parameters, lora_modules, merge_lora
+from .models.config import LlamaConfig
+from .models.llama import Llama
+from .models.loader import load_llama
+from .models.tokenizer import Tokenizer
+from .scratch import init_tensors, new_config, new_metadata, write_model
+from .train_config import TrainConfig
+from .train_log import draw_losses, plot_loss
+from .trainer import DTYPES, Callback, StepResult, Trainer, resolve_device
+
+__all__ = ["Checkpoint", "GGUFModel", "LoraAdapter", "ProgressBar", "export_peft", "finetune", "import_peft",
+           "load_checkpoint", "load_model", "merge_adapters", "new_model", "plot_losses", "read_adapter", "train",
+           "write_adapter"]
+
+
+def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise BadFlag(f"dtype '{dtype}' is not one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class GGUFModel:
+    """A llama GGUF in torch: the module, its tokenizer and config, and the file it came from."""
+
+    model: Llama
+    tokenizer: Tokenizer
+    config: LlamaConfig
+    gguf: GGUFFile
+
+    @classmethod
+    def from_trainer(cls, trainer: Trainer) -> GGUFModel:
+        """The model a run is training (LoRA attached), to generate or evaluate with mid-run."""
+        return cls(trainer.model, trainer.tokenizer, trainer.model_config, trainer.base)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.output_norm.weight.device
+
+    def generate(self, prompt: str = "", n_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True) -> str:
+        """The text the model writes after ``prompt`` (BOS added as llama.cpp does; greedy by default)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return generate(self.model, self.tokenizer, prompt, n_tokens, temperature, top_k, top_p, seed,
+                            stop_at_eos)
+        finally:
+            self.model.train(was_training)
+
+    def perplexity(self, text: str, n_ctx: int = 512, batch_size: int = 1) -> PerplexityResult:
+        """llama-perplexity's number for ``text`` (comparable with llama.cpp's output)."""
+        tokens = self.tokenizer.encode(text, add_special=True)
+        bos = self.tokenizer.bos_id if tokens and tokens[0] == self.tokenizer.bos_id else None
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return perplexity(self.model, tokens, n_ctx, bos_id=bos, batch_size=batch_size)
+        finally:
+            self.model.train(was_training)
+
+    def add_lora(self, rank: int = 4, alpha: float | None = None, ranks: Mapping[str, int] | None = None,
+                 dropout: float = 0.0, seed: int = 0) -> GGUFModel:
+        """Freeze the model and attach trainable LoRA (``ranks`` per tensor kind, e.g. ``{"attn_q": 8}``).
+
+        Kinds are GGUF's: attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down,
+        token_embd, output (norms only by explicit rank). Returns self.
+        """
+        config = LoraConfig(rank=rank, alpha=alpha, ranks=dict(ranks or {}), dropout=dropout)
+        attach_lora(self.model, config, seed=seed)
+        self.model.to(self.device)
+        return self
+
+    def load_adapter(self, *adapters: str | os.PathLike[str] | tuple[str | os.PathLike[str], float]) -> GGUFModel:
+        """Apply GGUF LoRA adapters (paths, or (path, scale) pairs) as llama.cpp's ``--lora`` does. Returns self."""
+        loaded = [(read_adapter(a[0]), float(a[1])) if isinstance(a, tuple) else (read_adapter(a), 1.0)
+                  for a in adapters]
+        if not loaded:
+            raise BadFlag("load_adapter needs at least one adapter file")
+        load_adapter_into(self.model, self.gguf, loaded)
+        self.model.to(self.device)
+        return self
+
+    def adapter(self, metadata: Mapping[str, Any] | None = None, drop_norms: bool = False) -> LoraAdapter:
+        """The attached LoRA as an adapter for this model's GGUF file."""
+        if not lora_modules(self.model):
+            raise BadFlag("the model has no LoRA attached; call add_lora() or load_adapter() first")
+        return adapter_from_model(self.model, self.gguf, dict(metadata or {}), drop_norms=drop_norms)
+
+    def save_adapter(self, path: str | os.PathLike[str], dtype: str = "f32",
+                     metadata: Mapping[str, Any] | None = None) -> Path:
+        """Write the attached LoRA as a GGUF adapter llama.cpp loads (``--lora path``)."""
+        return write_adapter(path, self.adapter(metadata), dtype)
+
+    def merge_lora(self) -> GGUFModel:
+        """Fold the attached LoRA into the weights (dequantized weights become floats). Returns self."""
+        merge_lora(self.model)
+        return self
+
+    @property
+    def trainable_parameters(self) -> int:
+        return count_trainable_parameters(self.model)
+
+    def weight_bytes(self) -> int:
+        """Bytes of every parameter and buffer (quantized blocks counted as stored; shared storage once)."""
+        seen: set[int] = set()
+        total = 0
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
+
+
+def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype = "f32", keep_quantized: bool = False) -> GGUFModel:
+    """Open a llama GGUF (memory-mapped) and build it on ``device``.
+
+    ``keep_quantized=True`` keeps quantized matrices as ggml blocks, dequantized on the fly
+    (a fraction of the memory); otherwise every weight becomes ``dtype`` (f32, bf16 or f16).
+    """
+    torch_device = resolve_device(str(device))
+    loaded = load_llama(path, device=torch_device, dtype=_torch_dtype(dtype), keep_quantized=keep_quantized)
+    return GGUFModel(loaded.model, loaded.tokenizer, loaded.config, loaded.gguf)
+
+
+class ProgressBar:
+    """A tqdm progress bar over the run's iterations (a widget in Jupyter, text in a terminal).
+
+    The bar shows the loss, throughput and the latest validation loss; pass it in ``callbacks``
+    or let :func:`finetune` add one.
+    """
+
+    def __init__(self, total: int | None = None, leave: bool = True) -> None:
+        from tqdm.auto import tqdm
+
+        self._tqdm = tqdm
+        self.total = total
+        self.leave = leave
+        self.bar: Any = None
+        self.last_eval: float | None = None
+
+    def on_step(self, trainer: Trainer, result: StepResult) -> None:
+        if self.bar is None:
+            total = self.total or getattr(trainer, "_target_iteration", trainer.config.adam_iter)
+            self.bar = self._tqdm(total=total, initial=result.iteration - 1, unit="it", leave=self.leave,
+                                  desc="finetune" if trainer.lora_config is not None else "train")
+        postfix = {"loss": f"{result.loss:.4f}", "tok/s": f"{result.tokens_per_second:.0f}"}
+        if self.last_eval is not None:
+            postfix["val"] = f"{self.last_eval:.4f}"
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
+
+    def on_eval(self, trainer: Trainer, iteration: int, loss: float) -> None:
+        self.last_eval = loss
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _run(config: FinetuneConfig, callbacks: Sequence[Callback], progress: bool, run: bool) -> Trainer:
+    bar = ProgressBar() if progress else None
+    trainer = Trainer(config, [*callbacks, *([bar] if bar else [])])
+    if run:
+        try:
+            trainer.train()
+            trainer.evaluate()
+        finally:
+            if bar is not None:
+                bar.close()
+            trainer.log.close()
+    return trainer
+
+
+def finetune(config: FinetuneConfig | None = None, *, callbacks: Sequence[Callback] = (), progress: bool = True,
+             run: bool = True, **options: Any) -> Trainer:
+    """A LoRA finetune, configured as ``ggtorch finetune`` is (field names = long flag names).
+
+    ``options`` override ``config`` (or FinetuneConfig's defaults, llama.cpp's old ones). With
+    ``run=False`` the Trainer is returned before training, to call ``train(n)`` step by step.
+    Training again with the same Trainer continues where it stopped; the log is reopened.
+    """
+    if config is None:
+        config = FinetuneConfig(**options)
+    elif options:
+        config = config.replace(**options)
+    if not config.model_base:
+        raise BadFlag("model_base is required: the GGUF model to finetune")
+    return _run(config, callbacks, progress, run)
+
+
+def train(config: TrainConfig | None = None, *, callbacks: Sequence[Callback] = (), progress: bool = True,
+          run: bool = True, **options: Any) -> Trainer:
+    """Train every weight, as ``ggtorch train`` does: a new model (``vocab_model=``) or a full finetune."""
+    if config is None:
+        config = TrainConfig(**options)
+    elif options:
+        config = config.replace(**options)
+    return _run(config, callbacks, progress, run)
+
+
+def new_model(vocab: str | os.PathLike[str], out: str | os.PathLike[str], *, embd: int = 256, ff: int = 768,
+              head: int = 8, head_kv: int | None = None, layer: int = 4, ctx: int = 512, init: str = "scaled",
+              outtype: str = "f32", seed: int = 0) -> Path:
+    """Write an untrained llama GGUF over ``vocab``'s tokenizer (any GGUF with one), as ``outtype``.
+
+    What ``ggtorch train --vocab-model`` starts from; useful for sizing and memory experiments.
+    ``init='ggml'`` is train-text-from-scratch's init, ``'scaled'`` GPT-2's.
+    """
+    vocab_file = read_gguf(vocab)
+    config = new_config(vocab_file, n_embd=embd, n_ff=ff, n_head=head, n_head_kv=head_kv or head, n_layer=layer,
+                        n_ctx=ctx)
+    metadata, value_types = new_metadata(vocab_file, config, Path(out).stem)
+    return write_model(out, metadata, value_types, init_tensors(config, seed, init), outtype)
+
+
+def plot_losses(run: Trainer | str | os.PathLike[str], ax: Any = None) -> Any:
+    """Draw the training (and validation) loss of a run or of a log file; returns the matplotlib Axes.
+
+    In a notebook the figure shows inline. A Trainer is drawn from its log file when it has one
+    (every iteration since the first run), else from the steps it ran in this process.
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    if isinstance(run, Trainer):
+        log_path = run.log.path
+        if log_path is not None and Path(log_path).is_file():
+            plot_loss(log_path, ax=ax)
+        else:
+            draw_losses(ax, [(r.iteration, r.loss) for r in run.history], [])
+        return ax
+    plot_loss(run, ax=ax)
+    return ax
+
+
+def merge_adapters(base: str | os.PathLike[str], adapters: Iterable[str | os.PathLike[str] | tuple[Any, float]],
+                   out: str | os.PathLike[str], outtype: str = "same") -> MergePlan:
+    """llama.cpp's export-lora: write ``out`` = ``base`` with the adapters (or checkpoints) merged in.
+
+    ``outtype='same'`` re-quantizes merged tensors to their base type where ggtorch's quantizer
+    is bit-exact with llama.cpp's; 'f32', 'f16', 'bf16', 'q8_0' force one type.
+    """
+    sources = [read_source(a[0], float(a[1])) if isinstance(a, tuple) else read_source(a) for a in adapters]
+    return merge_to_gguf(base, sources, out, outtype)
+
+
+def export_peft(adapter: str | os.PathLike[str] | LoraAdapter, base: str | os.PathLike[str],
+                out_dir: str | os.PathLike[str]) -> Path:
+    """Write a GGUF adapter as a PEFT folder that peft loads onto the Hugging Face model of ``base``."""
+    loaded = read_adapter(adapter) if not isinstance(adapter, LoraAdapter) else adapter
+    return _export_peft(loaded, read_gguf(base), out_dir)
+
+
+def import_peft(peft_dir: str | os.PathLike[str], base: str | os.PathLike[str],
+                out: str | os.PathLike[str] | None = None, dtype: str = "f32") -> LoraAdapter:
+    """A PEFT LoRA folder as a GGUF adapter for ``base`` (written to ``out`` when given)."""
+    adapter = _import_peft(peft_dir, read_gguf(base))
+    if out is not None:
+        write_adapter(out, adapter, dtype)
+    return adapter
+
