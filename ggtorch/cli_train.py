@@ -22,7 +22,7 @@ from .cli_finetune import (
     run_trainer,
     start_trainer,
 )
-from .scratch import OUTTYPES
+from .scratch import INITS, OUTTYPES
 from .train_config import TrainConfig
 
 _DROPPED = {"model_base", "lora_out", "only_write_lora", "base_dtype"}
@@ -47,6 +47,8 @@ TRAIN_GROUPS: list[tuple[str, list[Option]]] = [
         (("--head",), "head", int, "Attention heads. [8]"),
         (("--head-kv",), "head_kv", int, "KV heads (grouped-query attention). [= --head]"),
         (("--layer",), "layer", int, "Transformer blocks. [16]"),
+        (("--init",), "init", click.Choice(list(INITS)),
+         "Initial weights: ggml (train-text-from-scratch's) or scaled (GPT-2's; trains faster). [ggml]"),
     ]),
     ("Outputs and checkpoints", [
         (("--model-out",), "model_out", str,
