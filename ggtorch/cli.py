@@ -17,6 +17,7 @@ from typing import Any
 import click
 import torch
 
+from .cli_demo import demo
 from .cli_export import convert_old_lora, export_lora
 from .cli_finetune import finetune, plot
 from .cli_peft import convert_lora, export_peft_cmd
@@ -181,6 +182,7 @@ def _read_text(path: str) -> str:
 
 
 # Commands defined in their own modules (one job each), registered on the group here.
+main.add_command(demo)
 main.add_command(finetune)
 main.add_command(plot)
 main.add_command(train)
