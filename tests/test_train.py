@@ -66,6 +66,23 @@ def test_new_model_init_is_train_text_from_scratch(spm_vocab: Path, tmp_path: Pa
     assert tensors[names.gguf_name("attn_k", 0)].shape == (4, 8)  # GQA: n_embd_kv rows
 
 
+def test_scaled_init_is_gpt2s() -> None:
+    """--init scaled: normal(0, 0.02) matrices, residual projections / sqrt(2 n_layer), norms 1."""
+    config = LlamaConfig(n_vocab=512, n_embd=256, n_layer=8, n_head=4, n_head_kv=4, n_ff=512, n_ctx_train=16)
+    tensors = init_tensors(config, seed=3, init="scaled")
+    assert set(tensors) == set(init_tensors(config, seed=3))  # the same tensors as the ggml init
+    for name, t in tensors.items():
+        kind = names.parse_gguf_name(name)[0]
+        if t.dim() == 1:
+            assert torch.equal(t, torch.ones_like(t)), name
+            continue
+        std = 0.02 / 4.0 if kind in ("attn_output", "ffn_down") else 0.02  # sqrt(2 * 8) = 4
+        assert float(t.mean()) == pytest.approx(0.0, abs=4 * std / t.numel() ** 0.5), name
+        assert float(t.std()) == pytest.approx(std, rel=0.02), name
+    other_seed = init_tensors(config, seed=4, init="scaled")
+    assert not torch.equal(tensors["blk.0.attn_q.weight"], other_seed["blk.0.attn_q.weight"])
+
+
 def test_from_scratch_loss_falls_and_llama_cpp_runs_it(stories260k: Path, texts: dict[str, Path],
                                                        tmp_path: Path) -> None:
     """A new model over stories260K's vocabulary learns tinyshakespeare; llama.cpp's logits equal ours."""
