@@ -15,21 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import click
-import torch
 
+from .api import load_model
 from .cli_demo import demo
 from .cli_export import convert_old_lora, export_lora
 from .cli_finetune import finetune, plot
 from .cli_peft import convert_lora, export_peft_cmd
 from .cli_train import train
 from .distributed import env_rank, env_world_size
-from .errors import BadData, BadFlag, GGTorchError
+from .errors import BadData, GGTorchError
 from .gguf_io import read_gguf
-from .inference import SamplingParams, iter_tokens, perplexity
+from .inference import SamplingParams, iter_tokens
 from .models.config import LlamaConfig
-from .models.loader import LoadedLlama, load_llama
-
-DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+from .trainer import DTYPES
 
 
 class _Group(click.Group):
@@ -66,16 +64,6 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = click.option("--device", default="cpu", show_default=True, help="torch device, e.g. cpu, cuda, cuda:1.")(fn)
     fn = click.option("-m", "--model", "model_path", required=True, help="GGUF model file.")(fn)
     return fn
-
-
-def _load(model_path: str, device: str, dtype: str, keep_quantized: bool) -> LoadedLlama:
-    try:
-        torch_device = torch.device(device)
-    except RuntimeError as e:
-        raise BadFlag(f"--device {device!r} is not a torch device ({e})") from None
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise BadFlag(f"--device {device}: torch sees no CUDA device here; use --device cpu")
-    return load_llama(model_path, device=torch_device, dtype=DTYPES[dtype], keep_quantized=keep_quantized)
 
 
 @main.command()
@@ -126,7 +114,7 @@ def generate(model_path: str, device: str, dtype: str, keep_quantized: bool, pro
              temp: float, top_k: int, top_p: float, seed: int, ignore_eos: bool) -> None:
     """Continue a prompt, printing the text as it is generated."""
     params = SamplingParams(temp, top_k, top_p, None if seed < 0 else seed)
-    loaded = _load(model_path, device, dtype, keep_quantized)
+    loaded = load_model(model_path, device=device, dtype=dtype, keep_quantized=keep_quantized)
     tok = loaded.tokenizer
     prompt_tokens = tok.encode(prompt, add_special=True)
     if not prompt_tokens:
@@ -160,12 +148,11 @@ def perplexity_cmd(model_path: str, device: str, dtype: str, keep_quantized: boo
                    batch_size: int) -> None:
     """Perplexity of a text, as llama.cpp's llama-perplexity computes it."""
     text = _read_text(text_file)
-    loaded = _load(model_path, device, dtype, keep_quantized)
-    tokens = loaded.tokenizer.encode(text, add_special=True)
-    bos = loaded.tokenizer.bos_id if tokens and tokens[0] == loaded.tokenizer.bos_id else None
+    loaded = load_model(model_path, device=device, dtype=dtype, keep_quantized=keep_quantized)
+    n_tokens = len(loaded.tokenizer.encode(text, add_special=True))
     start = time.perf_counter()
-    result = perplexity(loaded.model, tokens, n_ctx, bos_id=bos, batch_size=batch_size)
-    click.echo(f"[{len(tokens)} tokens, {result.n_chunks} chunks of {n_ctx}, {result.n_scored} scored, "
+    result = loaded.perplexity(text, n_ctx, batch_size)
+    click.echo(f"[{n_tokens} tokens, {result.n_chunks} chunks of {n_ctx}, {result.n_scored} scored, "
                f"{time.perf_counter() - start:.2f} s]", err=True)
     click.echo(f"perplexity: {result.perplexity:.4f}")
 
