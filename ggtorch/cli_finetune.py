@@ -17,7 +17,7 @@ from click.core import ParameterSource
 from .data import RecordData
 from .distributed import BACKENDS, env_rank
 from .errors import BadFlag
-from .finetune_config import FinetuneConfig, read_config_file
+from .finetune_config import NAN_SKIP_LIMIT, FinetuneConfig, read_config_file
 from .trainer import Interrupted, StepResult, Trainer
 
 # (group title, [(flags..., field or None, type or "flag"/"pair", help)])
@@ -31,6 +31,8 @@ GROUPS: list[tuple[str, list[Option]]] = [
         (("--val-data",), "val_data", str, "Separate text (or records) for a held-out validation loss."),
         (("--val-split",), "val_split", float, "Fraction of the training text held out for validation. [0]"),
         (("--eval-every",), "eval_every", int, "Validation loss every N iterations (0: at the end). [0]"),
+        (("--utf8-errors",), "utf8_errors", click.Choice(["strict", "replace"]),
+         "Invalid UTF-8 in text: stop with the byte offset, or replace it with U+FFFD. [strict]"),
         (("--config",), None, str, "YAML/TOML file of options (keys = long flag names); flags override it."),
     ]),
     ("Instruction and chat records (docs/chat-data.md)", [
@@ -69,6 +71,9 @@ GROUPS: list[tuple[str, list[Option]]] = [
         (("--use-checkpointing/--no-checkpointing",), "use_checkpointing", "pair",
          "Gradient checkpointing per transformer block. [on]"),
         (("--device",), "device", str, "cpu, cuda, cuda:N or mps. [cpu]"),
+        (("--on-nan",), "on_nan", click.Choice(["stop", "skip"]),
+         "A NaN/inf loss: stop (keeping the last checkpoint), or skip that step's update "
+         f"(stops after {NAN_SKIP_LIMIT} in a row). [stop]"),
         (("--dtype",), "dtype", click.Choice(["f32", "bf16", "f16"]), "Compute dtype (bf16/f16 = autocast). [f32]"),
         (("--base-dtype",), "base_dtype", click.Choice(["quantized", "f32", "bf16", "f16"]),
          "Hold base weights as raw ggml blocks (quantized) or as floats (faster, more memory). [quantized]"),
@@ -321,7 +326,8 @@ def run_trainer(ctx: click.Context, trainer: Trainer, only_write_flag: str, outp
         tokens = len(results) * config.batch * config.grad_acc * world * config.ctx
         echo(f"done: {len(results)} iterations in {_hms(elapsed)}, loss {results[0].loss:.4f} -> "
              f"{results[-1].loss:.4f}, {tokens / elapsed:.0f} tokens/s"
-             + (f", validation loss {val:.4f}" if val is not None else ""))
+             + (f", validation loss {val:.4f}" if val is not None else "")
+             + (f"; {trainer.skipped_steps} step(s) skipped (NaN/inf loss)" if trainer.skipped_steps else ""))
 
 
 @click.command(name="plot")

@@ -24,6 +24,9 @@ from .data import FORMATS, DataOptions, RecordOptions
 from .errors import BadFlag
 from .optim import AdamConfig
 
+NAN_SKIP_LIMIT = 10
+"""With --on-nan skip, this many non-finite steps in a row stop the run anyway."""
+
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
@@ -88,6 +91,9 @@ class FinetuneConfig:
     """Separate text file (or records file, for record training data) for the validation loss."""
     eval_every: int = 0
     """Compute the validation loss every N iterations (0: only at the end)."""
+    on_nan: str = "stop"
+    """A NaN/inf loss: 'stop' (the last saved checkpoint is kept) or 'skip' the step's update and go on
+    (NAN_SKIP_LIMIT non-finite steps in a row stop the run)."""
 
     # --- instruction and chat records (docs/chat-data.md): meaning and defaults are RecordOptions' ---
     data_format: str = RecordOptions.data_format
@@ -152,6 +158,7 @@ class FinetuneConfig:
     separate_with_bos: bool = DataOptions.separate_with_bos
     sample_random_offsets: bool = DataOptions.sample_random_offsets
     force_reshuffle: bool = DataOptions.force_reshuffle
+    utf8_errors: str = DataOptions.utf8_errors
 
     def __post_init__(self) -> None:
         positive = ("ctx", "batch", "adam_iter", "lora_r")
@@ -180,6 +187,10 @@ class FinetuneConfig:
         if self.data_format not in FORMATS:
             raise BadFlag(f"--data-format must be one of {', '.join(FORMATS)}, got '{self.data_format}'")
         RecordOptions.from_finetune(self)  # checks --batching and --long-records
+        if self.on_nan not in ("stop", "skip"):
+            raise BadFlag(f"--on-nan must be stop or skip, got '{self.on_nan}'")
+        if self.utf8_errors not in ("strict", "replace"):
+            raise BadFlag(f"--utf8-errors must be strict or replace, got '{self.utf8_errors}'")
         if self.val_split and self.val_data:
             raise BadFlag("--val-split and --val-data exclude each other; pass one of them")
 

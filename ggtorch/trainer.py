@@ -48,7 +48,7 @@ from .data import (
 )
 from .distributed import RankFailed, setup
 from .errors import BadFlag, GGTorchError
-from .finetune_config import FinetuneConfig
+from .finetune_config import NAN_SKIP_LIMIT, FinetuneConfig
 from .gguf_io import GGUFFile, read_gguf
 from .lora import LoraConfig, attach_lora, load_lora_tensors, lora_tensors_by_gguf_name, trainable_parameters
 from .models.config import LlamaConfig
@@ -62,6 +62,10 @@ from .train_config import TrainConfig
 from .train_log import TrainLog
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+class NonFiniteLoss(RankFailed):
+    """A step's loss was NaN or inf (on every rank alike: the loss is all-reduced first)."""
 
 
 class Interrupted(GGTorchError):
@@ -171,6 +175,8 @@ class Trainer:
         self._stop_requested = False
         self._interrupted = False
         self.history: list[StepResult] = []
+        self.skipped_steps = 0
+        """Steps whose update --on-nan skip dropped, in this process."""
 
     def _build(self) -> None:
         """Read the base, build model, LoRA, optimizer and data, resume: everything that can fail on one rank.
@@ -454,7 +460,7 @@ class Trainer:
         loss_value = loss_total / global_count if global_count else float("nan")
         self._stop_agreed = bool(stop)  # Ctrl-C on any rank stops every rank after this same step
         if not math.isfinite(loss_value):
-            raise RankFailed(
+            raise NonFiniteLoss(
                 f"the loss became {loss_value} at iteration {self.iteration + 1}; training stopped and the "
                 "last saved checkpoint was kept. Lower --adam-alpha, or use --dtype f32 if you trained in f16")
         sched = self.optimizer.sched
@@ -553,7 +559,14 @@ class Trainer:
         results = []
         with _sigint_requests_stop(self):
             while self.iteration < self._target_iteration and not self._stopping():
-                results.append(self.step())
+                try:
+                    results.append(self.step())
+                except NonFiniteLoss:
+                    if c.on_nan != "skip":
+                        raise
+                    self._skip_step()
+                    continue
+                self._skipped_in_a_row = 0
                 if c.save_every > 0 and self.iteration - self._last_save_iteration >= c.save_every:
                     self.save()
                 if c.eval_every > 0 and self.iteration % c.eval_every == 0:
@@ -573,6 +586,20 @@ class Trainer:
             raise Interrupted(f"interrupted at iteration {self.iteration}; saved, resume with "
                               f"--checkpoint-in {output_name(c.checkpoint_out, c.pattern_fn_it, c.fn_latest)}")
         return results
+
+    _skipped_in_a_row = 0
+
+    def _skip_step(self) -> None:
+        """--on-nan skip: drop this step's gradients (no update; its batches are used up) and go on."""
+        self.optimizer.zero_grad()
+        self._skipped_in_a_row += 1
+        self.skipped_steps += 1
+        self.log.write("skip", iteration=self.iteration + 1, reason="non-finite loss",
+                       in_a_row=self._skipped_in_a_row)
+        if self._skipped_in_a_row >= NAN_SKIP_LIMIT:
+            raise NonFiniteLoss(
+                f"the loss was NaN/inf in {NAN_SKIP_LIMIT} steps in a row at iteration {self.iteration + 1}; "
+                "training stopped and the last saved checkpoint was kept. Lower --adam-alpha, or use --dtype f32")
 
     def close(self) -> None:
         self.log.close()

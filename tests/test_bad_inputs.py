@@ -77,6 +77,8 @@ ROWS: list[tuple[str, str]] = [
     ("finetune --model-base {S} --train-data {text} --norm-rms-eps -1", "rms_eps = -1.0 must be positive"),
     ("finetune --model-base {S} --train-data {text} --device nonsense", "--device: 'nonsense' is not a device"),
     ("finetune --model-base {S} --train-data {text} --nonsense-flag", "No such option '--nonsense-flag'"),
+    ("finetune --model-base {S} --train-data {text} --on-nan maybe", "Invalid value for '--on-nan'"),
+    ("finetune --model-base {S} --train-data {latin1} --utf8-errors ignore", "Invalid value for '--utf8-errors'"),
     # finetune: instruction and chat records
     ("finetune --model-base {S} --train-data {bad_json}", "bad.jsonl line 2: not valid JSON"),
     ("finetune --model-base {S} --train-data {no_response}", "noresp.jsonl line 1: missing field 'response'"),

@@ -36,7 +36,7 @@ def check_utf8(data: bytes, name: str = "the training text", errors: str = "stri
             return data.decode("utf-8", errors="replace").encode("utf-8")
         raise BadData(f"{name} is not valid UTF-8: byte {e.start} (0x{data[e.start]:02x}) {e.reason}; "
                       "convert the file to UTF-8 (e.g. iconv -t UTF-8) or let invalid bytes be replaced "
-                      "(utf8_errors='replace')") from None
+                      "(--utf8-errors replace)") from None
 
 
 _ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("'"): b"'", ord('"'): b'"', ord("\\"): b"\\"}
