@@ -129,10 +129,6 @@ class Distributed:
             raise error
         raise OtherRankFailed(f"rank {failed} failed (see its error)")
 
-    def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier()
-
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """``model`` under DDP when this run has several ranks, else ``model`` itself."""
         return data_parallel(model, device) if self.enabled else model

@@ -348,12 +348,11 @@ class Trainer:
 
         ``checkpoint=False`` writes only the adapter or model (``--only-write-lora/-model``).
         """
-        if not self.dist.is_main:  # only rank 0 writes; the others wait so none runs ahead
-            self._last_save_iteration = self.iteration
-            self.dist.barrier()
-            return []
-        written = self._save(checkpoint)
-        self.dist.barrier()
+        written: list[Path] = []
+        # only rank 0 writes; the others wait for it (none runs ahead) and stop with it if it fails
+        self.dist.agree_on_errors(lambda: written.extend(self._save(checkpoint)) if self.dist.is_main else None,
+                                  self.device)
+        self._last_save_iteration = self.iteration
         return written
 
     def _save(self, checkpoint: bool) -> list[Path]:
