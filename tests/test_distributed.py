@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,18 +41,13 @@ def train_text(shared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def torchrun(args: list[str], cwd: Path, nproc: int = 2, timeout: float = 120) -> tuple[int, str]:
     """``torchrun --nproc-per-node nproc -m ggtorch ARGS`` on loopback; (exit code, stdout+stderr)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "ggtorch", *args]
+    # --standalone: a local rendezvous on a port the OS picks (no race for a "free" port between test runs)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "ggtorch", *args]
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
