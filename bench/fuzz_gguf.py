@@ -45,7 +45,8 @@ def fuzz(target: Seed, examples: int, rng_seed: int, path: Path, bugs: dict[str,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--examples", type=int, default=2000, help="mutated files per kind")
-    ap.add_argument("--kind", choices=["model", "adapter", "checkpoint"], action="append")
+    ap.add_argument("--kind", choices=["model", "adapter", "checkpoint", "ggla", "peft-config", "peft-weights"],
+                    action="append")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shared", type=Path, default=SHARED)
     args = ap.parse_args()

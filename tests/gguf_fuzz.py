@@ -1,5 +1,9 @@
-"""Mutations of valid GGUF files and the loaders they go through, shared by
+"""Mutations of valid files from strangers and the loaders they go through, shared by
 tests/test_fuzz_gguf.py (small fixed budget) and bench/fuzz_gguf.py (long runs).
+
+The files: GGUF model, adapter and checkpoint; an old llama.cpp ggla adapter; and the two
+files of a PEFT adapter folder (adapter_config.json, adapter_model.safetensors), each mutated
+while its companion stays valid.
 
 A mutation is drawn by hypothesis: byte flips (biased towards the header, where a lie
 does the most damage), truncation, inserted garbage, or overwriting one header field
@@ -8,6 +12,9 @@ does the most damage), truncation, inserted garbage, or overwriting one header f
 
 from __future__ import annotations
 
+import math
+import re
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,8 +27,11 @@ from hypothesis import strategies as st
 from ggtorch.adapters import LoraAdapter, LoraPair, read_adapter, write_adapter
 from ggtorch.checkpoint import load_checkpoint, save_checkpoint
 from ggtorch.errors import GGTorchError
-from ggtorch.gguf_io import read_gguf
+from ggtorch.export.old_formats import convert_old
+from ggtorch.export.peft import export_peft, import_peft
+from ggtorch.gguf_io import GGUFFile, read_gguf
 from ggtorch.models.loader import load_llama
+from tests.export.test_old_formats import write_ggla
 
 EXTREMES = [0, 1, 2, 3, 31, 32, 255, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**48, 2**63 - 1, 2**63, 2**64 - 1]
 
@@ -35,6 +45,10 @@ class Seed:
     header_end: int
     field_offsets: tuple[int, ...]
     load: Callable[[Path], object]
+    filename: str = ""
+    """The name the mutated file must have ('' = any); PEFT loaders look for fixed names."""
+    companions: tuple[tuple[str, bytes], ...] = ()
+    """Valid files written beside the mutated one (the rest of a PEFT folder)."""
 
 
 def field_offsets(path: Path) -> tuple[int, tuple[int, ...]]:
@@ -71,7 +85,47 @@ def make_seeds(folder: Path, stories260k: Path) -> list[Seed]:
         header_end, offsets = field_offsets(path)
         load(path)  # the unmutated file loads
         seeds.append(Seed(name, path.read_bytes(), header_end, offsets, load))
-    return seeds
+    return seeds + [ggla_seed(folder, adapter), *peft_seeds(folder, adapter, base)]
+
+
+def ggla_seed(folder: Path, adapter: LoraAdapter) -> Seed:
+    """The fuzz adapter as the old finetune's ggla file (A stored transposed, as it wrote it)."""
+    tensors = {name: (pair.a.T.numpy(), pair.b.numpy()) for name, pair in adapter.pairs.items()}
+    path = write_ggla(folder / "lora-old.bin", lora_r=2, lora_alpha=8, tensors=tensors)
+    blob = path.read_bytes()
+    offsets, offs = [0, 4, 8, 12], 16
+    while offs < len(blob):  # per tensor: n_dims, name_len, type, ne[n_dims], name, pad to 32, data
+        n_dims, name_len, _ = struct.unpack_from("<3I", blob, offs)
+        ne = struct.unpack_from(f"<{n_dims}I", blob, offs + 12)
+        offsets += [offs + 4 * i for i in range(3 + n_dims)]
+        offs += 12 + 4 * n_dims + name_len
+        offs += -offs % 32 + 4 * math.prod(ne)
+    convert_old(path)
+    return Seed("ggla", blob, 16 + 64, tuple(offsets), convert_old)
+
+
+def _number_offsets(text: bytes, start: int = 0) -> tuple[int, ...]:
+    """Byte offsets of every number in a JSON text: where a lie about a rank or a shape goes."""
+    return tuple(start + m.start() for m in re.finditer(rb"-?\d+", text))
+
+
+def peft_seeds(folder: Path, adapter: LoraAdapter, base: GGUFFile) -> list[Seed]:
+    """The fuzz adapter as a PEFT folder; one seed mutates the config, one the safetensors file."""
+    peft_dir = export_peft(adapter, base, folder / "peft")
+    config = (peft_dir / "adapter_config.json").read_bytes()
+    weights = (peft_dir / "adapter_model.safetensors").read_bytes()
+    (header_len,) = struct.unpack_from("<Q", weights, 0)
+
+    def load(path: Path) -> object:
+        return import_peft(path.parent, base)
+
+    load(peft_dir / "adapter_config.json")
+    return [
+        Seed("peft-config", config, len(config), _number_offsets(config), load, "adapter_config.json",
+             (("adapter_model.safetensors", weights),)),
+        Seed("peft-weights", weights, 8 + header_len, (0, *_number_offsets(weights[8:8 + header_len], 8)), load,
+             "adapter_model.safetensors", (("adapter_config.json", config),)),
+    ]
 
 
 @dataclass(frozen=True)
@@ -126,7 +180,14 @@ def apply_all(blob: bytes, edits: list[Mutation]) -> bytes:
 
 
 def check_outcome(seed: Seed, edits: list[Mutation], path: Path, time_limit: float = 20.0) -> str:
-    """Load a mutated file; it loads or raises a GGTorchError with a message. Returns the outcome."""
+    """Load a mutated file; it loads or raises a GGTorchError with a message. Returns the outcome.
+
+    The file goes to ``path`` (or beside it under the seed's fixed name, with its companions).
+    """
+    if seed.filename:
+        path = path.parent / seed.filename
+        for name, blob in seed.companions:
+            (path.parent / name).write_bytes(blob)
     path.write_bytes(apply_all(seed.blob, edits))
     start = time.perf_counter()
     try:

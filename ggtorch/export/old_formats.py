@@ -15,6 +15,7 @@ no place in today's format: they are kept apart as ``norms`` (``a (r, n_embd)``,
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -70,13 +71,15 @@ def read_ggla(path: str | os.PathLike[str]) -> LoraWithNorms:
         if not 1 <= n_dims <= 2 or type_id not in _GGLA_TYPES or name_len > 4096:
             raise BadGGUF(f"{path}: bad tensor header at byte {offs - 12} (n_dims {n_dims}, type {type_id}); "
                           "only 1-D/2-D F32/F16 tensors occur in old adapters")
+        if offs + 4 * n_dims > len(buf):
+            raise BadGGUF(f"{path}: truncated tensor header at byte {offs - 12}")
         ne = struct.unpack_from(f"<{n_dims}I", buf, offs)
         offs += 4 * n_dims
         name = buf[offs:offs + name_len].decode("utf-8", errors="replace")
         offs += name_len
         offs += -offs % 32
         dtype = _GGLA_TYPES[type_id]
-        count = int(np.prod(ne))
+        count = math.prod(ne)  # Python ints: a lying shape cannot overflow
         nbytes = count * np.dtype(dtype).itemsize
         if offs + nbytes > len(buf):
             raise BadGGUF(f"{path}: tensor '{name}' runs past the end of the file; it is truncated")

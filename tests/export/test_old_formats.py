@@ -162,6 +162,13 @@ def test_broken_old_files_are_refused(random_llama: Callable[..., Path], tmp_pat
     truncated = tmp_path / "truncated.bin"
     truncated.write_bytes(old.read_bytes()[:-100])
     one_line_error(*run_cli("convert-old-lora", truncated, "-o", tmp_path / "x.gguf"), "truncated")
+    cut_in_header = tmp_path / "cut.bin"  # the file ends inside the first tensor's ne[] (fuzz found it)
+    cut_in_header.write_bytes(old.read_bytes()[:30])
+    one_line_error(*run_cli("convert-old-lora", cut_in_header, "-o", tmp_path / "x.gguf"), "truncated tensor header")
+    huge = bytearray(old.read_bytes())  # a shape whose element count overflows 64 bits
+    struct.pack_into("<2I", huge, 28, 2**32 - 1, 2**32 - 1)
+    (tmp_path / "huge.bin").write_bytes(bytes(huge))
+    one_line_error(*run_cli("convert-old-lora", tmp_path / "huge.bin", "-o", tmp_path / "x.gguf"), "runs past the end")
     half = {k: v for k, v in tensors.items() if k != "output.weight"}
     half["output.weight"] = (tensors["output.weight"][0], tensors["output.weight"][1][:, :3])
     one_line_error(*run_cli("convert-old-lora", write_ggla(tmp_path / "rank.bin", 4, 4, half), "-o",
