@@ -208,9 +208,11 @@ class ProgressBar:
             self.bar = None
 
 
-def _run(config: FinetuneConfig, callbacks: Sequence[Callback], progress: bool, run: bool) -> Trainer:
+def _run(config: FinetuneConfig, callbacks: Sequence[Callback], progress: bool, run: bool,
+         records: Sequence[Mapping[str, Any]] | None = None,
+         val_records: Sequence[Mapping[str, Any]] | None = None) -> Trainer:
     bar = ProgressBar() if progress else None
-    trainer = Trainer(config, [*callbacks, *([bar] if bar else [])])
+    trainer = Trainer(config, [*callbacks, *([bar] if bar else [])], records=records, val_records=val_records)
     if run:
         try:
             trainer.train()
@@ -223,12 +225,15 @@ def _run(config: FinetuneConfig, callbacks: Sequence[Callback], progress: bool, 
 
 
 def finetune(config: FinetuneConfig | None = None, *, callbacks: Sequence[Callback] = (), progress: bool = True,
-             run: bool = True, **options: Any) -> Trainer:
+             run: bool = True, records: Sequence[Mapping[str, Any]] | None = None,
+             val_records: Sequence[Mapping[str, Any]] | None = None, **options: Any) -> Trainer:
     """A LoRA finetune, configured as ``ggtorch finetune`` is (field names = long flag names).
 
     ``options`` override ``config`` (or FinetuneConfig's defaults, llama.cpp's old ones). With
     ``run=False`` the Trainer is returned before training, to call ``train(n)`` step by step.
     Training again with the same Trainer continues where it stopped; the log is reopened.
+    ``records`` (and ``val_records``) train on a list of dicts instead of ``train_data``: chat
+    (``{"messages": [...]}``) or prompt/response records, as in docs/chat-data.md.
     """
     if config is None:
         config = FinetuneConfig(**options)
@@ -236,7 +241,7 @@ def finetune(config: FinetuneConfig | None = None, *, callbacks: Sequence[Callba
         config = config.replace(**options)
     if not config.model_base:
         raise BadFlag("model_base is required: the GGUF model to finetune")
-    return _run(config, callbacks, progress, run)
+    return _run(config, callbacks, progress, run, records, val_records)
 
 
 def train(config: TrainConfig | None = None, *, callbacks: Sequence[Callback] = (), progress: bool = True,

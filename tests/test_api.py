@@ -158,3 +158,15 @@ def test_progress_bar_counts_iterations(stories260k: Path, text: Path, tmp_path:
     ggtorch.finetune(small_run(stories260k, text, tmp_path, adam_iter=4), callbacks=[bar], progress=False)
     assert bar.bar is not None and bar.bar.n == 4 and bar.bar.total == 4
     bar.close()
+
+
+def test_finetune_on_a_list_of_records(stories260k: Path, tmp_path: Path) -> None:
+    """records= takes the place of train_data: the answers-only loss of the same records as the Trainer's."""
+    records = [{"prompt": f"What is {i} plus {i}?", "response": f"It is {2 * i}."} for i in range(12)]
+    options = dict(model_base=str(stories260k), train_data="", ctx=64, batch=2, adam_iter=3, seed=4, threads=1,
+                   checkpoint_in="", checkpoint_out="", lora_out=str(tmp_path / "qa.gguf"), save_every=0)
+    run = ggtorch.finetune(records=records, val_records=records[:2], progress=False, **options)
+    twin = Trainer(FinetuneConfig(**options), records=records, val_records=records[:2], log_records=False)
+    assert [r.loss for r in run.history] == [r.loss for r in twin.train()]
+    twin.close()
+    assert run.evaluate() is not None and (tmp_path / "qa.gguf").is_file()
