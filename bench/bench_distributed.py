@@ -16,36 +16,65 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("GGTORCH_SHARED", REPO.parent / "shared"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(world: int, args: list[str], folder: Path) -> list[float]:
     """tokens/s of each step of a finetune in ``world`` processes (``world`` 1: no torchrun)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-                 "--master-addr", "127.0.0.1", "--master-port", str(free_port())] if world > 1
-                else [sys.executable])
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
+                if world > 1 else [sys.executable])
     log = folder / f"log-{world}.jsonl"
     cmd = [*launcher, "-m", "ggtorch", "finetune", *args, "--log-file", str(log)]
     subprocess.run(cmd, cwd=folder, env=env, check=True, stdout=subprocess.DEVNULL)
     return [r["tokens_per_second"] for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "iter"]
+
+
+def _allreduce_worker(rank: int, world: int, store: str, numel: int, repeats: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    grads, small = torch.ones(numel), torch.ones(2)
+    timings = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(grads)  # DDP's gradient bucket(s)
+        dist.all_reduce(small)  # the step's token count
+        dist.all_reduce(small)  # the step's loss and stop flag
+        timings.append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put(statistics.median(timings))
+    dist.destroy_process_group()
+
+
+def collectives_ms(numel: int, world: int, repeats: int = 50) -> float:
+    """Median ms of one step's collectives alone (gradient all-reduce + two scalar all-reduces), gloo."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_allreduce_worker, args=(r, world, f"{tmp}/store", numel, repeats, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        result = queue.get(timeout=120)
+        for p in procs:
+            p.join()
+    return 1000 * result
 
 
 def main() -> None:
@@ -66,13 +95,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ggtorch-bench-ddp-") as tmp:
         for world in (1, a.ranks):
             results[world] = statistics.median(run(world, args, Path(tmp))[a.warmup:])
+        start = json.loads((Path(tmp) / "log-1.jsonl").read_text().splitlines()[0])
+    n_trainable = int(start["trainable_parameters"])
+    sync_ms = collectives_ms(n_trainable, a.ranks)
     one = results[1]
     print(f"# {a.model.name}, ctx {a.ctx}, batch {a.batch} per rank, {a.steps} timed steps, 1 thread per "
-          f"process, gloo on loopback; torch {torch.__version__}, {os.cpu_count()} cores, load {load:.2f}")
-    print("| processes | tok/s (all ranks) | vs 1 process | scaling efficiency |")
-    print("|---:|---:|---:|---:|")
+          f"process, gloo on this machine; torch {torch.__version__}, {os.cpu_count()} cores, load {load:.2f}")
+    print("| processes | tok/s (all ranks) | ms per step | vs 1 process | scaling efficiency |")
+    print("|---:|---:|---:|---:|---:|")
     for world, tps in results.items():
-        print(f"| {world} | {tps:.0f} | {tps / one:.2f}× | {tps / (world * one):.0%} |")
+        ms = 1000 * world * a.batch * a.ctx / tps
+        print(f"| {world} | {tps:.0f} | {ms:.0f} | {tps / one:.2f}× | {tps / (world * one):.0%} |")
+    print(f"\nThe collectives of one step alone ({a.ranks} ranks: all-reduce of {n_trainable:,} f32 gradients + "
+          f"2 scalar all-reduces): {sync_ms:.2f} ms")
 
 
 if __name__ == "__main__":
