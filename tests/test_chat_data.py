@@ -252,6 +252,19 @@ def test_a_packed_row_gives_each_record_its_own_loss(stories260k: Path, tokenize
             assert float(ce[seg][counted].mean()) == pytest.approx(float(ce_alone[counted].mean()), abs=1e-5)
 
 
+def test_one_segment_from_position_zero_is_the_default_forward(stories260k: Path) -> None:
+    """positions/segments describe the default causal layout exactly: same logits; a cache refuses them."""
+    model = load_llama(stories260k).model.eval()
+    tokens = torch.randint(3, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(24).expand(2, 24)
+    with torch.no_grad():
+        plain = model(tokens)
+        packed = model(tokens, positions=positions, segments=torch.zeros(2, 24, dtype=torch.long))
+        assert torch.allclose(plain, packed, atol=1e-5)
+        with pytest.raises(ValueError, match="not for a KV cache"):
+            model(tokens, cache=model.new_cache(2, 32), positions=positions)
+
+
 def test_long_records_are_truncated_or_split_and_counted(tokenizer: Tokenizer) -> None:
     long_answer = " ".join(["the cat sat on the mat"] * 20)
     records = load_records([{"prompt": "Tell me", "response": long_answer}, {"prompt": "Hi", "response": "Yo"}],
@@ -371,6 +384,17 @@ def test_val_split_holds_out_records(chat_model: Path) -> None:
                         log_records=False)
     assert len(with_list.val_batches) == 1 and with_list.evaluate() == pytest.approx(before, rel=1e-6)
     trainer.close(), with_list.close()
+
+
+def test_train_command_takes_records_with_padding(stories260k: Path, qa_files: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    """`ggtorch train` (all weights) on records, one record per row, split long ones."""
+    code, out = run(["train", "--model-base", str(stories260k), "--train-data", str(qa_files["train"]),
+                     "--batching", "pad", "--long-records", "split", "-c", "64", "-b", "2", "-n", "2",
+                     "--seed", "1", "--save-every", "0", "--model-out", "m.gguf", "-t", "1"], tmp_path)
+    assert code == 0, out
+    assert "4 prompt-response records" in out and "padded into ctx 64" in out
+    assert (tmp_path / "m.gguf").is_file()
 
 
 # --- refusals -----------------------------------------------------------------------------------

@@ -268,8 +268,9 @@ class RecordData:
         if c.truncated or c.split or c.dropped:
             parts.append(f"{c.truncated} truncated, {c.split} split, {c.dropped} dropped")
         loss_on = "all tokens" if self.options.train_on_prompt or self.format == "text" else "responses only"
+        batched = "packed" if self.options.batching == "pack" else "padded"
         parts.append(f"{self.n_samples:,} pieces, {self.n_tokens:,} tokens, {self.n_trained:,} trained "
-                     f"(loss on {loss_on}), {self.options.batching}ed into ctx {self.n_ctx}")
+                     f"(loss on {loss_on}), {batched} into ctx {self.n_ctx}")
         return "; ".join(parts)
 
     def _advance(self) -> None:
