@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .demo import DemoSettings, next_steps, run_demo
+from .demo import LORA_PROMPT, DemoSettings, next_steps, run_demo
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,9 +30,10 @@ def demo(out_dir: str, base_iterations: int, lora_iterations: int, threads: int 
     settings = DemoSettings(out_dir=Path(out_dir), base_iterations=base_iterations, lora_iterations=lora_iterations,
                             threads=threads, seed=seed)
     result = run_demo(settings, say=click.echo)
-    prompt = "Beautiful is"
-    click.echo(f"\nwithout the adapter:\n  {prompt}{result.without_adapter}".replace("\n", "\n  ").rstrip())
-    click.echo(f"\nwith the adapter:\n  {prompt}{result.with_adapter}".replace("\n", "\n  ").rstrip())
+    for title, text in (("without the adapter", result.without_adapter), ("with the adapter", result.with_adapter)):
+        click.echo(f"\n{title}:")
+        for line in (LORA_PROMPT + text).rstrip().splitlines():
+            click.echo(f"  {line}")
     click.echo(f"\ndone in {result.seconds:.0f} s. Files in {result.out_dir.resolve()}:")
     for label, path in result.files.items():
         click.echo(f"  {path.name:<22} {label}")

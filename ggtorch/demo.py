@@ -220,7 +220,7 @@ def next_steps(result: DemoResult) -> list[str]:
     return [
         "# run the demo's model and adapter in llama.cpp",
         f"llama-cli -m {f['base model (Q8_0)']} --lora {f['adapter']} -p {LORA_PROMPT!r} -n 48 --temp 0",
-        "# the same finetune from the command line (old llama.cpp flags), then continue it",
+        "# the same finetune from the command line (the old llama.cpp flags)",
         f"ggtorch finetune --model-base {f['base model (Q8_0)']} --train-data {f['finetune text']} "
         f"--lora-r 16 -c 64 -b 8 --adam-iter 60 --adam-alpha 0.003 "
         f"--checkpoint-out {result.out_dir / 'checkpoint-ITERATION.gguf'} "
