@@ -107,6 +107,34 @@ def test_the_gguf_template_renders_as_jinja2_does(chat_model: Path, tokenizer: T
         assert answers == [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
 
 
+# Hugging Face template features: the tojson filter (no HTML escaping) and the {% generation %} tag.
+HF_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] | tojson }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [TEMPLATE, HF_TEMPLATE], ids=["chatml", "hf-features"])
+def test_prompts_are_what_llama_cpp_python_builds(tokenizer: Tokenizer, template: str) -> None:
+    """llama-cpp-python's Jinja2ChatFormatter (its chat completion path) as a second reference."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    encoder = RecordEncoder(tokenizer, template)
+    conversations = [*CONVERSATIONS, [{"role": "user", "content": 'Say "<b>&</b>" \u00e9'},
+                                      {"role": "assistant", "content": "Done."}]]
+    for messages in conversations:
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                theirs = Jinja2ChatFormatter(template, "</s>", "<s>")(messages=messages[:i]).prompt
+                assert encoder.template.render(messages[:i], add_generation_prompt=True) == theirs
+        answers = [text for text, trained in encoder.pieces(chat_example(messages)) if trained]
+        expected_end = "<|im_end|>" if template == TEMPLATE else "</s>"
+        assert answers == [m["content"] + expected_end for m in messages if m["role"] == "assistant"]
+
+
 def test_token_and_mask_layout_of_one_short_example(chat_model: Path, tokenizer: Tokenizer) -> None:
     """[user Hi, assistant Yo]: written out by hand; token ids from llama.cpp's tokenizer."""
     llm = llama_cpp_tokenizer(chat_model)

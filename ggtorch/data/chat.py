@@ -2,8 +2,9 @@
 
 A chat record is rendered with the model's ``tokenizer.chat_template`` (or a template file)
 in a sandboxed jinja2 environment, as Hugging Face's ``apply_chat_template`` renders it
-(``trim_blocks``, ``lstrip_blocks``; variables ``messages``, ``bos_token``, ``eos_token``,
-``add_generation_prompt``, ``raise_exception``). Assistant spans are found by rendering
+(``trim_blocks``, ``lstrip_blocks``, its ``tojson`` filter and ``{% generation %}`` tag;
+variables ``messages``, ``bos_token``, ``eos_token``, ``add_generation_prompt``,
+``raise_exception``, ``strftime_now``). Assistant spans are found by rendering
 prefixes: for assistant message i, ``render(messages[:i], add_generation_prompt=True)`` is the
 prompt the model answers and ``render(messages[:i+1])`` ends where its answer (with the
 template's end-of-turn marker) ends. Both must be prefixes of the whole render, else the
@@ -17,8 +18,10 @@ tokens are exactly the tokens the model has to generate after the prompt llama.c
 from __future__ import annotations
 
 import datetime
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -55,12 +58,23 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos_token: str, eos_token: str, name: str = "chat template") -> None:
         from jinja2 import TemplateError
+        from jinja2.ext import Extension
         from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        class GenerationTag(Extension):
+            """Hugging Face's ``{% generation %}...{% endgeneration %}``: renders its body unchanged."""
+
+            tags = {"generation"}
+
+            def parse(self, parser: Any) -> Any:
+                parser.stream.skip(1)
+                return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
         self.name = name
         self.bos_token, self.eos_token = bos_token, eos_token
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+                                            extensions=[GenerationTag, "jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson  # as transformers: plain json.dumps, no HTML escaping
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
@@ -84,6 +98,11 @@ class ChatTemplate:
             raise BadData(f"{where + ': ' if where else ''}the {self.name} failed to render "
                           f"({type(e).__name__}: {e}); fix the record or pass another template with "
                           "--chat-template") from None
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_exception(message: str) -> None:
