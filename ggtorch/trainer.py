@@ -188,6 +188,7 @@ class Trainer:
         self.full = isinstance(c, TrainConfig)
         if self.dist.is_main:  # only rank 0 writes
             self._check_outputs_writable()
+        self._check_norms_fit_the_adapter()
 
         self._scratch_dir: tempfile.TemporaryDirectory[str] | None = None
         self.base = self._open_full_base() if self.full else read_gguf(c.model_base)
@@ -332,6 +333,16 @@ class Trainer:
         first = self._outputs()[0] if self._outputs() else "ggtorch-train"
         stem = Path(output_name(Path(first).name, self.config.pattern_fn_it, "")).stem.strip("-_.") or "train"
         return Path(first).parent / f"{stem}-log.jsonl"
+
+    def _check_norms_fit_the_adapter(self) -> None:
+        """Refuse before training what would only fail at the first save: norm adapters in --lora-out."""
+        c = self.config
+        norms = [f"--{f.replace('_', '-')}" for f in ("rank_att_norm", "rank_ffn_norm", "rank_out_norm")
+                 if getattr(c, f, 0)]
+        if not self.full and norms and c.lora_out and not c.drop_norms:
+            raise BadFlag(f"{'/'.join(norms)} train norm adapters, which llama.cpp's adapter format (--lora-out) "
+                          "cannot carry; add --drop-norms to write the adapter without them (checkpoints keep them "
+                          "for export-lora), or pass --lora-out ''")
 
     def _check_outputs_writable(self) -> None:
         """Refuse an unwritable output folder before any heavy work."""

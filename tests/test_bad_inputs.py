@@ -78,6 +78,7 @@ ROWS: list[tuple[str, str]] = [
     ("finetune --model-base {S} --train-data {text} --device nonsense", "--device: 'nonsense' is not a device"),
     ("finetune --model-base {S} --train-data {text} --nonsense-flag", "No such option '--nonsense-flag'"),
     ("finetune --model-base {S} --train-data {text} --on-nan maybe", "Invalid value for '--on-nan'"),
+    ("finetune --model-base {S} --train-data {text} --rank-ffn-norm 1", "--rank-ffn-norm train norm adapters"),
     ("finetune --model-base {S} --train-data {latin1} --utf8-errors ignore", "Invalid value for '--utf8-errors'"),
     # finetune: instruction and chat records
     ("finetune --model-base {S} --train-data {bad_json}", "bad.jsonl line 2: not valid JSON"),

@@ -169,11 +169,14 @@ def test_full_training_resumes_from_one_process_on_two_ranks(stories260k: Path, 
     (["--checkpoint-out", "missing/ck.gguf"], "error (rank 0 of 2): output folder 'missing'"),
     # every rank misses the file: still one message
     (["--train-data", "nothing.txt"], "error (rank 0 of 2): --train-data"),
-    # rank 0 fails while saving (norm deltas do not fit llama.cpp's adapter format); rank 1 waits and stops
-    (["--rank-att-norm", "1", "-n", "1"], "error (rank 0 of 2): llama.cpp's adapter format cannot carry"),
+    # rank 0 fails while saving (a folder sits where the LATEST checkpoint goes); rank 1 waits and stops
+    (["--checkpoint-out", "blocked-ITERATION.gguf", "-n", "1"], "error (rank 0 of 2): cannot write blocked-LATEST"),
+    # a combination refused on every rank before training, reported once
+    (["--rank-att-norm", "1"], "error (rank 0 of 2): --rank-att-norm train norm adapters"),
 ])
 def test_an_error_on_a_rank_stops_all_with_one_message(flags: list[str], message: str, stories260k: Path,
                                                        train_text: Path, tmp_path: Path) -> None:
+    (tmp_path / "blocked-LATEST.gguf").mkdir()
     code, out = torchrun(["finetune", "--model-base", str(stories260k), "--train-data", str(train_text), *SMALL,
                           "-n", "4", "--checkpoint-in", "none.gguf", *flags], tmp_path)
     assert code != 0
