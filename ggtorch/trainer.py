@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .adapters import adapter_from_model, write_adapter
@@ -51,6 +50,7 @@ from .errors import BadFlag, GGTorchError
 from .finetune_config import NAN_SKIP_LIMIT, FinetuneConfig
 from .gguf_io import GGUFFile, read_gguf
 from .lora import LoraConfig, attach_lora, load_lora_tensors, lora_tensors_by_gguf_name, trainable_parameters
+from .loss import cross_entropy
 from .models.config import LlamaConfig
 from .models.llama import Block
 from .models.loader import FLOAT_TYPES, build_llama
@@ -116,13 +116,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 def ggml_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position, computed in f32.
+    """Mean next-token cross-entropy over the counted positions (targets != -100), in f32.
 
     ggml's ``cross_entropy_loss`` adds ε = 1e-9 to the softmax probabilities; in f32 that changes
     log p only where p is below ~1e-7, i.e. never for a target the model has learned anything
-    about, so the exact log-softmax form is used.
+    about, so the exact log-softmax form is used (:func:`ggtorch.loss.cross_entropy`, which
+    needs one vocabulary-sized gradient tensor instead of F.cross_entropy's three).
     """
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return cross_entropy(logits, targets)
 
 
 def enable_block_checkpointing(model: torch.nn.Module) -> int:

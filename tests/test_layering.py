@@ -19,6 +19,7 @@ LAYERS: dict[str, float] = {
     "quant": 2,
     "models": 3,
     "lora": 4,
+    "loss": 4,
     "inference": 4,
     "adapters": 5,
     "scratch": 5,
