@@ -17,6 +17,11 @@ from typing import Literal
 
 import torch
 
+from .lora import LoRALinear
+from .quant import dequantize
+from .quant.autograd import compute_dtype
+from .quant.modules import QuantLinear
+
 IGNORE_INDEX = -100
 CHUNK_BYTES = 4 << 20
 """Bytes of f32 logits handled per chunk: large enough to amortize per-op overhead, small
@@ -37,8 +42,9 @@ class _TokenCrossEntropy(torch.autograd.Function):
         valid = targets != IGNORE_INDEX
         safe = torch.where(valid, targets, 0)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        for r0, r1 in _row_chunks(n, v):
-            lse[r0:r1] = torch.logsumexp(logits[r0:r1].float(), dim=-1)
+        with torch.autocast(logits.device.type, enabled=False):
+            for r0, r1 in _row_chunks(n, v):
+                lse[r0:r1] = torch.logsumexp(logits[r0:r1].float(), dim=-1)
         picked = logits.gather(1, safe[:, None])[:, 0].float()
         ctx.save_for_backward(logits, lse, safe, valid)
         return (lse - picked) * valid
@@ -72,3 +78,130 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     if reduction == "mean":
         return losses.sum() / (targets != IGNORE_INDEX).sum()
     raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+# --- the output projection and the loss in one pass ---------------------------------------------
+
+FUSED_CHUNK_BYTES = 16 << 20
+"""f32 logits per token chunk of :func:`output_cross_entropy` (rows x n_vocab x 4 bytes): small
+enough to be reused from the heap step after step instead of page-faulting a fresh (N, V)
+tensor, big enough that each chunk's GEMM runs at full speed."""
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Sum over rows of ``cross_entropy(x @ W.T [+ s·(x @ A.T) @ B.T], targets)``, chunked over rows.
+
+    The gradient is computed in forward while each chunk's logits are at hand (softmax - onehot
+    is only needed once), kept as (N, C) / LoRA-sized tensors, and scaled by the upstream
+    gradient in backward: the (N, V) logits never exist, neither do their gradient or a second
+    pass over W. Everything is computed in ``weight.dtype`` for the matmuls (as autocast would)
+    and f32 for the softmax.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,  # type: ignore[override]
+                weight: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+        n, c = x.shape
+        v = weight.shape[0]
+        dtype = weight.dtype
+        f32 = torch.float32
+        lora = lora_a is not None
+        need_grad = any(ctx.needs_input_grad[:3])
+        with torch.autocast(x.device.type, enabled=False):
+            xc = x.to(dtype)
+            valid = targets != IGNORE_INDEX
+            safe = torch.where(valid, targets, 0)
+            h = b = None
+            if lora:
+                b = lora_b.to(dtype)
+                h = xc @ lora_a.to(dtype).T  # (N, r)
+            total = torch.zeros((), dtype=f32, device=x.device)
+            grad_x = torch.empty(n, c, dtype=f32, device=x.device) if need_grad else None
+            grad_h = torch.empty(n, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
+            grad_b = torch.zeros(v, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
+            step = max(1, FUSED_CHUNK_BYTES // (4 * v))
+            for r0 in range(0, n, step):
+                r1 = min(r0 + step, n)
+                logits = xc[r0:r1] @ weight.T  # (rows, V)
+                if lora:
+                    logits = logits.add_(h[r0:r1] @ b.T, alpha=scale)
+                logits = logits.float()
+                lse = torch.logsumexp(logits, dim=-1)
+                picked = logits.gather(1, safe[r0:r1, None])[:, 0]
+                total += ((lse - picked) * valid[r0:r1]).sum()
+                if not need_grad:
+                    continue
+                p = torch.softmax(logits, dim=-1)
+                p.scatter_add_(1, safe[r0:r1, None], torch.full((r1 - r0, 1), -1.0, dtype=f32, device=x.device))
+                p = p.mul_(valid[r0:r1, None]).to(dtype)  # d(row loss)/d(logits), 0 for ignored rows
+                grad_x[r0:r1] = p @ weight
+                if lora:
+                    grad_h[r0:r1] = (p @ b).float() * scale
+                    grad_b += (p.T @ h[r0:r1]).float() * scale
+            grad_a = None
+            if need_grad and lora:
+                grad_a = grad_h.T @ x.float()  # (r, C)
+                grad_x += grad_h @ lora_a.float()
+        ctx.save_for_backward(grad_x, grad_a, grad_b)
+        ctx.dtypes = (x.dtype, None if lora_a is None else lora_a.dtype, None if lora_b is None else lora_b.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        grad_x, grad_a, grad_b = ctx.saved_tensors
+        x_dtype, a_dtype, b_dtype = ctx.dtypes
+        g = grad_out.float()
+        gx = (grad_x * g).to(x_dtype) if grad_x is not None and ctx.needs_input_grad[0] else None
+        ga = (grad_a * g).to(a_dtype) if grad_a is not None and ctx.needs_input_grad[1] else None
+        gb = (grad_b * g).to(b_dtype) if grad_b is not None and ctx.needs_input_grad[2] else None
+        return gx, ga, gb, None, None, None
+
+
+def _output_parts(output: torch.nn.Module, x: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float] | None:
+    """(W in the compute dtype, lora_a, lora_b, scale) of an output projection the fused loss handles.
+
+    None (use the plain path) for anything else: a LoRA with dropout, a merged or foreign module,
+    or a quantized W whose float copy would be bigger than the logits it saves.
+    """
+    lora_a = lora_b = None
+    scale = 1.0
+    base = output
+    if isinstance(output, LoRALinear):
+        if output.merged or not isinstance(output.dropout, torch.nn.Identity):
+            return None
+        base, lora_a, lora_b, scale = output.base, output.lora_a, output.lora_b, float(output.scale)
+    dtype = compute_dtype(x)
+    if isinstance(base, QuantLinear):
+        n_vocab, n_embd = base.shape
+        if n_embd * torch.empty((), dtype=dtype).element_size() > 4 * x.shape[0]:
+            return None
+        weight = dequantize(base.raw, base.ggml_type, base.shape, dtype)
+    elif type(base) is torch.nn.Linear and base.bias is None and not base.weight.requires_grad:
+        weight = base.weight.to(dtype)
+    else:
+        return None
+    return weight, lora_a, lora_b, scale
+
+
+def output_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                         reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+    """``cross_entropy(output(hidden), targets)`` without materializing the (N, V) logits.
+
+    ``output`` is the model's output projection (``nn.Linear``, ``QuantLinear``, or a
+    ``LoRALinear`` around either); ``hidden`` (..., C) the normed hidden states
+    (``Llama.forward(..., hidden_only=True)``). Call it under the same autocast as the model.
+    Other modules, and LoRA with dropout, go through ``output(hidden)`` and :func:`cross_entropy`.
+    """
+    x = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
+    parts = _output_parts(output, x)
+    if parts is None:
+        return cross_entropy(output(hidden).float(), targets, reduction)
+    weight, lora_a, lora_b, scale = parts
+    total = _LinearCrossEntropy.apply(x, lora_a, lora_b, weight, t, scale)
+    if reduction == "sum":
+        return total
+    if reduction == "mean":
+        return total / (t != IGNORE_INDEX).sum()
+    raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")

@@ -50,7 +50,7 @@ from .errors import BadFlag, GGTorchError
 from .finetune_config import NAN_SKIP_LIMIT, FinetuneConfig
 from .gguf_io import GGUFFile, read_gguf
 from .lora import LoraConfig, attach_lora, load_lora_tensors, lora_tensors_by_gguf_name, trainable_parameters
-from .loss import cross_entropy
+from .loss import cross_entropy, output_cross_entropy
 from .models.config import LlamaConfig
 from .models.llama import Block
 from .models.loader import FLOAT_TYPES, build_llama
@@ -435,12 +435,16 @@ class Trainer:
                     mine.append(batch)
         return mine, used
 
-    def _forward(self, model: torch.nn.Module, batch: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """Logits of a batch: (inputs, targets) or a packed RecordBatch with positions and segments."""
+    def _forward(self, model: torch.nn.Module, batch: Sequence[torch.Tensor | None],
+                 hidden_only: bool = False) -> torch.Tensor:
+        """Logits of a batch: (inputs, targets) or a packed RecordBatch with positions and segments.
+
+        ``hidden_only``: the normed hidden states instead, for ``output_cross_entropy``."""
         inputs = batch[0].to(self.device)
         if len(batch) > 2 and batch[2] is not None:
-            return model(inputs, positions=batch[2].to(self.device), segments=batch[3].to(self.device))
-        return model(inputs)
+            return model(inputs, positions=batch[2].to(self.device), segments=batch[3].to(self.device),
+                         hidden_only=hidden_only)
+        return model(inputs, hidden_only=hidden_only)
 
     def step(self) -> StepResult:
         """One optimizer step over ``grad_acc`` micro-batches (on every rank under torchrun).
@@ -462,9 +466,11 @@ class Trainer:
             targets = batch[1].to(self.device)
             last = i == len(batches) - 1
             with self._autocast(), (nullcontext() if last or not self.dist.enabled else self.forward_model.no_sync()):
-                logits = self._forward(self.forward_model, batch)
+                # the output projection runs inside the loss: the (N, n_vocab) logits never exist
+                hidden = self._forward(self.forward_model, batch, hidden_only=True)
                 # a micro-batch without counted positions still runs backward (DDP expects every rank's)
-                loss = ggml_cross_entropy(logits, targets) if count else logits.sum() * 0.0
+                loss = (output_cross_entropy(self.model.output, hidden, targets) if count
+                        else self.model.output(hidden).sum() * 0.0)
                 (loss * (count * self.dist.world_size / global_count)).backward()
             loss_sum += loss.detach().double() * count
         loss_total, stop = self.dist.reduce_sum([float(loss_sum), float(self._stop_requested)], self.device)

@@ -19,7 +19,7 @@ LAYERS: dict[str, float] = {
     "quant": 2,
     "models": 3,
     "lora": 4,
-    "loss": 4,
+    "loss": 4.5,  # the fused output loss knows LoRALinear
     "inference": 4,
     "adapters": 5,
     "scratch": 5,

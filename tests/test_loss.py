@@ -1,13 +1,18 @@
-"""ggtorch.loss.cross_entropy against torch's F.cross_entropy (values and gradients)."""
+"""ggtorch.loss against torch's F.cross_entropy on materialized logits (values and gradients)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
 
 from ggtorch import loss as loss_mod
-from ggtorch.loss import cross_entropy
+from ggtorch.lora import LoRALinear
+from ggtorch.loss import cross_entropy, output_cross_entropy
+from ggtorch.quant.modules import QuantLinear
+from ggtorch.quant.quantize import quantize
 
 
 def _case(n: int, v: int, n_ignored: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,3 +67,80 @@ def test_bad_reduction() -> None:
     logits, targets = _case(2, 5, 0)
     with pytest.raises(ValueError, match="reduction"):
         cross_entropy(logits, targets, "avg")  # type: ignore[arg-type]
+
+
+# --- output_cross_entropy: the output projection fused with the loss -------------------------------
+
+N_EMBD, N_VOCAB = 64, 500
+
+
+def _output(kind: str, lora: bool) -> nn.Module:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(N_VOCAB, N_EMBD, generator=g) / 4
+    if kind == "linear":
+        base: nn.Module = nn.Linear(N_EMBD, N_VOCAB, bias=False)
+        base.weight = nn.Parameter(w, requires_grad=False)
+    else:
+        raw = torch.from_numpy(quantize(w, GGMLQuantizationType.Q8_0)).reshape(-1)
+        base = QuantLinear(raw, GGMLQuantizationType.Q8_0, (N_VOCAB, N_EMBD))
+    if not lora:
+        return base
+    module = LoRALinear(base, rank=3, alpha=6.0)
+    with torch.no_grad():  # B != 0 so the adapter changes the logits and gets a gradient through A
+        module.lora_a.copy_(torch.randn(3, N_EMBD, generator=g) / 8)
+        module.lora_b.copy_(torch.randn(N_VOCAB, 3, generator=g) / 8)
+    return module
+
+
+@pytest.mark.parametrize("kind", ["linear", "quant"])
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_output_loss_equals_logits_then_cross_entropy(kind: str, lora: bool, autocast: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loss_mod, "FUSED_CHUNK_BYTES", 7 * 4 * N_VOCAB)  # 7 rows per chunk
+    output = _output(kind, lora)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(3, 30, N_EMBD, generator=g)
+    targets = torch.randint(0, N_VOCAB, (3, 30), generator=g)
+    targets[0, :4] = -100
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    results = []
+    for fused in (True, False):
+        h = hidden.clone().requires_grad_()
+        params = [p for p in output.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = None
+        with ctx:
+            loss = (output_cross_entropy(output, h, targets) if fused
+                    else F.cross_entropy(output(h).float().reshape(-1, N_VOCAB), targets.reshape(-1)))
+        (loss * 3).backward()
+        results.append((loss.detach(), h.grad, [p.grad.clone() for p in params]))
+    (ours, ours_gx, ours_gp), (ref, ref_gx, ref_gp) = results
+    tol = {"rtol": 2e-2, "atol": 2e-3} if autocast else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(ours, ref, **tol)
+    torch.testing.assert_close(ours_gx, ref_gx, **tol)
+    assert torch.all(ours_gx[0, :4] == 0)
+    assert len(ours_gp) == (2 if lora else 0)
+    for a, b in zip(ours_gp, ref_gp, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+        assert b.abs().max() > 0
+
+
+def test_fused_output_loss_falls_back_for_lora_with_dropout() -> None:
+    output = _output("linear", lora=True)
+    output.dropout = nn.Dropout(0.5)
+    hidden, targets = torch.randn(2, 5, N_EMBD), torch.randint(0, N_VOCAB, (2, 5))
+    torch.manual_seed(0)
+    ours = output_cross_entropy(output, hidden, targets)
+    torch.manual_seed(0)
+    ref = F.cross_entropy(output(hidden).reshape(-1, N_VOCAB), targets.reshape(-1))
+    torch.testing.assert_close(ours, ref)
+
+
+def test_fused_output_loss_sum_and_no_grad() -> None:
+    output = _output("linear", lora=False)
+    hidden, targets = torch.randn(2, 5, N_EMBD), torch.randint(0, N_VOCAB, (2, 5))
+    with torch.no_grad():
+        total = output_cross_entropy(output, hidden, targets, "sum")
+    ref = F.cross_entropy(output(hidden).reshape(-1, N_VOCAB), targets.reshape(-1), reduction="sum")
+    torch.testing.assert_close(total, ref)

@@ -211,12 +211,14 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
                 last_only: bool = False, *, positions: torch.Tensor | None = None,
-                segments: torch.Tensor | None = None) -> torch.Tensor:
+                segments: torch.Tensor | None = None, hidden_only: bool = False) -> torch.Tensor:
         """Logits for ``tokens`` (B, T) at positions start_pos..start_pos+T-1.
 
         With a cache, the positions continue from ``cache.length`` (``start_pos`` is ignored),
         the new keys/values are stored and the cache advances by T. ``last_only`` returns only
-        the last position's logits (B, 1, V): generation needs nothing else.
+        the last position's logits (B, 1, V): generation needs nothing else. ``hidden_only``
+        stops before the output projection and returns the normed hidden states (B, T, C), for a
+        loss that applies ``self.output`` itself (ggtorch.loss.output_cross_entropy).
 
         Packed training rows (several records in one row) pass ``positions`` (B, T), each
         record's own rope positions from 0, and ``segments`` (B, T), a record id per token: a
@@ -247,6 +249,8 @@ class Llama(nn.Module):
         x = self.output_norm(x)
         if last_only:
             x = x[:, -1:]
+        if hidden_only:
+            return x  # (B, T, C)
         return self.output(x).float()  # (B, T, V)
 
 
