@@ -71,12 +71,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x: (B, T, H, D); cos, sin: (T, D/2), or (B, T, D/2) for per-row positions. Computed in f32,
     returned in x's dtype.
     """
-    B, T, H, D = x.shape
-    pairs = x.float().view(B, T, H, D // 2, 2)
-    x0, x1 = pairs[..., 0], pairs[..., 1]  # (B, T, H, D/2)
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T|B,T, 1, D/2) broadcast over heads
-    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)  # (B, T, H, D/2, 2)
-    return out.view(B, T, H, D).to(x.dtype)
+    c2 = cos.repeat_interleave(2, dim=-1).unsqueeze(-2)  # (T|B,T, 1, D): cos of each pair, twice
+    s2 = torch.stack((-sin, sin), dim=-1).flatten(-2).unsqueeze(-2)  # (T|B,T, 1, D): -sin, +sin
+    return _Rope.apply(x.float(), c2, s2).to(x.dtype)
+
+
+def _swap_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x[2i+1], x[2i]) for every pair of the last dimension (a contiguous copy)."""
+    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+
+
+class _Rope(torch.autograd.Function):
+    """``x * c2 + swap(x) * s2``: per pair (x0·c - x1·s, x1·c + x0·s), the same f32 products and sums
+    as ggml's rope, in four contiguous kernels instead of strided slices and a stack. Backward
+    rotates by -theta (``g * c2 + swap(g * s2)``) and saves only the angles, no activation."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, c2: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(c2, s2)
+        return x * c2 + _swap_pairs(x) * s2
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        c2, s2 = ctx.saved_tensors
+        return g * c2 + _swap_pairs(g * s2), None, None
 
 
 @dataclass
