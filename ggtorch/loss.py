@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from torch.nn.modules import module as nn_module
 
 from .lora import LoRALinear
 from .quant import dequantize
@@ -162,8 +163,11 @@ def _output_parts(output: torch.nn.Module, x: torch.Tensor
     """(W in the compute dtype, lora_a, lora_b, scale) of an output projection the fused loss handles.
 
     None (use the plain path) for anything else: a LoRA with dropout, a merged or foreign module,
-    or a quantized W whose float copy would be bigger than the logits it saves.
+    a quantized W whose float copy would be bigger than the logits it saves, or a module with
+    forward hooks (they expect to see its call and its logits).
     """
+    if any(m._forward_hooks or m._forward_pre_hooks for m in output.modules()) or _global_hooks():
+        return None
     lora_a = lora_b = None
     scale = 1.0
     base = output
@@ -182,6 +186,11 @@ def _output_parts(output: torch.nn.Module, x: torch.Tensor
     else:
         return None
     return weight, lora_a, lora_b, scale
+
+
+def _global_hooks() -> bool:
+    """Whether module forward hooks are registered for every module (register_module_forward_hook)."""
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
 def output_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,

@@ -144,3 +144,15 @@ def test_fused_output_loss_sum_and_no_grad() -> None:
         total = output_cross_entropy(output, hidden, targets, "sum")
     ref = F.cross_entropy(output(hidden).reshape(-1, N_VOCAB), targets.reshape(-1), reduction="sum")
     torch.testing.assert_close(total, ref)
+
+
+def test_fused_output_loss_runs_the_modules_forward_hooks() -> None:
+    """A hook on the output layer (to inspect or poison logits) still sees its call."""
+    output = _output("linear", lora=False)
+    seen = []
+    output.register_forward_hook(lambda m, args, out: seen.append(out.shape) or out * 2)
+    hidden, targets = torch.randn(2, 5, N_EMBD), torch.randint(0, N_VOCAB, (2, 5))
+    ours = output_cross_entropy(output, hidden, targets)
+    assert seen == [(2, 5, N_VOCAB)]
+    ref = F.cross_entropy(output(hidden).reshape(-1, N_VOCAB), targets.reshape(-1))
+    torch.testing.assert_close(ours, ref)
