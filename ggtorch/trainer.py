@@ -175,6 +175,7 @@ class Trainer:
         self._last_save_iteration = self.iteration
         self._stop_requested = False
         self._interrupted = False
+        self._target_iteration = self.iteration + c.adam_iter  # train(n) resets it; step() alone may run first
         self.history: list[StepResult] = []
         self.skipped_steps = 0
         """Steps whose update --on-nan skip dropped, in this process."""

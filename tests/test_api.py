@@ -170,3 +170,14 @@ def test_finetune_on_a_list_of_records(stories260k: Path, tmp_path: Path) -> Non
     assert [r.loss for r in run.history] == [r.loss for r in twin.train()]
     twin.close()
     assert run.evaluate() is not None and (tmp_path / "qa.gguf").is_file()
+
+
+def test_single_steps_without_train(stories260k: Path, text: Path, tmp_path: Path) -> None:
+    """A notebook may drive the run one step at a time: step() == the steps train() would take."""
+    (tmp_path / "s").mkdir()
+    stepped = ggtorch.finetune(small_run(stories260k, text, tmp_path / "s"), run=False, progress=False)
+    losses = [stepped.step().loss for _ in range(3)]
+    (tmp_path / "t").mkdir()
+    trained = ggtorch.finetune(small_run(stories260k, text, tmp_path / "t", adam_iter=3), progress=False)
+    assert losses == [r.loss for r in trained.history] and stepped.iteration == 3
+    stepped.close()
