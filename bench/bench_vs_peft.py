@@ -458,7 +458,9 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
            total: float) -> str:
     """BENCHMARKS.md: machine, method, table, targets."""
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    cmd = "python bench/bench_vs_peft.py" + (" --quick" if args.quick else "") + f" --threads {args.threads}"
+    cmd = ("python bench/bench_vs_peft.py" + (" --quick" if args.quick else "") + f" --threads {args.threads}"
+           + (f' --only "{args.only}"' if args.only else "")
+           + (f" --sides {args.sides}" if args.sides != "ggtorch,peer" else ""))
     lines = [
         "# Benchmarks: ggtorch vs transformers + peft",
         "",
