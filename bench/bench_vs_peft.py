@@ -372,6 +372,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run only cases whose label contains this text")
     ap.add_argument("--sides", default="ggtorch,peer", help="comma list of ggtorch,peer")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per child before giving up")
+    ap.add_argument("--no-distributed", action="store_true",
+                    help="skip bench/bench_distributed.py (1 vs 2 torchrun processes) in the report")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -422,9 +424,10 @@ def main() -> None:
             row[f"{side}_cpu_tps"] = tokens_per_second(row[side], case, "cpu_s")
         rows.append(row)
         print_row(row, sides)
+    distributed = "" if args.no_distributed else distributed_overhead(args.timeout)
     total = time.perf_counter() - t_start
     print(f"total {total:.0f} s", flush=True)
-    args.out.write_text(report(rows, sides, info, args, total))
+    args.out.write_text(report(rows, sides, info, args, total) + distributed)
     print(f"wrote {args.out}", flush=True)
 
 
@@ -452,6 +455,28 @@ def print_row(row: dict[str, Any], sides: list[str]) -> None:
     if gf and peak:
         parts.append(f"{gf:.0f} GFLOP/s = {100 * gf / peak:.0f}% of {case.dtype} GEMM {peak:.0f}")
     print("  ".join(parts), flush=True)
+
+
+def distributed_overhead(timeout: float) -> str:
+    """The report's data-parallel section: bench/bench_distributed.py's table, run here (about a minute)."""
+    print("data-parallel overhead (bench/bench_distributed.py) ...", flush=True)
+    out = ""
+    for _attempt in range(2):  # a rendezvous can fail on a busy machine; one retry
+        try:
+            proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_distributed.py")],
+                                  capture_output=True, text=True, timeout=timeout)
+        except (subprocess.SubprocessError, OSError) as e:
+            out = f"bench_distributed.py failed: {e}\n"
+            continue
+        if proc.returncode == 0:
+            out = proc.stdout
+            break
+        out = f"bench_distributed.py failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}\n"
+    print(out, flush=True)
+    return ("\n## Data-parallel overhead (torchrun, `python bench/bench_distributed.py`)\n\n"
+            "`ggtorch finetune` of stories260K in 1 process and under `torchrun` with 2 ranks (gloo, 1 thread "
+            "each, `--batch` per rank): tokens/s over all ranks, and the step's collectives timed alone.\n\n"
+            + out.replace("# ", "", 1).replace("\n|", "\n\n|", 1))
 
 
 def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], args: argparse.Namespace,
