@@ -26,6 +26,19 @@ def stories260k(shared: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def texts(shared: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Training texts: the first 20000 characters of tinyshakespeare ("train"), its last 6000 ("heldout", no
+    overlap), a few words ("tiny") and an empty file ("empty")."""
+    text = (shared / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    root = tmp_path_factory.mktemp("texts")
+    (root / "train.txt").write_text(text[:20000], encoding="utf-8")
+    (root / "heldout.txt").write_text(text[-6000:], encoding="utf-8")
+    (root / "tiny.txt").write_text("To be, or not", encoding="utf-8")
+    (root / "empty.txt").write_text("", encoding="utf-8")
+    return {p.stem: p for p in root.iterdir()}
+
+
+@pytest.fixture(scope="session")
 def spm_vocab(shared: Path) -> Path:
     return shared / "vocab" / "ggml-vocab-llama-spm.gguf"
 

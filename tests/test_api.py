@@ -16,11 +16,9 @@ from tests.test_adapters import llama_cpp_with_adapter
 from tests.test_inference import REFERENCE_TEXT
 
 
-@pytest.fixture(scope="module")
-def text(shared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("api") / "train.txt"
-    path.write_text((shared / "data" / "tinyshakespeare.txt").read_text()[:20000])
-    return path
+@pytest.fixture(scope="session")
+def text(texts: dict[str, Path]) -> Path:
+    return texts["train"]
 
 
 def small_run(stories260k: Path, text: Path, out: Path, **options: object) -> FinetuneConfig:

@@ -46,9 +46,9 @@ except GGTorchError as e:
     assert [p.name for p in tmp_path.iterdir()] == ["x.gguf"]  # no temporary left behind
 
 
-def test_finetune_stops_with_one_line_when_a_save_fails(stories260k: Path, shared: Path, tmp_path: Path) -> None:
-    train = tmp_path / "train.txt"
-    train.write_text((shared / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:20000], encoding="utf-8")
+def test_finetune_stops_with_one_line_when_a_save_fails(stories260k: Path, texts: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    train = texts["train"]
     cmd = [sys.executable, "-m", "ggtorch", "finetune", "--model-base", str(stories260k), "--train-data", str(train),
            "-n", "1", "-c", "16", "-b", "2", "--save-every", "1", "-t", "1",
            "--checkpoint-in", "checkpoint-LATEST.gguf"]

@@ -34,11 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL = ["-c", "32", "-b", "4", "--warmup", "2", "--adam-alpha", "0.01", "--seed", "7", "--threads", "1"]
 
 
-@pytest.fixture(scope="module")
-def train_text(shared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("ddp-text") / "train.txt"
-    path.write_text((shared / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:20000], encoding="utf-8")
-    return path
+@pytest.fixture(scope="session")
+def train_text(texts: dict[str, Path]) -> Path:
+    return texts["train"]
 
 
 def torchrun(args: list[str], cwd: Path, nproc: int = 2, timeout: float = 120) -> tuple[int, str]:

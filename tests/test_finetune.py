@@ -21,18 +21,6 @@ SMALL = ["-c", "32", "-b", "4", "--warmup", "2", "--adam-alpha", "0.01", "--seed
 
 
 @pytest.fixture(scope="module")
-def texts(shared: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A training slice and a held-out slice of tinyshakespeare that do not overlap."""
-    text = (shared / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")
-    root = tmp_path_factory.mktemp("texts")
-    (root / "train.txt").write_text(text[:20000], encoding="utf-8")
-    (root / "heldout.txt").write_text(text[-6000:], encoding="utf-8")
-    (root / "tiny.txt").write_text("To be, or not", encoding="utf-8")
-    (root / "empty.txt").write_text("", encoding="utf-8")
-    return {p.stem: p for p in root.iterdir()}
-
-
-@pytest.fixture(scope="module")
 def stories_q8(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return quantize_with_llama_cpp(stories260k, tmp_path_factory.mktemp("q8") / "stories260K-Q8_0.gguf", "Q8_0")
 

@@ -27,9 +27,9 @@ def finetune(stories260k: Path, train: Path, cwd: Path, n: int, resume: bool) ->
     return subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
-def test_sigkill_never_leaves_a_broken_latest_checkpoint(stories260k: Path, shared: Path, tmp_path: Path) -> None:
-    train = tmp_path / "train.txt"
-    train.write_text((shared / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:20000], encoding="utf-8")
+def test_sigkill_never_leaves_a_broken_latest_checkpoint(stories260k: Path, texts: dict[str, Path],
+                                                         tmp_path: Path) -> None:
+    train = texts["train"]
     work = tmp_path / "run"
     work.mkdir()
     latest = work / "checkpoint-LATEST.gguf"

@@ -14,11 +14,9 @@ from ggtorch.trainer import NonFiniteLoss, Trainer
 from tests.test_finetune import run
 
 
-@pytest.fixture(scope="module")
-def text(shared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("wrong") / "train.txt"
-    path.write_text((shared / "data" / "tinyshakespeare.txt").read_text()[:8000])
-    return path
+@pytest.fixture(scope="session")
+def text(texts: dict[str, Path]) -> Path:
+    return texts["train"]
 
 
 def trainer(stories260k: Path, text: Path, out: Path, **options: object) -> Trainer:

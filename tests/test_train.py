@@ -27,15 +27,6 @@ TOKENS = [1, 403, 407, 261, 378, 50, 60, 70, 80, 90, 100, 200, 300, 400, 500, 17
 F32_TOLERANCE = 1e-4  # same f32 graph on both sides, only summation order differs (tests/models/test_llama.py)
 
 
-@pytest.fixture(scope="module")
-def texts(shared: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    text = (shared / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")
-    root = tmp_path_factory.mktemp("train-texts")
-    (root / "train.txt").write_text(text[:20000], encoding="utf-8")
-    (root / "heldout.txt").write_text(text[-6000:], encoding="utf-8")
-    return {p.stem: p for p in root.iterdir()}
-
-
 def ours(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([tokens]))[0].float().numpy()
