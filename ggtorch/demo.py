@@ -168,12 +168,13 @@ def run_demo(settings: DemoSettings | None = None, say: Callable[[str], None] = 
     result = DemoResult(out)
     files = result.files
     files["base text"] = out / "python-docs.txt"
-    files["base text"].write_text(documentation_text(), encoding="utf-8")
+    docs = documentation_text()
+    files["base text"].write_text(docs, encoding="utf-8")
     files["finetune text"] = out / "zen-of-python.txt"
     files["finetune text"].write_text(zen_text(), encoding="utf-8")
 
     say(f"1/4 vocabulary: sentencepiece BPE, {s.n_vocab} tokens, trained on Python's documentation")
-    files["vocabulary"] = write_spm_vocab(out / "vocab.gguf", documentation_text(), s.n_vocab)
+    files["vocabulary"] = write_spm_vocab(out / "vocab.gguf", docs, s.n_vocab)
 
     say(f"2/4 base model from scratch: {s.layer} layers, n_embd {s.embd}, ctx {s.ctx}, "
         f"{s.base_iterations} iterations on {files['base text'].name}")
