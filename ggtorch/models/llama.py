@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LlamaConfig
+from .fused import rms_norm, swiglu
 
 
 class RMSNorm(nn.Module):
@@ -31,9 +32,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_angles(start_pos: int, n_tokens: int, n_rot: int, freq_base: float, freq_scale: float,
@@ -171,7 +170,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(config.n_ff, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(swiglu(self.gate(x), self.up(x)))
 
 
 class Block(nn.Module):
