@@ -14,7 +14,7 @@ layers, the 32000-token vocabulary: ~112M parameters, 450 MB as f32).
 Budget for everything besides the base weights (stated, asserted): ``EXTRA_BUDGET`` =
 160 MiB: LoRA tensors with grads and two AdamW moments (~5 MB at r = 4), the activations
 and autograd saves of a (1, 64) batch through 4 layers and a 32000-wide output (logits,
-softmax and their grads: ~25 MB), one dequantized chunk (``CHUNK_BYTES``, 4 MiB) at a time,
+softmax and their grads: ~25 MB), one dequantized chunk (``CHUNK_BYTES``, 8 MiB) at a time,
 and the allocator's slack.
 """
 
@@ -116,3 +116,41 @@ def test_dequantized_path_costs_the_f32_copy(random_llama) -> None:
     report = measure(path, "f32", random_llama("Q4_0"))
     print(f"Q4_0 dequantized to f32: training used {report['used'] / MIB:.0f} MiB in {report['seconds']:.1f} s")
     assert report["used"] > 0.9 * f32_copy  # the float weights are really resident
+
+
+LOAD_CHILD = r"""
+import json, sys
+import torch
+from ggtorch.models import loader
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+
+if sys.argv[2] == "keep-pages":
+    loader.release_pages = lambda info: None
+torch.set_num_threads(1)
+before = rss()
+loaded = loader.load_llama(sys.argv[1], dtype=torch.float32)
+print(json.dumps({"grew": rss() - before}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS from /proc")
+def test_a_dequantized_load_does_not_keep_the_files_pages_resident(random_llama) -> None:
+    """Loading Q8_0 as f32 reads every byte of the file; without releasing them, those pages would
+    stay in RSS next to the f32 copy for as long as the model lives."""
+    path = random_llama("Q8_0", REAL_SHAPE)
+    data = tensor_bytes(path)
+    f32_copy = sum(t.data.size for t in read_gguf(random_llama("F32", REAL_SHAPE)).tensors.values())
+    grew = {}
+    for mode in ("release", "keep-pages"):
+        out = subprocess.run([sys.executable, "-c", LOAD_CHILD, str(path), mode], check=True, capture_output=True,
+                             text=True, timeout=600)
+        grew[mode] = json.loads(out.stdout.strip().splitlines()[-1])["grew"]
+    print(f"Q8_0 ({data / MIB:.0f} MiB) loaded as f32 ({f32_copy / MIB:.0f} MiB): RSS grew "
+          f"{grew['release'] / MIB:.0f} MiB, {grew['keep-pages'] / MIB:.0f} MiB without releasing pages")
+    assert grew["keep-pages"] - grew["release"] > 0.75 * data  # (the rest of the growth: the copy, the vocabulary)

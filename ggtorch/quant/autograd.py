@@ -4,10 +4,12 @@ The base weight of a LoRA finetune is frozen, so backward needs only ``grad_x = 
 and never a gradient for W. :class:`QuantMatmul` therefore saves just a reference to the raw
 uint8 blocks (which the module holds anyway) and dequantizes again in backward. Both passes
 walk W in chunks of whole rows, so the only float copy of W that ever exists is one chunk of
-at most ``CHUNK_BYTES`` (a few MiB): without chunking, a 32000 x 4096 output matrix would need
+at most ``CHUNK_BYTES`` (8 MiB): without chunking, a 32000 x 4096 output matrix would need
 a 512 MiB f32 temporary in every forward and backward, which is exactly the memory that
-keeping the model quantized is meant to save. Chunks of a few MiB are still large enough for
-the matmul to run at full speed.
+keeping the model quantized is meant to save. 8 MiB holds every matrix of a 110M-shape layer
+whole, so such layers run one unsplit matmul each way (a split forward costs a copy of each
+partial product into the output); larger chunks measurably raise peak memory at short
+contexts (tests/test_memory.py) for no further gain.
 
 Compute dtype: the dtype of ``x``, or the autocast dtype when autocast is enabled on
 ``x``'s device (the matmul is computed in it, as autocast computes ``F.linear``). The
@@ -24,7 +26,7 @@ from gguf import GGMLQuantizationType
 
 from . import dequantize, row_nbytes
 
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 8 << 20
 """Upper bound on the dequantized temporary per chunk (bytes in the compute dtype); change
 it here, or per call with ``chunk_bytes``, to trade memory against per-chunk overhead."""
 
@@ -86,14 +88,18 @@ class QuantMatmul(torch.autograd.Function):
             with torch.autocast(grad_y.device.type, enabled=False):
                 g = grad_y.reshape(-1, n_out).to(dtype)  # (N, out)
                 # Accumulate over row chunks in at least f32: bf16 partial sums would lose bits.
-                acc_dtype = torch.promote_types(dtype, torch.float32)
-                acc = torch.zeros(g.shape[0], n_in, dtype=acc_dtype, device=g.device)  # (N, in)
-                for r0, r1 in _chunks(n_out, rows_per_chunk(n_in, dtype, chunk_bytes)):
-                    w = _dequantize_rows(raw, ggml_type, r0, r1, n_in, dtype)  # (rows, in)
-                    if acc_dtype == dtype:
-                        acc.addmm_(g[:, r0:r1], w)
-                    else:
-                        acc += g[:, r0:r1] @ w
+                chunks = _chunks(n_out, rows_per_chunk(n_in, dtype, chunk_bytes))
+                if len(chunks) == 1:
+                    acc = g @ _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype)  # (N, in)
+                else:
+                    acc_dtype = torch.promote_types(dtype, torch.float32)
+                    acc = torch.zeros(g.shape[0], n_in, dtype=acc_dtype, device=g.device)  # (N, in)
+                    for r0, r1 in chunks:
+                        w = _dequantize_rows(raw, ggml_type, r0, r1, n_in, dtype)  # (rows, in)
+                        if acc_dtype == dtype:
+                            acc.addmm_(g[:, r0:r1], w)
+                        else:
+                            acc += g[:, r0:r1] @ w
                 grad_x = acc.to(x_dtype).reshape(*grad_y.shape[:-1], n_in)
         return grad_x, None, None, None, None
 

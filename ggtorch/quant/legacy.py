@@ -13,8 +13,9 @@ from .fields import bits_lsb_first, f16, nibbles, split
 
 
 def _scaled(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
-    """``q * d (+ m)`` in f32, in place on the one f32 buffer (q: integer, d and m: (n, 1))."""
-    out = q.to(torch.float32).mul_(d)
+    """``q * d (+ m)`` in f32 (q: integer, d and m: (n, 1)): the multiply widens q itself (exactly),
+    so the one f32 buffer is written once, and ``+ m`` happens in place on it."""
+    out = torch.mul(q, d)
     return out if m is None else out.add_(m)
 
 
