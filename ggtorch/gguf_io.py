@@ -62,6 +62,36 @@ class TensorInfo:
         return torch.from_numpy(self.data)
 
 
+def release_pages(info: TensorInfo) -> None:
+    """Drop the tensor's pages of the file mapping from this process's memory (Linux, else nothing).
+
+    After the loader has copied a tensor (dequantized it, converted it, moved it to a GPU),
+    the pages it read stay mapped, and counted in RSS next to the copy, for as long as the
+    file is open. The mapping is copy-on-write and the loader never writes to it, so
+    MADV_DONTNEED only forgets clean pages: a later read faults the file's bytes back in.
+    Only whole pages inside the tensor are released (a neighbour's bytes are never touched).
+    """
+    mm = _mmap_of(info.data)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED") or info.nbytes == 0:
+        return
+    start = info.data.ctypes.data - np.frombuffer(mm, dtype=np.uint8).ctypes.data  # offset in the mapping
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (start + info.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        mm.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def _mmap_of(array: np.ndarray) -> mmap.mmap | None:
+    """The mmap object under a numpy view of a np.memmap, if any."""
+    obj: Any = array
+    while obj is not None:
+        mm = getattr(obj, "_mmap", None)
+        if isinstance(mm, mmap.mmap):
+            return mm
+        obj = getattr(obj, "base", None)
+    return None
+
+
 @dataclass
 class GGUFFile:
     """Metadata and tensors of one GGUF file."""

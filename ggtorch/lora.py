@@ -150,14 +150,17 @@ class _LoRA(nn.Module):
         self.gguf_name: str | None = None
         """The base tensor's GGUF name (``blk.0.attn_q.weight``), set by attach_lora."""
         self._unmerged_base: nn.Module | None = None
+        self._unmerged_weight: nn.Parameter | None = None
 
     def delta_weight(self) -> torch.Tensor:
         """s·ΔW in the base weight's orientation, f32."""
         raise NotImplementedError
 
     def merge(self) -> None:
-        """Fold s·ΔW into the base weight (idempotent). A quantized base is replaced by its f32
-        dequantization plus the delta; unmerge() puts the original blocks back, exactly."""
+        """Fold s·ΔW into the base weight (idempotent). The merged weight is a new tensor (a
+        quantized base becomes its f32 dequantization plus the delta), never an in-place edit:
+        a float base can be a view of the GGUF file's mapping that other models share.
+        unmerge() puts the original weight or blocks back, exactly."""
         if self.merged:
             return
         with torch.no_grad():
@@ -165,24 +168,21 @@ class _LoRA(nn.Module):
                 self._unmerged_base = self.base
                 self.base = _float_module(self.base, self.base.dequantized_weight(torch.float32) + self.delta_weight())
             else:
-                w = self._base_weight()
-                w.copy_((w.float() + self.delta_weight()).to(w.dtype))
+                w = self.base.weight
+                self._unmerged_weight = w
+                self.base.weight = nn.Parameter((w.float() + self.delta_weight()).to(w.dtype),
+                                                requires_grad=w.requires_grad)
         self.merged = True
 
     def unmerge(self) -> None:
-        """Undo merge() (idempotent): restore the quantized base, or subtract s·ΔW again."""
+        """Undo merge() (idempotent): the original base weight (or quantized blocks) again."""
         if not self.merged:
             return
-        with torch.no_grad():
-            if self._unmerged_base is not None:
-                self.base, self._unmerged_base = self._unmerged_base, None
-            else:
-                w = self._base_weight()
-                w.copy_((w.float() - self.delta_weight()).to(w.dtype))
+        if self._unmerged_base is not None:
+            self.base, self._unmerged_base = self._unmerged_base, None
+        elif self._unmerged_weight is not None:
+            self.base.weight, self._unmerged_weight = self._unmerged_weight, None
         self.merged = False
-
-    def _base_weight(self) -> torch.Tensor:
-        return self.base.weight
 
     def lora_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         yield "lora_a", self.lora_a
@@ -228,7 +228,12 @@ class LoRALinear(_LoRA):
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.lora_a.dtype)  # a half-precision base still gets an f32 delta (peft does the same)
         h = F.linear(x, self.lora_a)  # (..., r); under autocast in the autocast dtype
-        return y + (F.linear(h, self.lora_b) * self.scale).to(y.dtype)
+        b = self.lora_b.to(h.dtype)
+        if h.dtype == y.dtype:
+            # y + s·(h @ B.T) as one addmm: one output allocation instead of three passes over it
+            out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), b.t(), alpha=self.scale)
+            return out.view(y.shape)
+        return y + (F.linear(h, b) * self.scale).to(y.dtype)
 
     def delta_weight(self) -> torch.Tensor:
         return (self.lora_b.float() @ self.lora_a.float()) * self.scale  # (out, in)

@@ -10,6 +10,7 @@ errors name the tensor.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from os import PathLike
 
@@ -18,7 +19,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from ..errors import BadGGUF, Unsupported
-from ..gguf_io import GGUFFile, TensorInfo, read_gguf
+from ..gguf_io import GGUFFile, TensorInfo, read_gguf, release_pages
 from ..quant import dequantize
 from ..quant.modules import QuantEmbedding, QuantLinear
 from . import names
@@ -75,6 +76,10 @@ def load_llama(path: str | PathLike[str], device: torch.device | str = "cpu", dt
     ``keep_quantized=True``: quantized matrices stay as raw ggml blocks (QuantLinear /
     QuantEmbedding, dequantized on the fly); F32/F16/BF16 matrices become ``dtype`` floats
     and the 1-D norms are always f32.
+
+    On CPU, F32 matrices loaded as f32 are views of the file's copy-on-write mapping (no copy):
+    models built from one opened file share them, so edit weights by assigning new tensors
+    (as LoRA merges do), not in place.
     """
     f = read_gguf(path)
     config = LlamaConfig.from_gguf(f)
@@ -87,8 +92,14 @@ def load_llama(path: str | PathLike[str], device: torch.device | str = "cpu", dt
 
 
 def build_llama(f: GGUFFile, config: LlamaConfig, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> Llama:
-    """The weights of ``f`` placed into a Llama of ``config`` (see load_llama)."""
+                dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
+                embedding_dtype: torch.dtype | None = None) -> Llama:
+    """The weights of ``f`` placed into a Llama of ``config`` (see load_llama).
+
+    ``embedding_dtype``: the dtype of a float token_embd (default ``dtype``). An embedding's
+    rows start the residual stream, which autocast leaves in f32, so a trainer computing in
+    bf16 keeps it f32 while holding the other float matrices in bf16.
+    """
     device = torch.device(device)
     expected = expected_shapes(config)
     unexpected = sorted(set(f.tensors) - expected.keys())
@@ -110,7 +121,10 @@ def build_llama(f: GGUFFile, config: LlamaConfig, device: torch.device | str = "
             model.rope_freqs = dequantize(info.raw().to(device), info.ggml_type, info.shape, torch.float32, name)
             continue
         kind, _ = names.parse_gguf_name(name)
-        module = _make_module(info, kind, device, dtype, keep_quantized, config.rms_eps)
+        kind_dtype = embedding_dtype if kind == "token_embd" and embedding_dtype is not None else dtype
+        module = _make_module(info, kind, device, kind_dtype, keep_quantized, config.rms_eps)
+        if not _uses_mapping(module, info):
+            release_pages(info)  # a copy was made: the file's pages need not stay resident too
         _set_module(model, names.gguf_to_module(name), module)
     if config.tied_output:
         model.output = _tied_output(model.tok_embd)
@@ -133,14 +147,35 @@ def _make_module(info: TensorInfo, kind: str, device: torch.device, dtype: torch
         if kind == "token_embd":
             return QuantEmbedding(raw, info.ggml_type, info.shape)
         return QuantLinear(raw, info.ggml_type, info.shape)
-    # On CPU an F32 tensor stays a view of the copy-on-write file mapping: no copy at all.
-    weight = nn.Parameter(dequantize(raw, info.ggml_type, info.shape, dtype, info.name), requires_grad=False)
+    weight = nn.Parameter(_float_weight(raw, info, dtype), requires_grad=False)
     if kind == "token_embd":
         module: nn.Module = nn.Embedding(*info.shape, device="meta")
     else:
         module = nn.Linear(info.shape[1], info.shape[0], bias=False, device="meta")
     module.weight = weight
     return module
+
+
+def _float_weight(raw: torch.Tensor, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight of a matrix. An F32 tensor wanted as f32 on CPU stays a view of the
+    copy-on-write file mapping: no copy, its pages are read on first use and shared with the
+    page cache (a copy would count the file twice in RSS: once mapped, once copied); writes
+    (a merge) go to private pages, never to the file."""
+    if info.ggml_type == GGMLQuantizationType.F32 and dtype == torch.float32 and raw.device.type == "cpu":
+        if raw.numel() != 4 * math.prod(info.shape):
+            raise BadGGUF(f"tensor '{info.name}': {raw.numel()} bytes of data, but F32 {info.shape} takes "
+                          f"{4 * math.prod(info.shape)}; the file is truncated or the shape/type is wrong")
+        if raw.data_ptr() % 4 == 0:
+            return raw.view(torch.float32).reshape(info.shape)
+    return dequantize(raw, info.ggml_type, info.shape, dtype, info.name)
+
+
+def _uses_mapping(module: nn.Module, info: TensorInfo) -> bool:
+    """Whether a tensor of ``module`` is a view of ``info``'s bytes in the file mapping."""
+    start = info.data.ctypes.data
+    end = start + info.nbytes
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return any(t.device.type == "cpu" and start <= t.data_ptr() < end for t in tensors)
 
 
 def _tied_output(embedding: nn.Module) -> nn.Module:

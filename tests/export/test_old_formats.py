@@ -110,7 +110,8 @@ def reference_logits(base_path: Path, tensors: dict[str, tuple[np.ndarray, np.nd
                 continue
             module = model.get_submodule(names.gguf_to_module(name))
             delta = torch.from_numpy(b @ a.T) * scale[name]
-            module.weight += delta[0] if is_norm else delta
+            # a new tensor: the weight may be a view of the (session-cached) file mapping
+            module.weight.data = module.weight.data + (delta[0] if is_norm else delta)
         return model(torch.tensor([tokens]))[0].numpy()
 
 

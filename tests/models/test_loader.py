@@ -12,10 +12,11 @@ from gguf import MODEL_ARCH, MODEL_TENSOR, TENSOR_NAMES
 
 from ggtorch.errors import BadGGUF, Unsupported
 from ggtorch.gguf_io import read_gguf
+from ggtorch.lora import LoraConfig, attach_lora, merge_lora
 from ggtorch.models import names
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.llama import Llama
-from ggtorch.models.loader import load_llama
+from ggtorch.models.loader import build_llama, load_llama
 from ggtorch.quant import dequantize
 from tests.llama_models import RandomLlamaShape, rewrite_gguf
 
@@ -62,6 +63,32 @@ def test_untied_output_is_its_own_weight(random_llama: Callable[..., Path]) -> N
     assert not loaded.config.tied_output
     assert loaded.model.output.weight.data_ptr() != loaded.model.tok_embd.weight.data_ptr()
     assert loaded.config.n_head_kv < loaded.config.n_head  # the fixture exercises GQA
+
+
+def test_f32_matrices_are_views_of_the_file_mapping_and_merges_leave_them_alone(random_llama: Callable[..., Path]
+                                                                                  ) -> None:
+    """An F32 file costs its size once in RSS: the weights are the mapping's pages, not a copy of them.
+    Merging an adapter into one model must not show up in another model built from the same file."""
+    f = read_gguf(random_llama("F32"))
+    config = LlamaConfig.from_gguf(f)
+    a, b = build_llama(f, config), build_llama(f, config)
+    info = f.tensors["blk.0.attn_q.weight"]
+    mapped = info.raw()
+    start, end = mapped.data_ptr(), mapped.data_ptr() + mapped.numel()
+    weight = a.layers[0].attn.q.weight
+    assert start <= weight.data_ptr() < end  # a view, not a copy
+    assert weight.data_ptr() == b.layers[0].attn.q.weight.data_ptr()  # both models read the same pages
+    before = b.layers[0].attn.q.weight.clone()
+
+    attach_lora(a, LoraConfig(rank=2), seed=3)
+    with torch.no_grad():
+        for p in a.parameters():
+            if p.requires_grad:
+                p.normal_()
+    merge_lora(a)
+    assert not torch.equal(a.layers[0].attn.q.base.weight, before)  # the merge did change a
+    assert torch.equal(b.layers[0].attn.q.weight, before)  # but not b, nor the mapping
+    assert torch.equal(dequantize(info.raw(), info.ggml_type, info.shape), before)
 
 
 def test_bf16_weights(stories260k: Path) -> None:
