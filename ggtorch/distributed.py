@@ -27,6 +27,8 @@ BACKENDS = ("gloo", "nccl", "mpi", "xccl")
 
 TIMEOUT = timedelta(minutes=30)
 """How long a collective waits for a rank that is still working (a long save, a slow load)."""
+CLOSE_TIMEOUT = timedelta(seconds=60)
+"""How long close() waits for the other ranks before leaving the group anyway."""
 
 
 class RankFailed(GGTorchError):
@@ -134,8 +136,21 @@ class Distributed:
         return data_parallel(model, device) if self.enabled else model
 
     def close(self) -> None:
-        """Leave the process group if this object created it."""
+        """Leave the process group if this object created it.
+
+        The ranks meet at a barrier first: gloo drops a pair's connection as soon as one side
+        destroys its group, and a peer still finishing its last collective then aborts the
+        process ("terminate called without an active exception") after a run that succeeded.
+        The barrier is bounded, so a rank that already died cannot hang the others here.
+        """
         if self.owns_group and dist.is_initialized():
+            try:
+                if dist.get_backend() == "gloo":
+                    dist.monitored_barrier(timeout=CLOSE_TIMEOUT)
+                else:
+                    dist.barrier()
+            except (RuntimeError, ValueError, dist.DistError):
+                pass  # a rank is gone or the group is broken: leave anyway, nothing is left to sync
             dist.destroy_process_group()
         self.owns_group = False
 
