@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LlamaConfig
-from .fused import rms_norm, swiglu
+from .fused import recompute_outputs, rms_norm, swiglu
 
 
 class RMSNorm(nn.Module):
@@ -258,9 +259,10 @@ class Llama(nn.Module):
             cos, sin = rope_angles_at(positions, c.n_rot, c.rope_freq_base, c.rope_freq_scale,
                                       self.rope_freqs)  # (B, T, n_rot/2)
         mask = None if segments is None else segment_mask(segments)
-        for i, block in enumerate(self.layers):
-            kv = (cache.k[i], cache.v[i]) if cache is not None else None
-            x = block(x, cos, sin, kv, start_pos, mask)  # (B, T, C)
+        with recompute_outputs() if torch.is_grad_enabled() else nullcontext():
+            for i, block in enumerate(self.layers):
+                kv = (cache.k[i], cache.v[i]) if cache is not None else None
+                x = block(x, cos, sin, kv, start_pos, mask)  # (B, T, C)
         if cache is not None:
             cache.length += T
         x = self.output_norm(x)

@@ -89,3 +89,64 @@ def test_fused_functions_keep_less_for_backward() -> None:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         rms_norm(x * 1, torch.ones(256), 1e-5)
     assert sum(n for n in sizes if n == x.numel()) == x.numel()
+
+
+def _lora_grads(model: torch.nn.Module, tokens: torch.Tensor, autocast: bool) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(tokens)
+    logits.float().logsumexp(-1).sum().backward()
+    return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_recomputed_outputs_give_bit_identical_gradients_and_are_not_kept(monkeypatch: pytest.MonkeyPatch,
+                                                                          autocast: bool) -> None:
+    """Llama.forward saves rms_norm/swiglu outputs as recipes; backward must not notice."""
+    from contextlib import nullcontext
+
+    from ggtorch.lora import LoraConfig, attach_lora
+    from ggtorch.models import fused, llama
+    from ggtorch.models.config import LlamaConfig
+
+    torch.manual_seed(0)
+    model = llama.Llama(LlamaConfig(n_vocab=64, n_embd=32, n_layer=2, n_head=4, n_head_kv=2, n_ff=48,
+                                    n_ctx_train=16))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    attach_lora(model, LoraConfig(rank=2, init="torch"), seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.1)  # B = 0 would hide any error in the A gradients
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    recipes = []
+    real_pack = fused._pack
+    monkeypatch.setattr(fused, "_pack", lambda t: recipes.append(real_pack(t)) or recipes[-1])
+    with_recompute = _lora_grads(model, tokens, autocast)
+    if not autocast:  # per layer: attention norm output (q, k, v LoRA A), FFN norm's (gate, up), SwiGLU's (down)
+        assert sum(isinstance(r, tuple) for r in recipes) == 2 * 6
+    else:  # autocast saves its bf16 copies of the norms' outputs; SwiGLU's bf16 output is a recipe
+        assert sum(isinstance(r, tuple) for r in recipes) == 2
+    monkeypatch.setattr(llama, "recompute_outputs", nullcontext)
+    kept = _lora_grads(model, tokens, autocast)
+    assert all(torch.equal(a, b) for a, b in zip(with_recompute, kept, strict=True))
+
+
+def test_a_changed_output_is_saved_as_is_not_recomputed() -> None:
+    """An output edited in place after the forward no longer equals its recipe: it must be kept."""
+    from ggtorch.models import fused
+
+    g, u = torch.randn(4, 8), torch.randn(4, 8)
+    a = torch.randn(3, 8, requires_grad=True)
+    with fused.recompute_outputs():
+        p = fused.swiglu(g, u)
+        p.mul_(2)  # version bump
+        packed = fused._pack(p.view(4, 8))
+    assert packed is not None and not isinstance(packed, tuple)
+    with fused.recompute_outputs():
+        q = fused.swiglu(g, u)
+        h = torch.nn.functional.linear(q, a)
+    h.sum().backward()
+    torch.testing.assert_close(a.grad, torch.ones(4, 3).T @ (torch.nn.functional.silu(g) * u))
