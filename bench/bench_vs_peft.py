@@ -369,7 +369,7 @@ def fmt(x: float | None, spec: str = ".0f") -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="three small cases (ctx 64), about 2 minutes")
+    ap.add_argument("--quick", action="store_true", help="three small cases (ctx 64) without the data-parallel section, under 2 minutes")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per side")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "ggtorch-bench-vs-peft",
                     help="where the model files are built and cached")
@@ -432,7 +432,7 @@ def main() -> None:
             row[f"{side}_cpu_tps"] = tokens_per_second(row[side], case, "cpu_s")
         rows.append(row)
         print_row(row, sides)
-    distributed = "" if args.no_distributed else distributed_overhead(args.timeout)
+    distributed = "" if args.no_distributed or args.quick else distributed_overhead(args.timeout)
     total = time.perf_counter() - t_start
     print(f"total {total:.0f} s", flush=True)
     args.out.write_text(report(rows, sides, info, args, total) + distributed)
