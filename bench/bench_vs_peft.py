@@ -111,17 +111,17 @@ class Case:
 def full_cases() -> list[Case]:
     base = Case("110M", "F32", "f32", ctx=256, batch=4)
     return [
-        replace(base, repeat=2),  # the rows the speed targets compare: best of two alternating runs
-        replace(base, dtype="bf16", repeat=2),
+        replace(base, repeat=2),  # the row every speed target compares with: best of two alternating runs
+        replace(base, dtype="bf16"),
         replace(base, ftype="Q8_0", peer=False),  # the peer's work is the F32 row's (it dequantizes on load)
         replace(base, ftype="Q4_0"),
         replace(base, ftype="Q4_K_M"),
-        replace(base, checkpointing=True),
-        replace(base, ftype="Q4_0", checkpointing=True, peer=False),
-        replace(base, ftype="Q4_K_M", checkpointing=True, peer=False),
+        replace(base, checkpointing=True, steps=2),
+        replace(base, ftype="Q4_0", checkpointing=True, peer=False, steps=2),
+        replace(base, ftype="Q4_K_M", checkpointing=True, peer=False, steps=2),
         # the same 1024 tokens per step at other context lengths: what attention's growth costs
-        replace(base, ctx=64, batch=16),
-        replace(base, ctx=1024, batch=1),
+        replace(base, ctx=64, batch=16, steps=2),
+        replace(base, ctx=1024, batch=1, steps=2),
         Case("1.1B", "Q4_0", "f32", ctx=256, batch=1, steps=1),
         Case("1.1B", "F32", "f32", ctx=256, batch=1, steps=1),
     ]
@@ -540,8 +540,9 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "peak resident set of the side's process (VmHWM); load: model + LoRA setup; by CPU time: the same "
         "ratio from each side's process CPU time per step, which load from other processes disturbs much "
         "less than wall time (with one thread and an idle machine the two ratios agree). The speed of this shared "
-        "machine drifts by ±15% over minutes, so the rows the speed targets compare run each side twice, "
-        "alternating, and show each side's faster run (all runs are listed below the table). GFLOP/s counts 4 × base "
+        "machine drifts by ±15% over minutes, so the F32 f32 row, which every speed target compares with, runs "
+        "each side twice, alternating, and shows each side's faster run (all runs are listed below the table). "
+        "GFLOP/s counts 4 × base "
         "matrix parameters per token (forward + input gradient) against the best torch.mm GFLOP/s over the "
         "model's matrix shapes (rows = batch × ctx), measured in the same run.",
         "",
@@ -577,7 +578,7 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
     if errors:
         lines += ["", "Errors:", ""] + [f"- {label} ({side}): {err}" for label, side, err in errors]
     lines += ["", "## Targets (110M shape, batch 4, context 256)", ""]
-    lines += [f"- {t}" for t in targets(rows)]
+    lines += [f"  - {t.strip()}" if t.startswith("  ") else f"- {t}" for t in targets(rows)]
     lines += ["", "GEMM peaks measured (GFLOP/s, best over the model's shapes):", ""]
     for (shape, n), g in sorted(rows_gemm(rows).items()):
         lines.append(f"- {shape}, {n} rows: f32 {fmt(g.get('f32'))}, bf16 {fmt(g.get('bf16'))}")
