@@ -10,7 +10,6 @@ errors name the tensor.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from os import PathLike
 
@@ -20,7 +19,7 @@ from torch import nn
 
 from ..errors import BadGGUF, Unsupported
 from ..gguf_io import GGUFFile, TensorInfo, read_gguf, release_pages
-from ..quant import dequantize
+from ..quant import check_raw, dequantize
 from ..quant.modules import QuantEmbedding, QuantLinear
 from . import names
 from .config import LlamaConfig
@@ -162,9 +161,7 @@ def _float_weight(raw: torch.Tensor, info: TensorInfo, dtype: torch.dtype) -> to
     page cache (a copy would count the file twice in RSS: once mapped, once copied); writes
     (a merge) go to private pages, never to the file."""
     if info.ggml_type == GGMLQuantizationType.F32 and dtype == torch.float32 and raw.device.type == "cpu":
-        if raw.numel() != 4 * math.prod(info.shape):
-            raise BadGGUF(f"tensor '{info.name}': {raw.numel()} bytes of data, but F32 {info.shape} takes "
-                          f"{4 * math.prod(info.shape)}; the file is truncated or the shape/type is wrong")
+        check_raw(raw, info.ggml_type, info.shape, info.name)  # the checks dequantize would make
         if raw.data_ptr() % 4 == 0:
             return raw.view(torch.float32).reshape(info.shape)
     return dequantize(raw, info.ggml_type, info.shape, dtype, info.name)

@@ -111,6 +111,23 @@ def _decoder(ggml_type: GGMLQuantizationType | int, name: str | None
     return qtype, fn
 
 
+def check_raw(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, ...],
+              name: str | None = None) -> None:
+    """Raise unless ``raw`` is uint8 holding exactly the bytes of a ``ggml_type`` tensor of ``shape``
+    (whole blocks per row): what every reader of raw blocks checks before it decodes or views them."""
+    qtype = GGMLQuantizationType(ggml_type)
+    if raw.dtype != torch.uint8:
+        raise TypeError(f"{_label(name)}: raw ggml data must be a uint8 tensor, got {raw.dtype}")
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    if shape and shape[-1] % bs:
+        raise BadGGUF(f"{_label(name)}: rows of {shape[-1]} values are not a whole number of "
+                      f"{qtype.name} blocks of {bs}; the tensor's shape or type is wrong")
+    expected = math.prod(shape) // bs * ts
+    if raw.numel() != expected:
+        raise BadGGUF(f"{_label(name)}: {raw.numel()} bytes of data, but {qtype.name} {shape} takes "
+                      f"{expected}; the file is truncated or the shape/type is wrong")
+
+
 def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, ...],
                dtype: torch.dtype = torch.float32, name: str | None = None) -> torch.Tensor:
     """Decode whole rows of ggml blocks into a ``shape`` tensor of ``dtype`` on ``raw.device``.
@@ -120,19 +137,10 @@ def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[
     view of ``raw``, even for F32).
     """
     qtype, fn = _decoder(ggml_type, name)
-    if raw.dtype != torch.uint8:
-        raise TypeError(f"{_label(name)}: raw ggml data must be a uint8 tensor, got {raw.dtype}")
     shape = tuple(int(n) for n in shape)
+    check_raw(raw, qtype, shape, name)
     bs, ts = GGML_QUANT_SIZES[qtype]
     n_values = math.prod(shape)
-    if shape and shape[-1] % bs:
-        raise BadGGUF(f"{_label(name)}: rows of {shape[-1]} values are not a whole number of "
-                      f"{qtype.name} blocks of {bs}; the tensor's shape or type is wrong")
-    expected = n_values // bs * ts
-    if raw.numel() != expected:
-        raise BadGGUF(f"{_label(name)}: {raw.numel()} bytes of data, but {qtype.name} {shape} takes "
-                      f"{expected}; the file is truncated or the shape/type is wrong")
-
     if n_values == 0:
         return torch.empty(shape, dtype=dtype, device=raw.device)
     n_blocks = n_values // bs
