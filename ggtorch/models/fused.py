@@ -88,8 +88,8 @@ class _RMSNorm(torch.autograd.Function):
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., 1)
         ctx.save_for_backward(x, weight, rstd)
-        out = _normed(x, weight, rstd)
-        _remember(out, _normed, x, weight, rstd)
+        out = _normed(xf, weight, rstd, x.dtype)
+        _remember(out, _normed, x, weight, rstd, x.dtype)
         return out
 
     @staticmethod
@@ -107,8 +107,9 @@ class _RMSNorm(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def _normed(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    return (x.float() * rstd).mul_(weight.float()).to(x.dtype)
+def _normed(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The normalized output in ``dtype`` (x: the input, already f32 in the forward)."""
+    return (x.float() * rstd).mul_(weight.float()).to(dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
