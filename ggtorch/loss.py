@@ -89,6 +89,26 @@ enough to be reused from the heap step after step instead of page-faulting a fre
 tensor, big enough that each chunk's GEMM runs at full speed."""
 
 
+TINY_PROBABILITY = 2.0 ** -100
+"""Below this a target's f32 probability has lost precision (f32 normals end at 2**-126), so its
+loss comes from the log-sum-exp instead of ``-log(p)``."""
+
+
+def _row_losses(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+                probs: torch.Tensor | None = None) -> torch.Tensor:
+    """``logsumexp(logits) - logits[target]`` per row (f32, 0 where not ``valid``).
+
+    Computed as ``-log(probs[target])`` when the softmax is at hand: the gradient needs it anyway,
+    and the log-sum-exp's own passes over the vocabulary (max, subtract, exp, sum) are saved.
+    Rows whose target probability is below 2**-100 (a loss above ~69) fall back to the
+    log-sum-exp, so the value never becomes inf."""
+    if probs is not None:
+        p_target = probs.gather(1, targets[:, None])[:, 0]
+        if not bool(((p_target < TINY_PROBABILITY) & valid).any()):
+            return -torch.log(p_target) * valid
+    return (torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[:, None])[:, 0]) * valid
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Sum over rows of ``cross_entropy(x @ W.T [+ s·(x @ A.T) @ B.T], targets)``, chunked over rows.
 
@@ -121,20 +141,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = torch.empty(n, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
             grad_b = torch.zeros(v, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
             step = max(1, FUSED_CHUNK_BYTES // (4 * v))
+            # One set of chunk buffers for the whole call: a fresh (rows, V) tensor per chunk is
+            # returned to the OS and page-faulted back in every time (14 x 16 MiB per step, measured).
+            logits_buf = torch.empty(min(step, n), v, dtype=dtype, device=x.device)
+            f32_buf = logits_buf if dtype == f32 else torch.empty_like(logits_buf, dtype=f32)
+            probs_buf = torch.empty_like(f32_buf) if need_grad else None
             for r0 in range(0, n, step):
                 r1 = min(r0 + step, n)
-                logits = xc[r0:r1] @ weight.T  # (rows, V)
+                logits = torch.matmul(xc[r0:r1], weight.T, out=logits_buf[:r1 - r0])  # (rows, V)
                 if lora:
-                    logits = logits.add_(h[r0:r1] @ b.T, alpha=scale)
-                logits = logits.float()
-                lse = torch.logsumexp(logits, dim=-1)
-                picked = logits.gather(1, safe[r0:r1, None])[:, 0]
-                total += ((lse - picked) * valid[r0:r1]).sum()
+                    logits.add_(h[r0:r1] @ b.T, alpha=scale)
+                logits32 = logits if dtype == f32 else f32_buf[:r1 - r0].copy_(logits)
                 if not need_grad:
+                    total += _row_losses(logits32, safe[r0:r1], valid[r0:r1]).sum()
                     continue
-                p = torch.softmax(logits, dim=-1)
+                p = torch.softmax(logits32, dim=-1, out=probs_buf[:r1 - r0])
+                total += _row_losses(logits32, safe[r0:r1], valid[r0:r1], p).sum()
                 p.scatter_add_(1, safe[r0:r1, None], torch.full((r1 - r0, 1), -1.0, dtype=f32, device=x.device))
-                p = p.mul_(valid[r0:r1, None]).to(dtype)  # d(row loss)/d(logits), 0 for ignored rows
+                p.mul_(valid[r0:r1, None])  # d(row loss)/d(logits), 0 for ignored rows
+                if dtype != f32:
+                    p = logits.copy_(p)  # the logits are spent: their buffer takes p in the compute dtype
                 grad_x[r0:r1] = p @ weight
                 if lora:
                     grad_h[r0:r1] = (p @ b).float() * scale

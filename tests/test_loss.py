@@ -126,6 +126,27 @@ def test_fused_output_loss_equals_logits_then_cross_entropy(kind: str, lora: boo
         assert b.abs().max() > 0
 
 
+@pytest.mark.parametrize("gap", [5.0, 60.0, 300.0])
+def test_fused_output_loss_of_very_unlikely_targets(gap: float) -> None:
+    """A target logit ``gap`` below the rest: past a gap of ~104 its f32 probability underflows
+    (the loss as -log(p) would be inf); the loss and gradient must still be logsumexp's."""
+    output = _output("linear", lora=False)
+    hidden = torch.zeros(1, 4, N_EMBD)
+    hidden[0, :, 0] = 1.0
+    targets = torch.tensor([[7, 8, 9, 7]])
+    output.weight.data[7:10, 0] = -gap
+    h = hidden.clone().requires_grad_()
+    ours = output_cross_entropy(output, h, targets, "sum")
+    ours.backward()
+    h_ref = hidden.double().requires_grad_()
+    ref = F.cross_entropy(F.linear(h_ref, output.weight.double()).reshape(-1, N_VOCAB), targets.reshape(-1),
+                          reduction="sum")
+    ref.backward()
+    assert ref.item() > 4 * gap  # the rows really are that unlikely
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_fused_output_loss_falls_back_for_lora_with_dropout() -> None:
     output = _output("linear", lora=True)
     output.dropout = nn.Dropout(0.5)
