@@ -8,6 +8,7 @@ export-lora, ...) are one more ``@main.command()`` function each.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 
 import click
 
+from .allocator import relaunch_on_jemalloc
 from .api import load_model
 from .cli_demo import demo
 from .cli_export import convert_old_lora, export_lora
@@ -53,6 +55,23 @@ class _Group(click.Group):
 @click.version_option(package_name="ggtorch", prog_name="ggtorch")
 def main() -> None:
     """Run, evaluate and finetune GGUF llama models (quantized or not) with PyTorch."""
+
+
+RELAUNCHED_COMMANDS = frozenset({"finetune", "train", "demo", "export-lora", "perplexity"})
+"""The long-running commands, which move onto jemalloc first (ggtorch.allocator); a few seconds
+of a second start do not matter to them, and the rest start once."""
+
+
+def entry() -> None:
+    """The ``ggtorch`` command and ``python -m ggtorch``."""
+    args = sys.argv[1:]
+    if args and args[0] in RELAUNCHED_COMMANDS:
+        try:
+            relaunch_on_jemalloc(args)
+        except GGTorchError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+    main()
 
 
 def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:

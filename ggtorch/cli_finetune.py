@@ -14,6 +14,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from . import allocator
 from .data import RecordData
 from .distributed import BACKENDS, env_rank
 from .errors import BadFlag
@@ -263,7 +264,7 @@ def finetune(**values: Any) -> None:
     echo = _echo(trainer)
     echo(f"model: {config.model_base} ({trainer.model_config.n_layer} layers, n_embd "
          f"{trainer.model_config.n_embd}), base weights {config.base_dtype}, compute {config.dtype}, "
-         f"device {trainer.device}")
+         f"device {trainer.device}, malloc {allocator.current()}")
     echo(f"LoRA: {n_trainable:,} trainable parameters; seed {trainer.seed}")
     run_trainer(ctx, trainer, "--only-write-lora", "--lora-out", config.only_write_lora, config.lora_out)
 

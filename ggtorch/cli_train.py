@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from . import allocator
 from .cli_finetune import (
     GROUPS,
     GroupedCommand,
@@ -89,5 +90,6 @@ def train(**values: Any) -> None:
     source = f"full finetune of {config.model_base}" if config.model_base else f"new model over {config.vocab_model}"
     _echo(trainer)(f"model: {source}: {mc.n_layer} layers, n_embd {mc.n_embd}, n_ff {mc.n_ff}, heads "
                    f"{mc.n_head}/{mc.n_head_kv}, vocab {mc.n_vocab}; {sum(p.numel() for _, p, _ in trainer.params):,} "
-                   f"trainable parameters; compute {config.dtype}, device {trainer.device}, seed {trainer.seed}")
+                   f"trainable parameters; compute {config.dtype}, device {trainer.device}, "
+                   f"malloc {allocator.current()}, seed {trainer.seed}")
     run_trainer(ctx, trainer, "--only-write-model", "--model-out", config.only_write_model, config.model_out)

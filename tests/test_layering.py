@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ggtorch"
 
 LAYERS: dict[str, float] = {
     "errors": 0,
+    "allocator": 0.5,  # only the CLI entry uses it, before anything heavy
     "mt19937": 0,
     "gguf_io": 1,
     "quant": 2,
