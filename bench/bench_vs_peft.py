@@ -5,8 +5,11 @@ gguf-py, quantized by llama.cpp's own quantizer), then for every case runs one s
 side, each in its own child process so that peak RSS is per side:
 
 - ggtorch: the real training path, :class:`ggtorch.trainer.Trainer` (what ``ggtorch finetune``
-  runs) on the GGUF, base kept as it is in the file (``--base-dtype quantized``, the default);
-- peer: transformers loads the same GGUF (it dequantizes every tensor), peft wraps it.
+  runs) on the GGUF, base kept as it is in the file (``--base-dtype quantized``, the default),
+  on the allocator ``ggtorch finetune`` runs on (jemalloc when installed, ggtorch/allocator.py);
+- peer: transformers loads the same GGUF (it dequantizes every tensor), peft wraps it; on the
+  system malloc, as its users run it. One Q4_0 row swaps the allocators, for the comparison of
+  like with like.
 
 Both train LoRA rank 4 (alpha 4) on q/k/v/o/gate/up/down from the same token batches (ggtorch's
 data pipeline over the same text, same seed), with AdamW (lr 1e-3, decay 0.1, clip 1.0) and
@@ -101,11 +104,16 @@ class Case:
     """Run the peer too (False: a ggtorch-only row, compared with the peer's rows of the same shape)."""
     repeat: int = 1
     """Runs per side, alternating ggtorch, peer, ggtorch, ...; the table shows each side's fastest."""
+    malloc: str = "shipped"
+    """``shipped``: ggtorch on the allocator its CLI picks (jemalloc when installed, see
+    ggtorch/allocator.py), the peer on the system malloc, as its users run it. ``swapped``: each
+    side on the other one, so the two rows together compare allocator for allocator."""
 
     @property
     def label(self) -> str:
         ck = " ckpt" if self.checkpointing else ""
-        return f"{self.shape} {self.ftype} {self.dtype} b{self.batch}x{self.ctx}{ck}"
+        swapped = " malloc swapped" if self.malloc == "swapped" else ""
+        return f"{self.shape} {self.ftype} {self.dtype} b{self.batch}x{self.ctx}{ck}{swapped}"
 
 
 def full_cases() -> list[Case]:
@@ -116,6 +124,7 @@ def full_cases() -> list[Case]:
         replace(base, ftype="Q8_0", peer=False),  # the peer's work is the F32 row's (it dequantizes on load)
         replace(base, ftype="Q4_0"),
         replace(base, ftype="Q4_K_M"),
+        replace(base, ftype="Q4_0", malloc="swapped", steps=2),  # ggtorch on glibc, the peer on jemalloc
         replace(base, checkpointing=True, steps=2),
         replace(base, ftype="Q4_0", checkpointing=True, peer=False, steps=2),
         replace(base, ftype="Q4_K_M", checkpointing=True, peer=False, steps=2),
@@ -295,6 +304,7 @@ def run_child(kind: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]
         env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]),
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                    TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+        env = malloc_env(env, kind, spec.get("malloc", "shipped"))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--spec", json.dumps(spec),
                "--result", str(result_path)]
         t0 = time.perf_counter()
@@ -310,10 +320,28 @@ def run_child(kind: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]
         return result
 
 
+def malloc_env(env: dict[str, str], kind: str, malloc: str) -> dict[str, str]:
+    """``env`` for a side's child: on jemalloc as ``ggtorch finetune`` would relaunch itself, or on
+    the system malloc (jemalloc taken out of LD_PRELOAD)."""
+    from ggtorch import allocator
+
+    on_jemalloc = kind == "ggtorch" if malloc == "shipped" else kind == "peer"
+    preload = ":".join(p for p in env.get("LD_PRELOAD", "").split(":") if p and "libjemalloc" not in p)
+    clean = {k: v for k, v in env.items() if k not in ("LD_PRELOAD", allocator.RELAUNCHED, allocator.ENV)}
+    if preload:
+        clean["LD_PRELOAD"] = preload
+    if not on_jemalloc or kind == "gemm":
+        return clean
+    return allocator.relaunch_env(clean, allocator.find_jemalloc()) or clean
+
+
 def child_main(kind: str, spec_json: str, result_path: str) -> None:
+    from ggtorch import allocator
+
     spec = json.loads(spec_json)
     result = CHILDREN[kind](spec)
     result["peak_rss"] = peak_rss_bytes()
+    result["malloc"] = allocator.current()
     Path(result_path).write_text(json.dumps(result))
 
 
@@ -412,9 +440,14 @@ def main() -> None:
     info = machine()
     print(f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.threads} threads", flush=True)
 
+    from ggtorch.allocator import find_jemalloc
+
     gemm: dict[tuple[str, int], dict[str, Any]] = {}
     rows = []
     for case in cases:
+        if case.malloc == "swapped" and find_jemalloc() is None:
+            print(f"{case.label}: skipped, jemalloc is not installed (apt install libjemalloc2)", flush=True)
+            continue
         shape = SHAPES[case.shape]
         t = time.perf_counter()
         try:
@@ -469,7 +502,7 @@ def print_row(row: dict[str, Any], sides: list[str]) -> None:
             parts.append(f"{side}: ERROR {r['error']}")
             continue
         parts.append(f"{side} {fmt(row[f'{side}_tps']):>6s} tok/s rss {gib(r.get('peak_rss'))} GiB "
-                     f"load {fmt(r.get('load_s'), '.1f')} s")
+                     f"load {fmt(r.get('load_s'), '.1f')} s malloc {r.get('malloc', '?')}")
     if case.repeat > 1:
         parts.append("runs " + "; ".join(f"{side} " + "/".join(fmt(t) for t in row[f"{side}_all_tps"])
                                          for side in sides if row[f"{side}_all_tps"]))
@@ -537,7 +570,11 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "float matrices are held in bf16, as autocast would round them in every step); the peer loads the "
         "GGUF with transformers (dequantized on load) and wraps it with peft. Compute bf16 means bf16 autocast "
         "for ggtorch and a bf16 model for the peer. tok/s: median over the timed steps after warm-up; RSS: "
-        "peak resident set of the side's process (VmHWM); load: model + LoRA setup; by CPU time: the same "
+        "peak resident set of the side's process (VmHWM); malloc: the allocator each side's process ran on: "
+        "ggtorch on the one `ggtorch finetune` picks (jemalloc when the machine has it, ggtorch/allocator.py), "
+        "the peer on the system's (glibc), as its users run it; the row marked `malloc swapped` runs the "
+        "Q4_0 case with each side on the other allocator, so the two Q4_0 rows compare allocator for "
+        "allocator too; load: model + LoRA setup; by CPU time: the same "
         "ratio from each side's process CPU time per step, which load from other processes disturbs much "
         "less than wall time (with one thread and an idle machine the two ratios agree). The speed of this shared "
         "machine drifts by ±15% over minutes, so the F32 f32 row, which every speed target compares with, runs "
@@ -549,8 +586,8 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "## Results",
         "",
         "| case | ggtorch tok/s | peer tok/s | ggtorch / peer | by CPU time | ggtorch GFLOP/s | % of GEMM peak "
-        "| ggtorch RSS GiB | peer RSS GiB | RSS ratio | ggtorch load s | peer load s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ggtorch RSS GiB | peer RSS GiB | RSS ratio | malloc (ggtorch / peer) | ggtorch load s | peer load s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for row in rows:
         case = row["case"]
@@ -565,6 +602,7 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
                  if row.get("ggtorch_cpu_tps") and row.get("peer_cpu_tps") else "—", fmt(gf),
                  f"{100 * gf / peak:.0f}% of {peak:.0f}" if gf and peak else "—",
                  gib(g_rss), gib(p_rss), f"{g_rss / p_rss:.0%}" if g_rss and p_rss else "—",
+                 f"{g.get('malloc', '—')} / {p.get('malloc', '—')}",
                  fmt(g.get("load_s"), ".1f"), fmt(p.get("load_s"), ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
     repeated = [row for row in rows if row["case"].repeat > 1]
@@ -590,7 +628,8 @@ def rows_gemm(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any
 
 
 def find(rows: list[dict[str, Any]], **want: Any) -> dict[str, Any] | None:
-    defaults = {"shape": "110M", "ftype": "F32", "dtype": "f32", "ctx": 256, "batch": 4, "checkpointing": False}
+    defaults = {"shape": "110M", "ftype": "F32", "dtype": "f32", "ctx": 256, "batch": 4, "checkpointing": False,
+                "malloc": "shipped"}
     want = defaults | want
     for row in rows:
         if all(getattr(row["case"], k) == v for k, v in want.items()):
@@ -643,6 +682,8 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
         ok = None if not rs or rss is None else (rs >= 0.8 and rss <= 0.35)
         out.append(f"{ftype} base: ≥ 0.8× ggtorch's F32-base speed — {fmt(rs or None, '.2f')}×, and peak RSS "
                    f"≤ 35% of the peer's — {fmt(None if rss is None else 100 * rss)}% ({_verdict(ok)})")
+        if ftype == "Q4_0":
+            out += _same_allocator_rss(q, find(rows, ftype=ftype, malloc="swapped"))
         qc = find(rows, ftype=ftype, checkpointing=True)
         qct = qc.get("ggtorch_tps") if qc else None
         qc_rss = qc.get("ggtorch", {}).get("peak_rss") if qc else None
@@ -655,6 +696,21 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
     out.append(f"gradient checkpointing costs ≤ 35% of throughput — costs "
                f"{fmt(None if cost is None else 100 * cost)}% ({_verdict(None if cost is None else cost <= 0.35)})")
     return out
+
+
+def _same_allocator_rss(shipped: dict[str, Any] | None, swapped: dict[str, Any] | None) -> list[str]:
+    """The Q4_0 RSS ratio with both sides on the same allocator, from the shipped and swapped rows."""
+    if not shipped or not swapped:
+        return []
+    by_malloc: dict[str, dict[str, int]] = {}
+    for row in (shipped, swapped):
+        for side in ("ggtorch", "peer"):
+            r = row.get(side, {})
+            if r.get("peak_rss") and r.get("malloc"):
+                by_malloc.setdefault(r["malloc"], {})[side] = r["peak_rss"]
+    parts = [f"{m}: {gib(v['ggtorch'])} vs {gib(v['peer'])} GiB = {100 * v['ggtorch'] / v['peer']:.0f}%"
+             for m, v in sorted(by_malloc.items()) if "ggtorch" in v and "peer" in v]
+    return [f"  (both sides on the same allocator — {'; '.join(parts)})"] if parts else []
 
 
 if __name__ == "__main__":
