@@ -105,7 +105,7 @@ def _row_losses(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor
     if probs is not None:
         p_target = probs.gather(1, targets[:, None])[:, 0]
         if not bool(((p_target < TINY_PROBABILITY) & valid).any()):
-            return -torch.log(p_target) * valid
+            return torch.where(valid, -torch.log(p_target), 0.0)  # not * valid: an ignored row may give inf
     return (torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[:, None])[:, 0]) * valid
 
 

@@ -131,10 +131,11 @@ def test_fused_output_loss_of_very_unlikely_targets(gap: float) -> None:
     """A target logit ``gap`` below the rest: past a gap of ~104 its f32 probability underflows
     (the loss as -log(p) would be inf); the loss and gradient must still be logsumexp's."""
     output = _output("linear", lora=False)
-    hidden = torch.zeros(1, 4, N_EMBD)
+    hidden = torch.zeros(1, 5, N_EMBD)
     hidden[0, :, 0] = 1.0
-    targets = torch.tensor([[7, 8, 9, 7]])
+    targets = torch.tensor([[7, 8, 9, 7, -100]])  # an ignored row's stand-in target is id 0
     output.weight.data[7:10, 0] = -gap
+    output.weight.data[0, 0] = -300.0  # underflows even when the counted rows do not
     h = hidden.clone().requires_grad_()
     ours = output_cross_entropy(output, h, targets, "sum")
     ours.backward()
