@@ -79,17 +79,22 @@ def relaunch_env(environ: Mapping[str, str], library: str | None) -> dict[str, s
     return env
 
 
-def relaunch_on_jemalloc(args: list[str]) -> None:
-    """Replace this process by ``python -m ggtorch *args`` on jemalloc when :func:`relaunch_env` says so.
+def relaunch_on_jemalloc() -> None:
+    """Replace this process by the same command line on jemalloc when :func:`relaunch_env` says so.
 
-    Returns (and the command runs on as it is) otherwise. The process id stays the same, so
-    torchrun, a shell's job control and signals see one process throughout.
+    Returns (and the command runs on as it is) otherwise, or if the interpreter cannot be
+    re-executed. The command line is the interpreter's own (``sys.orig_argv``: the console script
+    or ``-m ggtorch``, with any interpreter flags), and the process id stays the same, so torchrun,
+    a shell's job control and signals see one process throughout.
     """
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or not sys.executable:
         return
     env = relaunch_env(os.environ, find_jemalloc())
     if env is None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "ggtorch", *args], env)
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError:
+        return  # an interpreter that cannot be run again (a frozen or embedded one): stay on the system's

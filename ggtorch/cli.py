@@ -64,10 +64,9 @@ of a second start do not matter to them, and the rest start once."""
 
 def entry() -> None:
     """The ``ggtorch`` command and ``python -m ggtorch``."""
-    args = sys.argv[1:]
-    if args and args[0] in RELAUNCHED_COMMANDS:
+    if sys.argv[1:2] and sys.argv[1] in RELAUNCHED_COMMANDS:
         try:
-            relaunch_on_jemalloc(args)
+            relaunch_on_jemalloc()
         except GGTorchError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
