@@ -55,7 +55,9 @@ def _finetune_first_line(stories260k: Path, tmp_path: Path, **env: str) -> str:
     cmd = [sys.executable, "-m", "ggtorch", "finetune", "--model-base", str(stories260k), "--train-data", str(text),
            "--lora-out", str(tmp_path / "lora.gguf"), "--adam-iter", "1", "--ctx", "16", "--batch", "1",
            "--save-every", "0"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in (allocator.ENV, allocator.RELAUNCHED, "LD_PRELOAD", "MALLOC_CONF")}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**inherited, **env})
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()[0]
 
