@@ -196,9 +196,9 @@ class Trainer:
         self.base = self._open_full_base() if self.full else read_gguf(c.model_base)
         self.model_config = dataclasses.replace(LlamaConfig.from_gguf(self.base), **self._model_overrides())
         self.tokenizer = Tokenizer.from_gguf(self.base)
-        self.model = build_llama(self.base, self.model_config, self.device,
-                                 dtype=self._float_base_dtype(), keep_quantized=c.base_dtype == "quantized",
-                                 embedding_dtype=torch.float32 if c.base_dtype == "quantized" else None)
+        matrix_dtype, embedding_dtype = self._base_dtypes()
+        self.model = build_llama(self.base, self.model_config, self.device, dtype=matrix_dtype,
+                                 keep_quantized=c.base_dtype == "quantized", embedding_dtype=embedding_dtype)
         n_ctx_train = self.model_config.n_ctx_train
         self.warnings: list[str] = []
         if c.ctx > n_ctx_train:
@@ -233,20 +233,20 @@ class Trainer:
         return {k: v for k, v in (("rms_eps", c.norm_rms_eps), ("rope_freq_base", c.rope_freq_base),
                                   ("rope_freq_scale", c.rope_freq_scale)) if v is not None}
 
-    def _float_base_dtype(self) -> torch.dtype:
-        """The dtype base matrices stored as floats (F32/F16/BF16) are held in.
+    def _base_dtypes(self) -> tuple[torch.dtype, torch.dtype | None]:
+        """The dtypes the base's float (F32/F16/BF16) matrices and its token embedding are held in.
 
-        ``--base-dtype`` when given. By default (``quantized``: as stored), a LoRA finetune with
-        bf16/f16 compute holds them in the compute dtype: autocast rounds every frozen weight
-        to it in every step anyway, so rounding once at load gives the same numbers without the
-        per-step cast (about a tenth of a bf16 step on CPU), in half the memory. The token
-        embedding stays f32 (its rows are not autocast: they start the f32 residual stream). Full training
-        keeps f32 weights: they are the optimizer's master copy.
+        ``--base-dtype`` when given, for both. By default (``quantized``: as stored), a LoRA
+        finetune with bf16/f16 compute holds the matrices in the compute dtype: autocast rounds
+        every frozen weight to it in every step anyway, so rounding once at load gives the same
+        numbers without the per-step cast (about a tenth of a bf16 step on CPU), in half the
+        memory. The embedding stays f32 (its rows are not autocast: they start the f32 residual
+        stream). Full training keeps f32 weights: they are the optimizer's master copy.
         """
         c = self.config
         if c.base_dtype != "quantized":
-            return DTYPES[c.base_dtype]
-        return torch.float32 if self.full else DTYPES[c.dtype]
+            return DTYPES[c.base_dtype], None  # None: the embedding follows the matrices
+        return (torch.float32 if self.full else DTYPES[c.dtype]), torch.float32
 
     def _open_full_base(self) -> GGUFFile:
         """The model full training starts from: --model-base (float only), or a new one over --vocab-model.
