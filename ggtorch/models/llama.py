@@ -71,8 +71,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x: (B, T, H, D); cos, sin: (T, D/2), or (B, T, D/2) for per-row positions. Computed in f32,
     returned in x's dtype.
     """
+    if x.device.type not in COMPLEX_DEVICES:
+        return rope_pairs(x.float(), cos, sin).to(x.dtype)
     rotation = torch.complex(cos, sin).unsqueeze(-2)  # (T|B,T, 1, D/2)
     return _Rope.apply(x.float(), rotation).to(x.dtype)
+
+
+COMPLEX_DEVICES = ("cpu", "cuda")
+"""Devices whose complex64 multiply apply_rope uses; elsewhere (MPS, ...) complex support varies, so
+rope there takes :func:`rope_pairs`, the same formula written with real tensors."""
+
+
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rope of f32 ``x`` with real ops only (the same products and sums, autograd's backward)."""
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
 
 
 class _Rope(torch.autograd.Function):

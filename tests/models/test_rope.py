@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ggtorch.models.llama import apply_rope, rope_angles
+from ggtorch.models.llama import apply_rope, rope_angles, rope_pairs
 
 
 def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -42,3 +42,13 @@ def test_bf16_input_comes_back_bf16() -> None:
     out = apply_rope(x, cos, sin)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, reference_rope(x.float(), cos, sin).bfloat16())
+
+
+def test_the_real_valued_rope_for_other_devices_matches() -> None:
+    """rope_pairs (MPS and other devices without complex64) equals the complex path, values and gradients."""
+    cos, sin = rope_angles(2, 6, 16, 10000.0, 1.0, torch.device("cpu"))
+    x = (torch.randn(2, 6, 3, 16) * 4).requires_grad_()
+    g = torch.randn(2, 6, 3, 16)
+    ours, theirs = apply_rope(x, cos, sin), rope_pairs(x, cos, sin)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(*(torch.autograd.grad(y, x, g)[0] for y in (ours, theirs)))
