@@ -330,7 +330,7 @@ def malloc_env(env: dict[str, str], kind: str, malloc: str) -> dict[str, str]:
     clean = {k: v for k, v in env.items() if k not in ("LD_PRELOAD", allocator.RELAUNCHED, allocator.ENV)}
     if preload:
         clean["LD_PRELOAD"] = preload
-    if not on_jemalloc or kind == "gemm":
+    if not on_jemalloc:
         return clean
     return allocator.relaunch_env(clean, allocator.find_jemalloc()) or clean
 
