@@ -413,7 +413,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "ggtorch-bench-vs-peft",
                     help="where the model files are built and cached")
     ap.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md", help="the report to (re)write")
-    ap.add_argument("--only", default="", help="run only cases whose label contains this text")
+    ap.add_argument("--only", default="",
+                    help="run only cases whose label contains this text (a comma list: any of them)")
     ap.add_argument("--sides", default="ggtorch,peer", help="comma list of ggtorch,peer")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per child before giving up")
     ap.add_argument("--no-distributed", action="store_true",
@@ -431,7 +432,8 @@ def main() -> None:
     t_start = time.perf_counter()
     cases = quick_cases() if args.quick else full_cases()
     if args.only:
-        cases = [c for c in cases if args.only in c.label]
+        wanted = [w for w in args.only.split(",") if w]
+        cases = [c for c in cases if any(w in c.label for w in wanted)]
     sides = [s for s in args.sides.split(",") if s]
     args.workdir.mkdir(parents=True, exist_ok=True)
     text = args.workdir / "train.txt"

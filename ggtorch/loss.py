@@ -13,6 +13,7 @@ including ``ignore_index=-100`` rows, which count for nothing and get a zero gra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -83,30 +84,42 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
 
 # --- the output projection and the loss in one pass ---------------------------------------------
 
-FUSED_CHUNK_BYTES = 16 << 20
-"""f32 logits per token chunk of :func:`output_cross_entropy` (rows x n_vocab x 4 bytes): small
-enough to be reused from the heap step after step instead of page-faulting a fresh (N, V)
-tensor, big enough that each chunk's GEMM runs at full speed."""
+FUSED_CHUNK_BYTES = 32 << 20
+"""f32 logits per token chunk of :func:`output_cross_entropy` (rows x n_vocab x 4 bytes): one
+buffer of this size is reused for every chunk of a call; about 256 rows for a 32000-word vocabulary,
+where the chunk's GEMMs run near full speed (at 128 rows the output matmul lost ~30%, measured)."""
+
+
+IN_PLACE_SOFTMAX_DEVICES = ("cpu", "cuda")
+"""Devices whose softmax may write its output over its input (tested on CPU; CUDA's kernels read
+each element before writing it); elsewhere the probabilities get a buffer of their own."""
 
 
 TINY_PROBABILITY = 2.0 ** -100
 """Below this a target's f32 probability has lost precision (f32 normals end at 2**-126), so its
-loss comes from the log-sum-exp instead of ``-log(p)``."""
+loss comes from the log-sum-exp of recomputed logits instead of ``-log(p)``."""
 
 
-def _row_losses(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
-                probs: torch.Tensor | None = None) -> torch.Tensor:
-    """``logsumexp(logits) - logits[target]`` per row (f32, 0 where not ``valid``).
-
-    Computed as ``-log(probs[target])`` when the softmax is at hand: the gradient needs it anyway,
-    and the log-sum-exp's own passes over the vocabulary (max, subtract, exp, sum) are saved.
-    Rows whose target probability is below 2**-100 (a loss above ~69) fall back to the
-    log-sum-exp, so the value never becomes inf."""
-    if probs is not None:
-        p_target = probs.gather(1, targets[:, None])[:, 0]
-        if not bool(((p_target < TINY_PROBABILITY) & valid).any()):
-            return torch.where(valid, -torch.log(p_target), 0.0)  # not * valid: an ignored row may give inf
+def _row_losses(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``logsumexp(logits) - logits[target]`` per row (f32, 0 where not ``valid``)."""
     return (torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[:, None])[:, 0]) * valid
+
+
+def _row_losses_from_probs(probs: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+                           exact_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The same losses as ``-log(probs[target])``: the gradient needs the softmax anyway, and the
+    log-sum-exp's own passes over the vocabulary (max, subtract, exp, sum) are saved.
+
+    Rows whose target probability is below 2**-100 (a loss above ~69) take the log-sum-exp of
+    their logits, recomputed by ``exact_logits(row indices)`` (the softmax overwrote them), so the
+    value never becomes inf."""
+    p_target = probs.gather(1, targets[:, None])[:, 0]
+    losses = torch.where(valid, -torch.log(p_target), 0.0)  # not * valid: an ignored row may give inf
+    tiny = (p_target < TINY_PROBABILITY) & valid
+    if bool(tiny.any()):
+        rows = tiny.nonzero()[:, 0]
+        losses[rows] = _row_losses(exact_logits(rows), targets[rows], valid[rows])
+    return losses
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -143,20 +156,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
             step = max(1, FUSED_CHUNK_BYTES // (4 * v))
             # One set of chunk buffers for the whole call: a fresh (rows, V) tensor per chunk is
             # returned to the OS and page-faulted back in every time (14 x 16 MiB per step, measured).
+            # The softmax is written over the f32 logits where its kernels are known to allow it (each
+            # row's max and sum are taken before any element is written), so f32 needs one buffer.
             logits_buf = torch.empty(min(step, n), v, dtype=dtype, device=x.device)
             f32_buf = logits_buf if dtype == f32 else torch.empty_like(logits_buf, dtype=f32)
-            probs_buf = torch.empty_like(f32_buf) if need_grad else None
+            probs_buf = f32_buf if x.device.type in IN_PLACE_SOFTMAX_DEVICES else torch.empty_like(f32_buf)
+
+            def logits_of(rows: slice | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                logits = torch.matmul(xc[rows], weight.T, out=out)  # (rows, V)
+                if lora:
+                    logits.add_(h[rows] @ b.T, alpha=scale)
+                return logits
+
             for r0 in range(0, n, step):
                 r1 = min(r0 + step, n)
-                logits = torch.matmul(xc[r0:r1], weight.T, out=logits_buf[:r1 - r0])  # (rows, V)
-                if lora:
-                    logits.add_(h[r0:r1] @ b.T, alpha=scale)
+                logits = logits_of(slice(r0, r1), out=logits_buf[:r1 - r0])
                 logits32 = logits if dtype == f32 else f32_buf[:r1 - r0].copy_(logits)
                 if not need_grad:
                     total += _row_losses(logits32, safe[r0:r1], valid[r0:r1]).sum()
                     continue
                 p = torch.softmax(logits32, dim=-1, out=probs_buf[:r1 - r0])
-                total += _row_losses(logits32, safe[r0:r1], valid[r0:r1], p).sum()
+                total += _row_losses_from_probs(p, safe[r0:r1], valid[r0:r1],
+                                                lambda rows, r0=r0: logits_of(rows + r0).float()).sum()
                 p.scatter_add_(1, safe[r0:r1, None], torch.full((r1 - r0, 1), -1.0, dtype=f32, device=x.device))
                 p.mul_(valid[r0:r1, None])  # d(row loss)/d(logits), 0 for ignored rows
                 if dtype != f32:

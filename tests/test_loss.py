@@ -127,25 +127,34 @@ def test_fused_output_loss_equals_logits_then_cross_entropy(kind: str, lora: boo
 
 
 @pytest.mark.parametrize("gap", [5.0, 60.0, 300.0])
-def test_fused_output_loss_of_very_unlikely_targets(gap: float) -> None:
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_fused_output_loss_of_very_unlikely_targets(gap: float, lora: bool, in_place: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A target logit ``gap`` below the rest: past a gap of ~104 its f32 probability underflows
-    (the loss as -log(p) would be inf); the loss and gradient must still be logsumexp's."""
-    output = _output("linear", lora=False)
-    hidden = torch.zeros(1, 5, N_EMBD)
+    (the loss as -log(p) would be inf); the loss and gradient must still be logsumexp's. Chunks of
+    4 rows put such rows in later chunks too (their logits are recomputed by row index), with the
+    softmax over the logits' buffer and (as on devices not known to allow that) beside it."""
+    monkeypatch.setattr(loss_mod, "FUSED_CHUNK_BYTES", 4 * 4 * N_VOCAB)
+    if not in_place:
+        monkeypatch.setattr(loss_mod, "IN_PLACE_SOFTMAX_DEVICES", ())
+    output = _output("linear", lora)
+    base = output.base if lora else output
+    hidden = torch.zeros(1, 10, N_EMBD)
     hidden[0, :, 0] = 1.0
-    targets = torch.tensor([[7, 8, 9, 7, -100]])  # an ignored row's stand-in target is id 0
-    output.weight.data[7:10, 0] = -gap
-    output.weight.data[0, 0] = -300.0  # underflows even when the counted rows do not
+    hidden[0, :, 1] = torch.linspace(-3, 3, 10)  # rows differ: a recomputed row must be the right one
+    targets = torch.tensor([[7, 8, 9, 7, -100, 1, 9, 2, 8, 3]])  # an ignored row's stand-in target is id 0
+    base.weight.data[7:10, 0] = -gap
+    base.weight.data[0, 0] = -300.0  # underflows even when the counted rows do not
     h = hidden.clone().requires_grad_()
     ours = output_cross_entropy(output, h, targets, "sum")
     ours.backward()
-    h_ref = hidden.double().requires_grad_()
-    ref = F.cross_entropy(F.linear(h_ref, output.weight.double()).reshape(-1, N_VOCAB), targets.reshape(-1),
-                          reduction="sum")
+    h_ref = hidden.clone().requires_grad_()
+    ref = F.cross_entropy(output(h_ref).reshape(-1, N_VOCAB), targets.reshape(-1), reduction="sum")
     ref.backward()
     assert ref.item() > 4 * gap  # the rows really are that unlikely
-    torch.testing.assert_close(ours.double(), ref, rtol=1e-6, atol=1e-4)
-    torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_fused_output_loss_falls_back_for_lora_with_dropout() -> None:
