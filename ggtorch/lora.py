@@ -41,6 +41,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .errors import BadFlag, Unsupported
+from .matmul import Linear
 from .models import names
 from .models.llama import RMSNorm
 from .mt19937 import MT19937
@@ -195,7 +196,7 @@ def _float_module(quant: QuantLinear | QuantEmbedding, weight: torch.Tensor) -> 
     if isinstance(quant, QuantEmbedding):
         module = nn.Embedding(n_rows, n_cols, device="meta")
     else:
-        module = nn.Linear(n_cols, n_rows, bias=False, device="meta")
+        module = Linear(n_cols, n_rows, bias=False, device="meta")
     module.weight = nn.Parameter(weight, requires_grad=False)
     return module
 

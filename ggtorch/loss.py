@@ -20,6 +20,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from .lora import LoRALinear
+from .matmul import Linear, mm, mm_t, uses_onednn
 from .quant import dequantize
 from .quant.autograd import compute_dtype
 from .quant.modules import QuantLinear
@@ -163,7 +164,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             probs_buf = f32_buf if x.device.type in IN_PLACE_SOFTMAX_DEVICES else torch.empty_like(f32_buf)
 
             def logits_of(rows: slice | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-                logits = torch.matmul(xc[rows], weight.T, out=out)  # (rows, V)
+                if uses_onednn(xc, weight):  # faster than the BLAS call, but it has no out=
+                    logits = mm_t(xc[rows], weight)  # (rows, V)
+                else:
+                    logits = torch.matmul(xc[rows], weight.T, out=out)
                 if lora:
                     logits.add_(h[rows] @ b.T, alpha=scale)
                 return logits
@@ -182,7 +186,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 p.mul_(valid[r0:r1, None])  # d(row loss)/d(logits), 0 for ignored rows
                 if dtype != f32:
                     p = logits.copy_(p)  # the logits are spent: their buffer takes p in the compute dtype
-                grad_x[r0:r1] = p @ weight
+                grad_x[r0:r1] = mm(p, weight)
                 if lora:
                     grad_h[r0:r1] = (p @ b).float() * scale
                     grad_b += (p.T @ h[r0:r1]).float() * scale
@@ -228,7 +232,7 @@ def _output_parts(output: torch.nn.Module, x: torch.Tensor
         if n_embd * torch.empty((), dtype=dtype).element_size() > 4 * x.shape[0]:
             return None
         weight = dequantize(base.raw, base.ggml_type, base.shape, dtype)
-    elif type(base) is torch.nn.Linear and base.bias is None and not base.weight.requires_grad:
+    elif type(base) in (torch.nn.Linear, Linear) and base.bias is None and not base.weight.requires_grad:
         weight = base.weight.to(dtype)
     else:
         return None

@@ -16,6 +16,7 @@ LAYERS: dict[str, float] = {
     "errors": 0,
     "allocator": 0.5,  # only the CLI entry uses it, before anything heavy
     "mt19937": 0,
+    "matmul": 0,
     "gguf_io": 1,
     "quant": 2,
     "models": 3,

@@ -2,7 +2,7 @@
 
 One file, nanoGPT style: RMSNorm, rope, Attention, MLP, Block, Llama. Module paths follow
 ``ggtorch.models.names`` (``layers.{i}.attn.q`` ...), so GGUF tensors map one-to-one onto
-modules. Linear layers are plain ``nn.Linear`` or, for weights kept in their ggml blocks,
+modules. Linear layers are ``ggtorch.matmul.Linear`` (an ``nn.Linear``) or, for weights kept in their ggml blocks,
 ``ggtorch.quant.modules.QuantLinear``: this file only calls them.
 
 Shapes: B batch, T tokens in this call, S = start_pos + T keys, C n_embd, H query heads,
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..matmul import Linear
 from .config import LlamaConfig
 from .fused import recompute_outputs, rms_norm, swiglu
 
@@ -143,10 +144,10 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.n_head, self.n_head_kv, self.head_dim = config.n_head, config.n_head_kv, config.head_dim
-        self.q = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
-        self.k = nn.Linear(config.n_embd, config.n_embd_kv, bias=False)
-        self.v = nn.Linear(config.n_embd, config.n_embd_kv, bias=False)
-        self.o = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+        self.q = Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
+        self.k = Linear(config.n_embd, config.n_embd_kv, bias=False)
+        self.v = Linear(config.n_embd, config.n_embd_kv, bias=False)
+        self.o = Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0,
@@ -181,9 +182,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.gate = nn.Linear(config.n_embd, config.n_ff, bias=False)
-        self.up = nn.Linear(config.n_embd, config.n_ff, bias=False)
-        self.down = nn.Linear(config.n_ff, config.n_embd, bias=False)
+        self.gate = Linear(config.n_embd, config.n_ff, bias=False)
+        self.up = Linear(config.n_embd, config.n_ff, bias=False)
+        self.down = Linear(config.n_ff, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(swiglu(self.gate(x), self.up(x)))
@@ -215,7 +216,7 @@ class Llama(nn.Module):
         self.tok_embd = nn.Embedding(config.n_vocab, config.n_embd)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.output_norm = RMSNorm(config.n_embd, config.rms_eps)
-        self.output = nn.Linear(config.n_embd, config.n_vocab, bias=False)
+        self.output = Linear(config.n_embd, config.n_vocab, bias=False)
         self.apply(_init_weights)
         self.rope_freqs: torch.Tensor | None
         if config.rope_freqs:

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..errors import BadGGUF, Unsupported
 from ..gguf_io import GGUFFile, TensorInfo, read_gguf, release_pages
+from ..matmul import Linear
 from ..quant import check_raw, dequantize
 from ..quant.modules import QuantEmbedding, QuantLinear
 from . import names
@@ -150,7 +151,7 @@ def _make_module(info: TensorInfo, kind: str, device: torch.device, dtype: torch
     if kind == "token_embd":
         module: nn.Module = nn.Embedding(*info.shape, device="meta")
     else:
-        module = nn.Linear(info.shape[1], info.shape[0], bias=False, device="meta")
+        module = Linear(info.shape[1], info.shape[0], bias=False, device="meta")
     module.weight = weight
     return module
 
@@ -179,7 +180,7 @@ def _tied_output(embedding: nn.Module) -> nn.Module:
     """The output projection of a tied model: the embedding's weight (or raw blocks), shared."""
     if isinstance(embedding, QuantEmbedding):
         return QuantLinear(embedding.raw, embedding.ggml_type, embedding.shape)
-    out = nn.Linear(embedding.weight.shape[1], embedding.weight.shape[0], bias=False, device="meta")
+    out = Linear(embedding.weight.shape[1], embedding.weight.shape[0], bias=False, device="meta")
     out.weight = embedding.weight
     return out
 

@@ -24,6 +24,7 @@ import math
 import torch
 from gguf import GGMLQuantizationType
 
+from ..matmul import add_mm_, mm, mm_t
 from . import dequantize, row_nbytes
 
 CHUNK_BYTES = 8 << 20
@@ -71,11 +72,11 @@ class QuantMatmul(torch.autograd.Function):
             x2 = x.reshape(-1, n_in).to(dtype)  # (N, in)
             chunks = _chunks(n_out, rows_per_chunk(n_in, dtype, chunk_bytes))
             if len(chunks) == 1:
-                y = x2 @ _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype).T  # (N, out)
+                y = mm_t(x2, _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype))  # (N, out)
             else:
                 y = torch.empty(x2.shape[0], n_out, dtype=dtype, device=x.device)  # (N, out)
                 for r0, r1 in chunks:
-                    y[:, r0:r1] = x2 @ _dequantize_rows(raw, ggml_type, r0, r1, n_in, dtype).T
+                    y[:, r0:r1] = mm_t(x2, _dequantize_rows(raw, ggml_type, r0, r1, n_in, dtype))
         return y.reshape(*x.shape[:-1], n_out)
 
     @staticmethod
@@ -90,16 +91,16 @@ class QuantMatmul(torch.autograd.Function):
                 # Accumulate over row chunks in at least f32: bf16 partial sums would lose bits.
                 chunks = _chunks(n_out, rows_per_chunk(n_in, dtype, chunk_bytes))
                 if len(chunks) == 1:
-                    acc = g @ _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype)  # (N, in)
+                    acc = mm(g, _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype))  # (N, in)
                 else:
                     acc_dtype = torch.promote_types(dtype, torch.float32)
                     acc = torch.zeros(g.shape[0], n_in, dtype=acc_dtype, device=g.device)  # (N, in)
                     for r0, r1 in chunks:
                         w = _dequantize_rows(raw, ggml_type, r0, r1, n_in, dtype)  # (rows, in)
                         if acc_dtype == dtype:
-                            acc.addmm_(g[:, r0:r1], w)
+                            add_mm_(acc, g[:, r0:r1], w)
                         else:
-                            acc += g[:, r0:r1] @ w
+                            acc += mm(g[:, r0:r1], w)
                 grad_x = acc.to(x_dtype).reshape(*grad_y.shape[:-1], n_in)
         return grad_x, None, None, None, None
 

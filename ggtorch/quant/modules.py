@@ -21,6 +21,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from ..matmul import Linear
 from . import dequantize, row_nbytes
 from .autograd import quant_embedding, quant_linear
 
@@ -112,7 +113,7 @@ def dequantize_modules(model: nn.Module, dtype: torch.dtype = torch.float32) -> 
         if isinstance(module, QuantEmbedding):
             new: nn.Module = nn.Embedding(n_rows, n_cols, device="meta")
         else:
-            new = nn.Linear(n_cols, n_rows, bias=False, device="meta")
+            new = Linear(n_cols, n_rows, bias=False, device="meta")
         new.weight = weight
         parent_path, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, attr, new)

@@ -189,10 +189,11 @@ def test_dequantize_modules_shares_tied_weights(ggml_quantize, ggml_to_float) ->
 def test_lora_grads_equal_dequantized_base(ggml_type: T, ggml_quantize, ggml_to_float) -> None:
     """Every supported type: a LoRA over the quantized base trains like one over the float base."""
     from ggtorch.lora import LoRALinear
+    from ggtorch.matmul import Linear
 
     n_out, n_in = 7, _cols(ggml_type)
     raw, w = _blocks(ggml_type, n_out, n_in, ggml_quantize, ggml_to_float)
-    float_base = nn.Linear(n_in, n_out, bias=False)
+    float_base = Linear(n_in, n_out, bias=False)  # the float module ggtorch builds (same GEMM kernels)
     float_base.weight = nn.Parameter(w.clone(), requires_grad=False)
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(3, n_in, generator=gen) * 0.1, torch.randn(n_out, 3, generator=gen) * 0.1

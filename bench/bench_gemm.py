@@ -1,0 +1,67 @@
+"""f32 GEMM on this CPU: torch.mm (MKL) against ggtorch.matmul (oneDNN), the products training runs.
+
+For each matrix of a 110M and a TinyLlama-shaped llama, the forward product ``x @ W.T`` and the
+input gradient ``dY @ W`` with N rows (batch x context), plus the fused loss's 256-row chunks of
+the output projection; best of several repetitions each, the ratio ggtorch/torch.mm last.
+Run from the repository root: ``python bench/bench_gemm.py [--rows 1024] [--threads N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from ggtorch import matmul
+
+SHAPES = {  # (out, in) of the distinct matrices
+    "110M": [(768, 768), (2048, 768), (768, 2048), (32000, 768)],
+    "1.1B": [(2048, 2048), (256, 2048), (5632, 2048), (2048, 5632), (32000, 2048)],
+}
+
+
+def best_seconds(fn: Callable[[], torch.Tensor], flops: float) -> float:
+    fn()
+    reps = max(3, min(20, int(3e9 / flops)))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=1024, help="rows of x (batch x context)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, f32; oneDNN used: "
+          f"{matmul.uses_onednn(torch.ones(1), torch.ones(1))}")
+    print(f"{'model':>8} {'product (rows x in -> out)':>28} {'torch.mm GF/s':>14} {'ggtorch GF/s':>13} {'ratio':>6}")
+    ratios = []
+    for name, shapes in SHAPES.items():
+        for out_f, in_f in shapes:
+            w = torch.randn(out_f, in_f)
+            rows = [args.rows] + ([256] if out_f == 32000 else [])
+            for n in rows:
+                x, dy = torch.randn(n, in_f), torch.randn(n, out_f)
+                flops = 2.0 * n * in_f * out_f
+                for label, ref, ours in (
+                        (f"fwd {n}x{in_f} -> {out_f}", partial(torch.matmul, x, w.T), partial(matmul.mm_t, x, w)),
+                        (f"grad {n}x{out_f} -> {in_f}", partial(torch.matmul, dy, w), partial(matmul.mm, dy, w))):
+                    t_ref, t_ours = best_seconds(ref, flops), best_seconds(ours, flops)
+                    ratios.append(t_ref / t_ours)
+                    print(f"{name:>8} {label:>28} {flops / t_ref / 1e9:14.0f} {flops / t_ours / 1e9:13.0f} "
+                          f"{t_ref / t_ours:5.2f}x", flush=True)
+    geo = torch.tensor(ratios).log().mean().exp().item()
+    print(f"geometric mean ggtorch/torch.mm: {geo:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
