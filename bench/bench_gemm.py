@@ -41,8 +41,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, f32; oneDNN used: "
-          f"{matmul.uses_onednn(torch.ones(1), torch.ones(1))}")
+    big = torch.ones(args.rows, 768)
+    print(f"torch {torch.__version__}, {args.threads} threads, f32; ggtorch.matmul on oneDNN: "
+          f"{matmul.uses_onednn(big, torch.ones(768, 768))}")
     print(f"{'model':>8} {'product (rows x in -> out)':>28} {'torch.mm GF/s':>14} {'ggtorch GF/s':>13} {'ratio':>6}")
     ratios = []
     for name, shapes in SHAPES.items():

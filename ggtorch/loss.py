@@ -155,31 +155,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = torch.empty(n, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
             grad_b = torch.zeros(v, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
             step = max(1, FUSED_CHUNK_BYTES // (4 * v))
-            # One set of chunk buffers for the whole call: a fresh (rows, V) tensor per chunk is
-            # returned to the OS and page-faulted back in every time (14 x 16 MiB per step, measured).
-            # The softmax is written over the f32 logits where its kernels are known to allow it (each
-            # row's max and sum are taken before any element is written), so f32 needs one buffer.
-            logits_buf = torch.empty(min(step, n), v, dtype=dtype, device=x.device)
-            f32_buf = logits_buf if dtype == f32 else torch.empty_like(logits_buf, dtype=f32)
-            probs_buf = f32_buf if x.device.type in IN_PLACE_SOFTMAX_DEVICES else torch.empty_like(f32_buf)
+            # Chunk buffers live for the whole call: a fresh (rows, V) tensor per chunk is returned to
+            # the OS and page-faulted back in every time (14 x 16 MiB per step, measured, on glibc).
+            # oneDNN (f32 on CPU) has no out=, so its logits are fresh per chunk; the softmax is then
+            # written over the f32 logits where its kernels allow that (each row's max and sum are
+            # taken before any element is written).
+            rows_max = min(step, n)
+            logits_buf = None if uses_onednn(xc, weight) else torch.empty(rows_max, v, dtype=dtype, device=x.device)
+            f32_buf = None if dtype == f32 else torch.empty(rows_max, v, dtype=f32, device=x.device)
+            in_place = x.device.type in IN_PLACE_SOFTMAX_DEVICES
+            probs_buf = None if in_place or not need_grad else torch.empty(rows_max, v, dtype=f32, device=x.device)
 
             def logits_of(rows: slice | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-                if uses_onednn(xc, weight):  # faster than the BLAS call, but it has no out=
-                    logits = mm_t(xc[rows], weight)  # (rows, V)
-                else:
-                    logits = torch.matmul(xc[rows], weight.T, out=out)
+                logits = mm_t(xc[rows], weight) if out is None else torch.matmul(xc[rows], weight.T, out=out)
                 if lora:
                     logits.add_(h[rows] @ b.T, alpha=scale)
-                return logits
+                return logits  # (rows, V)
 
             for r0 in range(0, n, step):
                 r1 = min(r0 + step, n)
-                logits = logits_of(slice(r0, r1), out=logits_buf[:r1 - r0])
-                logits32 = logits if dtype == f32 else f32_buf[:r1 - r0].copy_(logits)
+                logits = logits_of(slice(r0, r1), None if logits_buf is None else logits_buf[:r1 - r0])
+                logits32 = logits if f32_buf is None else f32_buf[:r1 - r0].copy_(logits)
                 if not need_grad:
                     total += _row_losses(logits32, safe[r0:r1], valid[r0:r1]).sum()
                     continue
-                p = torch.softmax(logits32, dim=-1, out=probs_buf[:r1 - r0])
+                p = torch.softmax(logits32, dim=-1, out=logits32 if probs_buf is None else probs_buf[:r1 - r0])
                 total += _row_losses_from_probs(p, safe[r0:r1], valid[r0:r1],
                                                 lambda rows, r0=r0: logits_of(rows + r0).float()).sum()
                 p.scatter_add_(1, safe[r0:r1, None], torch.full((r1 - r0, 1), -1.0, dtype=f32, device=x.device))

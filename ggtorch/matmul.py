@@ -24,6 +24,14 @@ from torch import nn
 ONEDNN_F32 = True
 """Route CPU f32 products through oneDNN when torch has it (False: always torch.mm)."""
 
+ONEDNN_MIN_MACS = 1 << 20
+ONEDNN_MIN_DIM = 512
+"""Products stay on torch.mm below 2**20 multiply-adds or when both dims of w are under 512:
+there oneDNN's ~30 us per call lost to MKL (0.6-0.9x at 512x64x64, 256x256x256, a 1x768x768
+vector product, measured), so tiny models keep their speed. Above, it won on a llama's matrices
+at any row count (1.9-2.9x for generation's few rows). LoRA's rank-r products stay on torch's
+ops (lora.py calls F.linear): in a real step they ran slower on oneDNN, though not alone."""
+
 
 @functools.cache
 def _onednn_linear() -> Callable[..., torch.Tensor] | None:
@@ -43,15 +51,16 @@ def _call(op: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor) -> 
 
 
 def uses_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``linear(x, w)`` runs on oneDNN rather than torch's default GEMM."""
+    """Whether ``mm_t(x, w)`` (x @ w.T) runs on oneDNN rather than torch's default GEMM."""
     return (ONEDNN_F32 and x.device.type == "cpu" and w.device.type == "cpu"
             and x.dtype == torch.float32 and w.dtype == torch.float32
+            and max(w.shape) >= ONEDNN_MIN_DIM and x.numel() * w.shape[0] >= ONEDNN_MIN_MACS
             and torch.backends.mkldnn.enabled and _onednn_linear() is not None)
 
 
 def mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for x (..., in) and w (out, in); no autograd."""
-    if uses_onednn(x, w) and x.numel() and w.numel():
+    if uses_onednn(x, w):
         op = _onednn_linear()
         assert op is not None
         with torch.no_grad():
@@ -66,7 +75,7 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def add_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``acc += a @ b`` (in place where the kernel allows: ``addmm_`` off oneDNN)."""
-    if uses_onednn(a, b):
+    if uses_onednn(a, b.T):
         return acc.add_(mm(a, b))
     return acc.addmm_(a, b)
 

@@ -11,6 +11,14 @@ from torch.profiler import ProfilerActivity, profile
 from ggtorch import matmul
 
 ONEDNN = torch.backends.mkldnn.is_available()
+MIN_MACS, MIN_DIM = matmul.ONEDNN_MIN_MACS, matmul.ONEDNN_MIN_DIM  # the shipped size rule (the fixture lifts it)
+
+
+@pytest.fixture(autouse=True)
+def _every_size_on_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The small shapes below take the oneDNN path too (the size rule has its own test)."""
+    monkeypatch.setattr(matmul, "ONEDNN_MIN_MACS", 0)
+    monkeypatch.setattr(matmul, "ONEDNN_MIN_DIM", 0)
 
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -31,14 +39,20 @@ def _onednn_ran(fn) -> bool:
     return any("_linear_pointwise" in e.key for e in prof.key_averages())
 
 
-def test_this_build_takes_the_onednn_path() -> None:
+def test_this_build_takes_the_onednn_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(matmul, "ONEDNN_MIN_MACS", MIN_MACS)
+    monkeypatch.setattr(matmul, "ONEDNN_MIN_DIM", MIN_DIM)
     if not ONEDNN:
         pytest.skip("this torch build has no oneDNN")
-    x, w = _randn(64, 96), _randn(80, 96, seed=1)
-    assert matmul.uses_onednn(x, w)
-    assert _onednn_ran(lambda: matmul.mm_t(x, w))
+    w = _randn(768, 768, seed=1)
+    for rows, expected in ((64, True), (2, True), (1, False)):  # one row: 0.59 M multiply-adds
+        x = _randn(rows, 768)
+        assert matmul.uses_onednn(x, w) is expected and _onednn_ran(lambda x=x: matmul.mm_t(x, w)) is expected
+    x = _randn(64, 768)
     assert not matmul.uses_onednn(x.bfloat16(), w.bfloat16())  # bf16 mm is oneDNN already
     assert not matmul.uses_onednn(x.double(), w.double())
+    small = _randn(256, 256)  # a tiny model's matrix: oneDNN's per-call cost would dominate
+    assert not matmul.uses_onednn(_randn(1024, 256), small)
 
 
 @pytest.mark.parametrize("layout", ["2d", "3d", "x transposed view", "w transposed view"])
