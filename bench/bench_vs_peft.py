@@ -21,7 +21,8 @@ rows are also compared with the peer in f32.
 GFLOP/s counts the useful matmul work of a LoRA step, 4 × (parameters of the base's matrices)
 per token (forward plus input gradient; attention, LoRA and recomputation are not counted), and
 is set against a GEMM peak measured in the same run: the best over the model's matrix shapes of
-torch.mm and of ggtorch.matmul (oneDNN, which ggtorch's f32 layers run on CPU), f32 and bf16.
+torch.mm and of ggtorch.matmul (oneDNN, which ggtorch's f32 layers run on CPU), f32 and bf16; the
+70% target is judged against torch.mm's f32 peak, the issue's reference, with both shown.
 
 Run from the repository root: ``python bench/bench_vs_peft.py [--quick] [--threads N]``.
 It prints a table and writes ``BENCHMARKS.md`` (``--out``).
@@ -501,6 +502,24 @@ def ggtorch_gflops(row: dict[str, Any]) -> float | None:
     return None if tps is None else tps * SHAPES[row["case"].shape].flops_per_token() / 1e9
 
 
+def peaks(row: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(torch.mm's GEMM peak, the faster kernel's) for the row's compute dtype, GFLOP/s."""
+    gemm, dtype = row["gemm"], row["case"].dtype
+    return gemm.get(f"{dtype}_kernels", {}).get("torch.mm", gemm.get(dtype)), gemm.get(dtype)
+
+
+def share_of_peaks(row: dict[str, Any]) -> str:
+    """ggtorch's GFLOP/s as a share of the best GEMM peak and (when lower) of torch.mm's."""
+    gf = ggtorch_gflops(row)
+    mm_peak, best = peaks(row)
+    if not gf or not best:
+        return "—"
+    text = f"{100 * gf / best:.0f}% of {best:.0f}"
+    if mm_peak and mm_peak < best:
+        text += f" ({100 * gf / mm_peak:.0f}% of torch.mm's {mm_peak:.0f})"
+    return text
+
+
 def print_row(row: dict[str, Any], sides: list[str]) -> None:
     case = row["case"]
     parts = [f"{case.label:34s}"]
@@ -521,9 +540,8 @@ def print_row(row: dict[str, Any], sides: list[str]) -> None:
     if row.get("ggtorch_cpu_tps") and row.get("peer_cpu_tps"):
         parts.append(f"(by CPU time {row['ggtorch_cpu_tps'] / row['peer_cpu_tps']:.2f}x)")
     gf = ggtorch_gflops(row)
-    peak = row["gemm"].get(case.dtype)
-    if gf and peak:
-        parts.append(f"{gf:.0f} GFLOP/s = {100 * gf / peak:.0f}% of {case.dtype} GEMM {peak:.0f}")
+    if gf:
+        parts.append(f"{gf:.0f} GFLOP/s = {share_of_peaks(row)} {case.dtype} GEMM")
     print("  ".join(parts), flush=True)
 
 
@@ -591,9 +609,10 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "each side twice, alternating, and shows each side's faster run (all runs are listed below the table). "
         "GFLOP/s counts 4 × base "
         "matrix parameters per token (forward + input gradient) against the best GEMM GFLOP/s over the "
-        "model's matrix shapes (rows = batch × ctx) of torch.mm (MKL for f32, what the peer's layers run) and "
-        "ggtorch.matmul (oneDNN for f32, what ggtorch's layers run; the same kernel as torch.mm for bf16), "
-        "measured in the same run.",
+        "model's matrix shapes (rows = batch × ctx), measured in the same run, of the faster of torch.mm "
+        "(MKL for f32, what the peer's layers run) and ggtorch.matmul (oneDNN for f32, what ggtorch's layers "
+        "run; the same kernel as torch.mm for bf16), with torch.mm's own f32 peak in parentheses: the issue "
+        "defines its 70% target on torch's f32 GEMM, so its verdict uses torch.mm's peak.",
         "",
         "## Results",
         "",
@@ -606,13 +625,12 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         g, p = row.get("ggtorch", {}), row.get("peer", {})
         gt, pt = row.get("ggtorch_tps"), row.get("peer_tps")
         gf = ggtorch_gflops(row)
-        peak = row["gemm"].get(case.dtype)
         g_rss, p_rss = g.get("peak_rss"), p.get("peak_rss")
         cells = [case.label, fmt(gt) if "error" not in g else "error", fmt(pt) if "error" not in p else "error",
                  f"{gt / pt:.2f}×" if gt and pt else "—",
                  f"{row['ggtorch_cpu_tps'] / row['peer_cpu_tps']:.2f}×"
                  if row.get("ggtorch_cpu_tps") and row.get("peer_cpu_tps") else "—", fmt(gf),
-                 f"{100 * gf / peak:.0f}% of {peak:.0f}" if gf and peak else "—",
+                 share_of_peaks(row),
                  gib(g_rss), gib(p_rss), f"{g_rss / p_rss:.0%}" if g_rss and p_rss else "—",
                  f"{g.get('malloc', '—')} / {p.get('malloc', '—')}",
                  fmt(g.get("load_s"), ".1f"), fmt(p.get("load_s"), ".1f")]
@@ -670,15 +688,20 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
     out.append(f"f32, F32 base: ≥ 1.3× transformers+peft — {fmt(ratio, '.2f')}× "
                f"({_verdict(None if ratio is None else ratio >= 1.3)})")
     gf = ggtorch_gflops(f32) if f32 else None
-    peak = f32["gemm"].get("f32") if f32 else None
+    mm_peak, peak = peaks(f32) if f32 else (None, None)
     if ratio is not None and ratio < 1.3 and peak:
         need = 1.3 * f32["peer_tps"] * SHAPES["110M"].flops_per_token() / 1e9
         out.append(f"  (1.3× the peer's {f32['peer_tps']:.0f} tok/s is {1.3 * f32['peer_tps']:.0f} tok/s: the base "
                    f"matmuls alone would have to run at {100 * need / peak:.0f}% of the f32 GEMM peak measured "
                    f"in this run, with no time left for attention, the loss, LoRA or the optimizer)")
-    frac = gf / peak if gf and peak else None
-    out.append(f"f32, F32 base: ≥ 70% of the f32 GEMM peak — {fmt(None if frac is None else 100 * frac)}% "
-               f"({_verdict(None if frac is None else frac >= 0.7)})")
+    # The issue's peak is torch's f32 GEMM (torch.mm, "near 170 GFLOP/s"); ggtorch's own kernel
+    # (oneDNN) peaks higher, and its share of that is shown beside the verdict.
+    frac = gf / mm_peak if gf and mm_peak else None
+    out.append(f"f32, F32 base: ≥ 70% of the f32 GEMM peak (torch.mm's, {fmt(mm_peak)} GFLOP/s) — "
+               f"{fmt(None if frac is None else 100 * frac)}% ({_verdict(None if frac is None else frac >= 0.7)})")
+    if gf and peak and mm_peak and peak > mm_peak:
+        out.append(f"  ({100 * gf / peak:.0f}% of the faster kernel's peak, {peak:.0f} GFLOP/s: oneDNN, "
+                   f"which ggtorch's own f32 layers run)")
 
     peer_f32 = f32.get("peer_tps") if f32 else None
     b = bf16.get("ggtorch_tps") if bf16 else None
