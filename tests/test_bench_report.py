@@ -85,6 +85,15 @@ def test_targets_met_and_missed(bench: Any) -> None:
     assert "costs 30% (**met**)" in text  # 1 - 0.7
 
 
+def test_checkpointing_cost_from_alternating_steps(bench: Any) -> None:
+    rows = _rows(bench, f32_tps=330.0, q4_rss=1.2)
+    ck = rows[-1]
+    ck["ggtorch"]["alternating_s"] = {"plain": [3.0, 3.4, 3.1], "checkpointed": [4.4, 4.0, 4.2]}
+    text = "\n".join(bench.targets(rows))
+    assert "costs 26% (**met**; steps with and without it alternating in one process)" in text  # 1 - 3.1 / 4.2
+    assert "minutes apart: 30%)" in text  # the cross-row figure, 1 - 0.7, stays beside it
+
+
 def test_targets_missed(bench: Any) -> None:
     text = "\n".join(bench.targets(_rows(bench, f32_tps=300.0, q4_rss=1.3)))
     assert "1.20× (**missed**)" in text  # 300 / 250
@@ -109,3 +118,10 @@ def test_report_renders_every_row_and_allocator(bench: Any) -> None:
     gf = 330 * flops / 1e9  # the F32 f32 row: share of both f32 peaks; bf16 has one (the same kernel)
     assert f"| {gf:.0f} | {100 * gf / 204:.0f}% of 204 ({100 * gf / 170:.0f}% of torch.mm's 170) |" in text
     assert f"| {510 * flops / 1e9 / 340:.0%} of 340 |" in text
+
+
+def test_gemm_peak_keeps_the_faster_of_two_measurements(bench: Any) -> None:
+    first = {"f32": 120.0, "f32_kernels": {"torch.mm": 118.0, "ggtorch.matmul": 120.0}, "malloc": "system"}
+    bench.keep_faster(first, {"f32": 210.0, "f32_kernels": {"torch.mm": 190.0, "ggtorch.matmul": 105.0},
+                              "malloc": "system"})
+    assert first == {"f32": 210.0, "f32_kernels": {"torch.mm": 190.0, "ggtorch.matmul": 120.0}, "malloc": "system"}
