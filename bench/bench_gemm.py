@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
+from bench_dequant import best_time  # this folder: run as python bench/bench_gemm.py
 
 from ggtorch import matmul
 
@@ -22,17 +21,6 @@ SHAPES = {  # (out, in) of the distinct matrices
     "110M": [(768, 768), (2048, 768), (768, 2048), (32000, 768)],
     "1.1B": [(2048, 2048), (256, 2048), (5632, 2048), (2048, 5632), (32000, 2048)],
 }
-
-
-def best_seconds(fn: Callable[[], torch.Tensor], flops: float) -> float:
-    fn()
-    reps = max(3, min(20, int(3e9 / flops)))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main() -> None:
@@ -56,7 +44,8 @@ def main() -> None:
                 for label, ref, ours in (
                         (f"fwd {n}x{in_f} -> {out_f}", partial(torch.matmul, x, w.T), partial(matmul.mm_t, x, w)),
                         (f"grad {n}x{out_f} -> {in_f}", partial(torch.matmul, dy, w), partial(matmul.mm, dy, w))):
-                    t_ref, t_ours = best_seconds(ref, flops), best_seconds(ours, flops)
+                    reps = max(3, min(20, int(3e9 / flops)))
+                    t_ref, t_ours = best_time(ref, reps), best_time(ours, reps)
                     ratios.append(t_ref / t_ours)
                     print(f"{name:>8} {label:>28} {flops / t_ref / 1e9:14.0f} {flops / t_ours / 1e9:13.0f} "
                           f"{t_ref / t_ours:5.2f}x", flush=True)
