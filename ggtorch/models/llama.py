@@ -2,8 +2,8 @@
 
 One file, nanoGPT style: RMSNorm, rope, Attention, MLP, Block, Llama. Module paths follow
 ``ggtorch.models.names`` (``layers.{i}.attn.q`` ...), so GGUF tensors map one-to-one onto
-modules. Linear layers are ``ggtorch.matmul.Linear`` (an ``nn.Linear``) or, for weights kept in their ggml blocks,
-``ggtorch.quant.modules.QuantLinear``: this file only calls them.
+modules. Linear layers are ``ggtorch.matmul.Linear`` (an ``nn.Linear``) or, for weights kept
+in their ggml blocks, ``ggtorch.quant.modules.QuantLinear``: this file only calls them.
 
 Shapes: B batch, T tokens in this call, S = start_pos + T keys, C n_embd, H query heads,
 Hkv key/value heads, D head_dim, V n_vocab.
