@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -293,6 +294,7 @@ def child_gemm(spec: dict[str, Any]) -> dict[str, Any]:
     torch.mm and of ggtorch.matmul (oneDNN for f32 on CPU, what ggtorch's layers run): the peak
     is the faster of the two, so ggtorch's fraction of it is not flattered by its own kernel."""
     import torch
+    from bench_dequant import best_time  # this folder (a child runs as python bench/bench_vs_peft.py)
 
     from ggtorch import matmul
 
@@ -309,13 +311,7 @@ def child_gemm(spec: dict[str, Any]) -> dict[str, Any]:
             flops = 2.0 * n * i * o
             reps = max(2, min(20, int(2e9 / flops)))
             for kernel, fn in kernels.items():
-                fn(x, w)
-                times = []
-                for _ in range(reps):
-                    t = time.perf_counter()
-                    fn(x, w)
-                    times.append(time.perf_counter() - t)
-                gflops = flops / min(times) / 1e9  # a peak: the fastest repetition
+                gflops = flops / best_time(partial(fn, x, w), reps) / 1e9  # a peak: the fastest repetition
                 per_shape[f"{kernel} {n}x{i}x{o}"] = gflops
                 per_kernel[kernel] = max(per_kernel[kernel], gflops)
         out[name] = max(per_kernel.values())
@@ -763,13 +759,6 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
                    f"≤ 35% of the peer's — {fmt(None if rss is None else 100 * rss)}% ({_verdict(ok)})")
         if ftype == "Q4_0":
             out += _same_allocator_rss(q, find(rows, ftype=ftype, malloc="swapped"))
-        qc = find(rows, ftype=ftype, checkpointing=True)
-        qct = qc.get("ggtorch_tps") if qc else None
-        qc_rss = qc.get("ggtorch", {}).get("peak_rss") if qc else None
-        peer_rss = q.get("peer", {}).get("peak_rss") if q else None
-        if qct and own and qc_rss and peer_rss:
-            out.append(f"  (the same {ftype} base with gradient checkpointing: {qct / own:.2f}× ggtorch's F32 speed "
-                       f"without it, peak RSS {100 * qc_rss / peer_rss:.0f}% of the peer's without it)")
     c = ck.get("ggtorch_tps") if ck else None
     across = 1 - c / own if c and own else None
     alternating = (ck or {}).get("ggtorch", {}).get("alternating_s")
