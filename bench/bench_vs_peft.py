@@ -230,15 +230,12 @@ def child_ggtorch(spec: dict[str, Any]) -> dict[str, Any]:
 def checkpointing_alternation(trainer: Any, rounds: int = 2) -> dict[str, list[float]]:
     """Seconds per step without and with block checkpointing, alternating in this one process, so
     the cost is measured on the same machine state (the table's rows are minutes apart)."""
-    from ggtorch.models.llama import Block
-    from ggtorch.trainer import enable_block_checkpointing
+    from ggtorch.trainer import disable_block_checkpointing, enable_block_checkpointing
 
     times: dict[str, list[float]] = {"plain": [], "checkpointed": []}
     for _ in range(rounds + 1):  # the first round warms the path without checkpointing up: not kept
         for mode in times:
-            for module in trainer.model.modules():  # undo enable_block_checkpointing's per-instance forward
-                if isinstance(module, Block):
-                    module.__dict__.pop("forward", None)
+            disable_block_checkpointing(trainer.model)
             if mode == "checkpointed":
                 enable_block_checkpointing(trainer.model)
             times[mode].append(trainer.step().seconds)

@@ -140,6 +140,16 @@ def enable_block_checkpointing(model: torch.nn.Module) -> int:
     return n
 
 
+def disable_block_checkpointing(model: torch.nn.Module) -> int:
+    """Undo :func:`enable_block_checkpointing`: each Block stores its activations again."""
+    n = 0
+    for module in model.modules():
+        if isinstance(module, Block) and "forward" in module.__dict__:
+            del module.forward
+            n += 1
+    return n
+
+
 class Trainer:
     """A training run; ``train()`` runs ``adam_iter`` steps, stoppable and resumable.
 

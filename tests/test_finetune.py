@@ -322,3 +322,39 @@ def test_ctrl_c_saves_and_a_second_ctrl_c_exits_at_once(stories260k: Path, texts
     assert proc.returncode == 130, out
     assert "Traceback" not in out
     load_checkpoint(tmp_path / "checkpoint-LATEST.gguf")  # loadable whatever the timing
+
+
+def test_block_checkpointing_on_and_off_gives_the_same_gradients(stories260k: Path) -> None:
+    """enable_block_checkpointing recomputes each Block in backward (the same numbers), and
+    disable_block_checkpointing puts the stored-activation forward back."""
+    from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
+    from ggtorch.models.llama import Block
+    from ggtorch.models.loader import load_llama
+    from ggtorch.trainer import disable_block_checkpointing, enable_block_checkpointing
+
+    model = load_llama(stories260k).model
+    attach_lora(model, LoraConfig(rank=2), seed=1)
+    params = [p for _, p, _ in trainable_parameters(model)]
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2], [1, 4, 8, 16, 32, 64]])
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+
+    def grads() -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        model(ids).float().logsumexp(-1).sum().backward()
+        return [p.grad.clone() for p in params]
+
+    plain = grads()
+    assert enable_block_checkpointing(model) == len(blocks) > 0
+    assert all("forward" in b.__dict__ for b in blocks)
+    checkpointed = grads()
+    assert disable_block_checkpointing(model) == len(blocks)
+    assert not any("forward" in b.__dict__ for b in blocks) and disable_block_checkpointing(model) == 0
+    again = grads()
+    for a, b, c in zip(plain, checkpointed, again, strict=True):
+        assert a.abs().max() > 0
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
