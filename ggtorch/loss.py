@@ -86,9 +86,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
 # --- the output projection and the loss in one pass ---------------------------------------------
 
 FUSED_CHUNK_BYTES = 32 << 20
-"""f32 logits per token chunk of :func:`output_cross_entropy` (rows x n_vocab x 4 bytes): one
-buffer of this size is reused for every chunk of a call; about 256 rows for a 32000-word vocabulary,
-where the chunk's GEMMs run near full speed (at 128 rows the output matmul lost ~30%, measured)."""
+"""f32 logits per token chunk of :func:`output_cross_entropy` (rows x n_vocab x 4 bytes): about
+256 rows for a 32000-word vocabulary, where the chunk's GEMMs run near full speed (at 128 rows the
+output matmul lost ~30%, measured). Buffers of this size are reused for every chunk of a call,
+except on oneDNN's path, whose logits are fresh per chunk (it has no out=)."""
 
 
 IN_PLACE_SOFTMAX_DEVICES = ("cpu", "cuda")

@@ -7,9 +7,9 @@ and a 110M LoRA step in f32 went from ~280 to ~315 tokens/s. Its results are ord
 another summation order: against float64, an rms relative error of ~5e-7 where MKL's is ~2.5e-7.
 
 Everything else takes torch's own ops: other devices, bf16/f16 (whose CPU mm is oneDNN
-already), builds without oneDNN, and ``torch.backends.mkldnn.enabled = False``. The functions
-here carry no autograd: the Functions that call them (the base linear layers, the quantized
-matmul, the fused loss) define their own backward.
+already), builds without oneDNN, and ``torch.backends.mkldnn.enabled = False``. ``mm_t``, ``mm``
+and ``add_mm_`` carry no autograd: the Functions that call them (the quantized matmul, the fused
+loss) define their own backward; ``linear`` and ``Linear`` (the float base layers) do.
 """
 
 from __future__ import annotations
