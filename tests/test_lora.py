@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gguf import GGMLQuantizationType
+
 from ggtorch.errors import Unsupported
 from ggtorch.lora import (
     LoraConfig,
@@ -323,3 +325,105 @@ def test_bf16_autocast_training_step(q4_model) -> None:
         assert p.grad.dtype == torch.float32, name
         cos = F.cosine_similarity(p.grad.flatten(), grads_f32[name].flatten(), dim=0)
         assert cos > 0.95, (name, float(cos))
+
+
+def _lora_bases(n_out: int, n_in: int) -> dict[str, nn.Module]:
+    """Frozen bases of one weight: ggtorch's oneDNN Linear, torch's nn.Linear, Q4_0 blocks (whole
+    and in row chunks). Q4_0 by gguf-py's quantizer, which tests/export checks against llama.cpp."""
+    from ggtorch.matmul import Linear
+    from ggtorch.quant.quantize import quantize
+
+    w = torch.randn(n_out, n_in, generator=torch.Generator().manual_seed(2)) / n_in ** 0.5
+    raw = torch.from_numpy(quantize(w, GGMLQuantizationType.Q4_0))
+    chunked = QuantLinear(raw, GGMLQuantizationType.Q4_0, (n_out, n_in))
+    chunked.chunk_bytes = n_in * 4 * 100  # 100 rows per dequantized chunk: several chunks each way
+    bases: dict[str, nn.Module] = {"Linear": Linear(n_in, n_out, bias=False), "nn.Linear": nn.Linear(n_in, n_out, bias=False),
+                                   "Q4_0": QuantLinear(raw, GGMLQuantizationType.Q4_0, (n_out, n_in)),
+                                   "Q4_0 chunked": chunked}
+    for base in bases.values():
+        if not isinstance(base, QuantLinear):
+            base.weight = nn.Parameter(chunked.dequantized_weight(), requires_grad=False)
+    return bases
+
+
+@pytest.mark.parametrize("base_kind", ["Linear", "nn.Linear", "Q4_0", "Q4_0 chunked"])
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_lora_product_against_the_formula_in_float64(base_kind: str, x_grad: bool) -> None:
+    """One-node LoRA (delta added into the base's product, input gradients summed in place) vs
+    y = x W^T + s (x A^T) B^T differentiated by autograd in float64, on 3-D input with s = 2."""
+    n_out, n_in = 640, 576  # above ggtorch.matmul's size rule, so Linear's products run on oneDNN
+    base = _lora_bases(n_out, n_in)[base_kind]
+    m = LoRALinear(base, rank=4, alpha=8)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        m.lora_a.copy_(torch.randn(m.lora_a.shape, generator=gen) / n_in ** 0.5)
+        m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=gen))
+    x = torch.randn(3, 50, n_in, generator=gen).requires_grad_(x_grad)
+    grad_y = torch.randn(3, 50, n_out, generator=gen)
+    y = m(x)
+    assert type(y.grad_fn).__name__ == "_LoRAProductBackward"
+    y.backward(grad_y)
+
+    w = (base.dequantized_weight() if isinstance(base, QuantLinear) else base.weight).double()
+    a, b = (p.detach().double().requires_grad_() for p in (m.lora_a, m.lora_b))
+    x64 = x.detach().double().requires_grad_()
+    y64 = x64 @ w.T + 2.0 * (x64 @ a.T) @ b.T
+    y64.backward(grad_y.double())
+    def close(got: torch.Tensor, want: torch.Tensor) -> None:  # f32 sums of up to 150 terms
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+    close(y.detach(), y64.detach())
+    close(m.lora_a.grad, a.grad)
+    close(m.lora_b.grad, b.grad)
+    assert m.lora_b.grad.is_contiguous()
+    if x_grad:
+        close(x.grad, x64.grad)
+    else:
+        assert x.grad is None
+
+
+@pytest.mark.parametrize("base_kind", ["Linear", "Q4_0"])
+def test_lora_product_under_bf16_autocast_computes_as_autocast_does(base_kind: str) -> None:
+    """Under autocast the one-node LoRA returns bf16, as F.linear would, with f32 gradients for
+    f32 parameters and input, close to the two F.linear calls autocast runs."""
+    n_out, n_in = 640, 576
+    base = _lora_bases(n_out, n_in)[base_kind]
+    m = LoRALinear(base, rank=4, alpha=8)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        m.lora_a.copy_(torch.randn(m.lora_a.shape, generator=gen) / n_in ** 0.5)
+        m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=gen))
+    x = torch.randn(2, 40, n_in, generator=gen, requires_grad=True)
+    grad_y = torch.randn(2, 40, n_out, generator=gen)
+    w = (base.dequantized_weight() if isinstance(base, QuantLinear) else base.weight).detach()
+    results = []
+    for fused in (True, False):
+        x.grad = m.lora_a.grad = m.lora_b.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fused:
+                y = m(x)
+                assert type(y.grad_fn).__name__ == "_LoRAProductBackward"
+            else:
+                y = F.linear(x, w) + F.linear(F.linear(x, m.lora_a), m.lora_b) * m.scale
+        assert y.dtype == torch.bfloat16
+        y.backward(grad_y.bfloat16())
+        results.append((y.detach().float(), x.grad, m.lora_a.grad, m.lora_b.grad))
+    for got, want in zip(*results):
+        assert got.dtype == torch.float32
+        assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
+        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.detach().abs().max()))
+
+
+def test_lora_keeps_two_nodes_where_the_base_trains_or_dropout_is_on() -> None:
+    """A base weight that requires grad still gets its gradient; dropout in training masks only
+    the delta: neither goes through the one-node product, whose base is frozen and input unmasked."""
+    base = nn.Linear(16, 8, bias=False)
+    m = LoRALinear(base, rank=2)
+    y = m(torch.randn(5, 16))
+    assert type(y.grad_fn).__name__ != "_LoRAProductBackward"
+    y.sum().backward()
+    assert base.weight.grad is not None and base.weight.grad.abs().sum() > 0
+    base.weight.requires_grad_(False)
+    m = LoRALinear(base, rank=2, dropout=0.5)
+    assert type(m.train()(torch.randn(5, 16)).grad_fn).__name__ != "_LoRAProductBackward"
+    assert type(m.eval()(torch.randn(5, 16)).grad_fn).__name__ == "_LoRAProductBackward"

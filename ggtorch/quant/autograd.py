@@ -57,6 +57,40 @@ def _dequantize_rows(raw: torch.Tensor, ggml_type: GGMLQuantizationType, r0: int
     return dequantize(raw[r0:r1], ggml_type, (r1 - r0, n_cols), dtype)
 
 
+def quant_mm_t(x2: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType, n_in: int,
+               chunk_bytes: int | None = None) -> torch.Tensor:
+    """``x2 @ W.T`` (N, out) for 2-D ``x2`` (N, in) in the dtype it computes in; W's blocks ``raw``
+    viewed as (out, row_nbytes); no autograd."""
+    n_out, dtype = raw.shape[0], x2.dtype
+    chunks = _chunks(n_out, rows_per_chunk(n_in, dtype, chunk_bytes))
+    if len(chunks) == 1:
+        return mm_t(x2, _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype))  # (N, out)
+    y = torch.empty(x2.shape[0], n_out, dtype=dtype, device=x2.device)  # (N, out)
+    for r0, r1 in chunks:
+        y[:, r0:r1] = mm_t(x2, _dequantize_rows(raw, ggml_type, r0, r1, n_in, dtype))
+    return y
+
+
+def quant_mm(g: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType, n_in: int,
+             chunk_bytes: int | None = None) -> torch.Tensor:
+    """``g @ W`` (N, in) for 2-D ``g`` (N, out), dequantizing W in g's dtype; no autograd. Summed
+    over row chunks in at least f32 (bf16 partial sums would lose bits), so a split bf16 product
+    comes back in f32."""
+    n_out, dtype = raw.shape[0], g.dtype
+    chunks = _chunks(n_out, rows_per_chunk(n_in, dtype, chunk_bytes))
+    if len(chunks) == 1:
+        return mm(g, _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype))  # (N, in)
+    acc_dtype = torch.promote_types(dtype, torch.float32)
+    acc = torch.zeros(g.shape[0], n_in, dtype=acc_dtype, device=g.device)  # (N, in)
+    for r0, r1 in chunks:
+        w = _dequantize_rows(raw, ggml_type, r0, r1, n_in, dtype)  # (rows, in)
+        if acc_dtype == dtype:
+            add_mm_(acc, g[:, r0:r1], w)
+        else:
+            acc += mm(g[:, r0:r1], w)
+    return acc
+
+
 class QuantMatmul(torch.autograd.Function):
     """``y = x @ W.T`` for W stored as raw ggml blocks; gradient for ``x`` only."""
 
@@ -69,14 +103,7 @@ class QuantMatmul(torch.autograd.Function):
         ctx.save_for_backward(raw)
         ctx.meta = (ggml_type, n_in, dtype, x.dtype, chunk_bytes)
         with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, n_in).to(dtype)  # (N, in)
-            chunks = _chunks(n_out, rows_per_chunk(n_in, dtype, chunk_bytes))
-            if len(chunks) == 1:
-                y = mm_t(x2, _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype))  # (N, out)
-            else:
-                y = torch.empty(x2.shape[0], n_out, dtype=dtype, device=x.device)  # (N, out)
-                for r0, r1 in chunks:
-                    y[:, r0:r1] = mm_t(x2, _dequantize_rows(raw, ggml_type, r0, r1, n_in, dtype))
+            y = quant_mm_t(x.reshape(-1, n_in).to(dtype), raw, ggml_type, n_in, chunk_bytes)  # (N, out)
         return y.reshape(*x.shape[:-1], n_out)
 
     @staticmethod
@@ -88,20 +115,7 @@ class QuantMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             with torch.autocast(grad_y.device.type, enabled=False):
                 g = grad_y.reshape(-1, n_out).to(dtype)  # (N, out)
-                # Accumulate over row chunks in at least f32: bf16 partial sums would lose bits.
-                chunks = _chunks(n_out, rows_per_chunk(n_in, dtype, chunk_bytes))
-                if len(chunks) == 1:
-                    acc = mm(g, _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype))  # (N, in)
-                else:
-                    acc_dtype = torch.promote_types(dtype, torch.float32)
-                    acc = torch.zeros(g.shape[0], n_in, dtype=acc_dtype, device=g.device)  # (N, in)
-                    for r0, r1 in chunks:
-                        w = _dequantize_rows(raw, ggml_type, r0, r1, n_in, dtype)  # (rows, in)
-                        if acc_dtype == dtype:
-                            add_mm_(acc, g[:, r0:r1], w)
-                        else:
-                            acc += mm(g[:, r0:r1], w)
-                grad_x = acc.to(x_dtype).reshape(*grad_y.shape[:-1], n_in)
+                grad_x = quant_mm(g, raw, ggml_type, n_in, chunk_bytes).to(x_dtype).reshape(*grad_y.shape[:-1], n_in)
         return grad_x, None, None, None, None
 
 
