@@ -30,7 +30,7 @@ ONEDNN_MIN_DIM = 512
 there oneDNN's ~30 us per call lost to MKL (0.6-0.9x at 512x64x64, 256x256x256, a 1x768x768
 vector product, measured), so tiny models keep their speed. Above, it won on a llama's matrices
 at any row count (1.9-2.9x for generation's few rows). LoRA's rank-r products stay on torch's
-ops (lora.py calls F.linear): in a real step they ran slower on oneDNN, though not alone."""
+ops (lora.py's ``@`` and ``addmm_``): in a real step they ran slower on oneDNN, though not alone."""
 
 
 @functools.cache
