@@ -17,10 +17,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..matmul import Linear
+from .attention import attention
 from .config import LlamaConfig
 from .fused import recompute_outputs, rms_norm, swiglu
 
@@ -139,7 +139,8 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with rope, through scaled_dot_product_attention."""
+    """Causal grouped-query self-attention with rope (models/attention.py: flash, or products for
+    short training sequences on CPU)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -170,10 +171,7 @@ class Attention(nn.Module):
             causal = False
         if attn_mask is not None:  # packed records: (B, 1, T, T), True where a query may attend
             mask, causal = attn_mask, False
-        # Query head h reads KV head h // (H / Hkv), as llama.cpp's ggml_mul_mat broadcast does.
-        y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal,
-                                           scale=1.0 / math.sqrt(self.head_dim),
-                                           enable_gqa=self.n_head != self.n_head_kv)  # (B, H, T, D)
+        y = attention(q, k, v, scale=1.0 / math.sqrt(self.head_dim), causal=causal, mask=mask)  # (B, H, T, D)
         return self.o(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 

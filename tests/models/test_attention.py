@@ -1,0 +1,101 @@
+"""Training attention as batched products against torch's own scaled_dot_product_attention in
+float64: outputs and gradients of q, k, v, causal and packed masks, grouped-query heads; and
+the dispatch: products only where PRODUCTS_MAX_TOKENS allows and a backward follows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ggtorch.models.attention import PRODUCTS_MAX_TOKENS, attention
+
+SCALE = 0.125
+
+
+def _qkv(B: int, H: int, Hkv: int, T: int, q_scale: float = 4.0, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, 64, generator=gen) * q_scale  # scores of a few units, as in a trained model
+    k, v = (torch.randn(B, Hkv, T, 64, generator=gen) for _ in range(2))
+    return [q, k, v]
+
+
+def _packed_mask(B: int, T: int) -> torch.Tensor:
+    """(B, 1, T, T): rows of several records, causal inside each, nothing across."""
+    segments = torch.stack([torch.arange(T) // (T // (2 + b)) for b in range(B)])  # (B, T)
+    same = segments[:, :, None] == segments[:, None, :]
+    return (same & torch.ones(T, T, dtype=torch.bool).tril())[:, None]
+
+
+def _run(fn, tensors: list[torch.Tensor], dtype: torch.dtype, grad_out: torch.Tensor) -> tuple[list[torch.Tensor], str]:
+    leaves = [t.detach().to(dtype, copy=True).requires_grad_() for t in tensors]
+    y = fn(*leaves)
+    node = type(y.grad_fn).__name__
+    y.backward(grad_out.to(dtype))
+    return [y.detach().double()] + [t.grad.double() for t in leaves], node
+
+
+def _reference(tensors: list[torch.Tensor], grad_out: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=SCALE,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    return _run(sdpa, tensors, torch.float64, grad_out)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("masking", ["causal", "packed"])
+def test_products_match_sdpa_in_float64(dtype: torch.dtype, heads: tuple[int, int], masking: str) -> None:
+    """f32: to f32 rounding. bf16: no further from float64 than torch's flash kernel in bf16 (the
+    path it replaces), times 1.25."""
+    B, T = 2, 64
+    tensors = _qkv(B, heads[0], heads[1], T)
+    grad_out = torch.randn(B, heads[0], T, 64, generator=torch.Generator().manual_seed(1))
+    mask = _packed_mask(B, T) if masking == "packed" else None
+    want = _reference(tensors, grad_out, mask)
+    got, node = _run(lambda q, k, v: attention(q, k, v, scale=SCALE, causal=mask is None, mask=mask),
+                     tensors, dtype, grad_out)
+    assert node == "_ProductAttentionBackward"
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    if dtype == torch.float32:
+        for g, w in zip(got, want):
+            assert rel(g, w) < 1e-6
+        return
+    flash, _ = _run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                                   scale=SCALE, enable_gqa=heads[0] != heads[1]),
+                    tensors, dtype, grad_out)
+    for name, g, f, w in zip(("out", "q", "k", "v"), got, flash, want):
+        assert rel(g, w) <= 1.25 * rel(f, w), (name, rel(g, w), rel(f, w))
+
+
+def test_the_products_path_and_flash_give_the_same_training_step_result() -> None:
+    """Above the length limit the same call goes to flash; both agree (f32, causal, GQA)."""
+    T = PRODUCTS_MAX_TOKENS[torch.float32]
+    tensors = _qkv(1, 8, 2, T, q_scale=1.0)
+    grad_out = torch.randn(1, 8, T, 64, generator=torch.Generator().manual_seed(2))
+    results = []
+    for limit in (T, T - 1):
+        old = PRODUCTS_MAX_TOKENS[torch.float32]
+        PRODUCTS_MAX_TOKENS[torch.float32] = limit
+        try:
+            got, node = _run(lambda q, k, v: attention(q, k, v, scale=SCALE, causal=True), tensors,
+                             torch.float32, grad_out)
+        finally:
+            PRODUCTS_MAX_TOKENS[torch.float32] = old
+        results.append(got)
+        assert (node == "_ProductAttentionBackward") == (limit == T), node
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_inference_and_cache_calls_keep_flash() -> None:
+    q, k, v = _qkv(1, 4, 4, 16)
+    with torch.no_grad():
+        y = attention(q, k, v, scale=SCALE, causal=True)
+    torch.testing.assert_close(y, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE))
+    q.requires_grad_()
+    y = attention(q[:, :, -4:], k, v, scale=SCALE, causal=False)  # 4 new queries over 16 cached keys
+    assert type(y.grad_fn).__name__ != "_ProductAttentionBackward"
