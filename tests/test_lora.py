@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from gguf import GGMLQuantizationType
+from torch import nn
 
 from ggtorch.errors import Unsupported
 from ggtorch.lora import (
@@ -337,13 +336,27 @@ def _lora_bases(n_out: int, n_in: int) -> dict[str, nn.Module]:
     raw = torch.from_numpy(quantize(w, GGMLQuantizationType.Q4_0))
     chunked = QuantLinear(raw, GGMLQuantizationType.Q4_0, (n_out, n_in))
     chunked.chunk_bytes = n_in * 4 * 100  # 100 rows per dequantized chunk: several chunks each way
-    bases: dict[str, nn.Module] = {"Linear": Linear(n_in, n_out, bias=False), "nn.Linear": nn.Linear(n_in, n_out, bias=False),
-                                   "Q4_0": QuantLinear(raw, GGMLQuantizationType.Q4_0, (n_out, n_in)),
-                                   "Q4_0 chunked": chunked}
+    bases: dict[str, nn.Module] = {
+        "Linear": Linear(n_in, n_out, bias=False), "nn.Linear": nn.Linear(n_in, n_out, bias=False),
+        "Q4_0": QuantLinear(raw, GGMLQuantizationType.Q4_0, (n_out, n_in)), "Q4_0 chunked": chunked}
     for base in bases.values():
         if not isinstance(base, QuantLinear):
             base.weight = nn.Parameter(chunked.dequantized_weight(), requires_grad=False)
     return bases
+
+
+PRODUCT_SHAPE = (640, 576)
+"""(out, in) of the one-node tests: above ggtorch.matmul's size rule, so a Linear's products run on oneDNN."""
+
+
+def _lora_product_module(base_kind: str, seed: int) -> tuple[LoRALinear, torch.Generator]:
+    """A rank-4 LoRA (s = 2) with random A and B over a base of ``base_kind``, and the generator."""
+    m = LoRALinear(_lora_bases(*PRODUCT_SHAPE)[base_kind], rank=4, alpha=8)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        m.lora_a.copy_(torch.randn(m.lora_a.shape, generator=gen) / PRODUCT_SHAPE[1] ** 0.5)
+        m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=gen))
+    return m, gen
 
 
 @pytest.mark.parametrize("base_kind", ["Linear", "nn.Linear", "Q4_0", "Q4_0 chunked"])
@@ -351,13 +364,8 @@ def _lora_bases(n_out: int, n_in: int) -> dict[str, nn.Module]:
 def test_lora_product_against_the_formula_in_float64(base_kind: str, x_grad: bool) -> None:
     """One-node LoRA (delta added into the base's product, input gradients summed in place) vs
     y = x W^T + s (x A^T) B^T differentiated by autograd in float64, on 3-D input with s = 2."""
-    n_out, n_in = 640, 576  # above ggtorch.matmul's size rule, so Linear's products run on oneDNN
-    base = _lora_bases(n_out, n_in)[base_kind]
-    m = LoRALinear(base, rank=4, alpha=8)
-    gen = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        m.lora_a.copy_(torch.randn(m.lora_a.shape, generator=gen) / n_in ** 0.5)
-        m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=gen))
+    m, gen = _lora_product_module(base_kind, seed=4)
+    base, (n_out, n_in) = m.base, PRODUCT_SHAPE
     x = torch.randn(3, 50, n_in, generator=gen).requires_grad_(x_grad)
     grad_y = torch.randn(3, 50, n_out, generator=gen)
     y = m(x)
@@ -369,6 +377,7 @@ def test_lora_product_against_the_formula_in_float64(base_kind: str, x_grad: boo
     x64 = x.detach().double().requires_grad_()
     y64 = x64 @ w.T + 2.0 * (x64 @ a.T) @ b.T
     y64.backward(grad_y.double())
+
     def close(got: torch.Tensor, want: torch.Tensor) -> None:  # f32 sums of up to 150 terms
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
@@ -386,13 +395,8 @@ def test_lora_product_against_the_formula_in_float64(base_kind: str, x_grad: boo
 def test_lora_product_under_bf16_autocast_computes_as_autocast_does(base_kind: str) -> None:
     """Under autocast the one-node LoRA returns bf16, as F.linear would, with f32 gradients for
     f32 parameters and input, close to the two F.linear calls autocast runs."""
-    n_out, n_in = 640, 576
-    base = _lora_bases(n_out, n_in)[base_kind]
-    m = LoRALinear(base, rank=4, alpha=8)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        m.lora_a.copy_(torch.randn(m.lora_a.shape, generator=gen) / n_in ** 0.5)
-        m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=gen))
+    m, gen = _lora_product_module(base_kind, seed=5)
+    base, (n_out, n_in) = m.base, PRODUCT_SHAPE
     x = torch.randn(2, 40, n_in, generator=gen, requires_grad=True)
     grad_y = torch.randn(2, 40, n_out, generator=gen)
     w = (base.dequantized_weight() if isinstance(base, QuantLinear) else base.weight).detach()
@@ -408,7 +412,7 @@ def test_lora_product_under_bf16_autocast_computes_as_autocast_does(base_kind: s
         assert y.dtype == torch.bfloat16
         y.backward(grad_y.bfloat16())
         results.append((y.detach().float(), x.grad, m.lora_a.grad, m.lora_b.grad))
-    for got, want in zip(*results):
+    for got, want in zip(*results, strict=True):
         assert got.dtype == torch.float32
         assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.detach().abs().max()))

@@ -61,13 +61,13 @@ def test_products_match_sdpa_in_float64(dtype: torch.dtype, heads: tuple[int, in
         return float((a - b).norm() / b.norm())
 
     if dtype == torch.float32:
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             assert rel(g, w) < 1e-6
         return
     flash, _ = _run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                                    scale=SCALE, enable_gqa=heads[0] != heads[1]),
                     tensors, dtype, grad_out)
-    for name, g, f, w in zip(("out", "q", "k", "v"), got, flash, want):
+    for name, g, f, w in zip(("out", "q", "k", "v"), got, flash, want, strict=True):
         assert rel(g, w) <= 1.25 * rel(f, w), (name, rel(g, w), rel(f, w))
 
 
@@ -87,7 +87,7 @@ def test_the_products_path_and_flash_give_the_same_training_step_result() -> Non
             PRODUCTS_MAX_TOKENS[torch.float32] = old
         results.append(got)
         assert (node == "_ProductAttentionBackward") == (limit == T), node
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
