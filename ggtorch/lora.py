@@ -271,6 +271,8 @@ class _LoRAProduct(torch.autograd.Function):
     1024 tokens (steps alternating in one process). Here the delta is added into the base's
     product in place and its input gradient into the base's. Computed in ``dtype`` (the autocast dtype, or x's), as
     autocast would compute the two F.linear calls; gradients come back in their tensors' dtypes.
+    The rank-r products go through ggtorch.matmul too: for f32 on CPU, oneDNN ran them in 0.13 s of
+    that step where torch.mm's MKL took 0.25 s.
     """
 
     @staticmethod
@@ -280,7 +282,7 @@ class _LoRAProduct(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (N, in)
             a_c, b_c = a.to(dtype), b.to(dtype)  # (r, in), (out, r)
-            h = x2 @ a_c.T  # (N, r)
+            h = mm_t(x2, a_c)  # (N, r)
             y = product(x2).addmm_(h, b_c.T, alpha=scale)  # (N, out)
         ctx.save_for_backward(x2, h, a_c, b_c)
         ctx.products, ctx.scale, ctx.x_meta = products, scale, (x.shape, x.dtype, a.dtype, b.dtype)
@@ -294,16 +296,16 @@ class _LoRAProduct(torch.autograd.Function):
         grad_x = grad_a = grad_b = None
         with torch.autocast(grad_y.device.type, enabled=False):
             g = grad_y.reshape(-1, grad_y.shape[-1]).to(x2.dtype)  # (N, out)
-            grad_h = (g @ b_c).mul_(ctx.scale)  # (N, r)
+            grad_h = mm(g, b_c).mul_(ctx.scale)  # (N, r)
             if ctx.needs_input_grad[0]:
                 acc = input_grad(g)  # (N, in)
                 acc.addmm_(grad_h.to(acc.dtype), a_c.to(acc.dtype))
                 grad_x = acc.to(x_dtype).view(x_shape)
             if ctx.needs_input_grad[1]:
-                grad_a = (grad_h.T @ x2).to(a_dtype)  # (r, in)
+                grad_a = mm(grad_h.T.contiguous(), x2).to(a_dtype)  # (r, in)
             if ctx.needs_input_grad[2]:
                 # h.T @ g, then transposed: as g.T @ h MKL ran 2.5x slower (a transposed (N, out) operand)
-                grad_b = (h.T @ g).mul_(ctx.scale).T.contiguous().to(b_dtype)  # (out, r)
+                grad_b = mm(h.T.contiguous(), g).mul_(ctx.scale).T.contiguous().to(b_dtype)  # (out, r)
         return grad_x, grad_a, grad_b, None, None, None
 
 

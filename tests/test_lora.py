@@ -361,9 +361,19 @@ def _lora_product_module(base_kind: str, seed: int) -> tuple[LoRALinear, torch.G
 
 @pytest.mark.parametrize("base_kind", ["Linear", "nn.Linear", "Q4_0", "Q4_0 chunked"])
 @pytest.mark.parametrize("x_grad", [True, False])
-def test_lora_product_against_the_formula_in_float64(base_kind: str, x_grad: bool) -> None:
+@pytest.mark.parametrize("rank_r_kernel", ["default", "onednn"])
+def test_lora_product_against_the_formula_in_float64(base_kind: str, x_grad: bool, rank_r_kernel: str,
+                                                     monkeypatch) -> None:
     """One-node LoRA (delta added into the base's product, input gradients summed in place) vs
-    y = x W^T + s (x A^T) B^T differentiated by autograd in float64, on 3-D input with s = 2."""
+    y = x W^T + s (x A^T) B^T differentiated by autograd in float64, on 3-D input with s = 2; with
+    ggtorch.matmul's size rule lifted, the rank-r products run on oneDNN (transposed operands too)."""
+    if rank_r_kernel == "onednn":
+        from ggtorch import matmul
+
+        if matmul._onednn_linear() is None:
+            pytest.skip("this torch build has no oneDNN")
+        monkeypatch.setattr(matmul, "ONEDNN_MIN_MACS", 0)
+        monkeypatch.setattr(matmul, "ONEDNN_MIN_DIM", 0)
     m, gen = _lora_product_module(base_kind, seed=4)
     base, (n_out, n_in) = m.base, PRODUCT_SHAPE
     x = torch.randn(3, 50, n_in, generator=gen).requires_grad_(x_grad)
