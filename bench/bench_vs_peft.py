@@ -123,12 +123,13 @@ def full_cases() -> list[Case]:
     return [
         # the rows the speed targets compare: each side's best of two alternating runs
         replace(base, repeat=2),
-        replace(base, dtype="bf16", repeat=2),
-        replace(base, ftype="Q8_0", peer=False),  # the peer's work is the F32 row's (it dequantizes on load)
+        replace(base, dtype="bf16", repeat=2, steps=2),
+        replace(base, ftype="Q8_0", peer=False, steps=2),  # the peer's work is the F32 row's (it dequantizes on load)
         replace(base, ftype="Q4_0"),
         replace(base, ftype="Q4_K_M"),
-        replace(base, ftype="Q4_0", malloc="swapped", steps=2),  # ggtorch on glibc, the peer on jemalloc
-        replace(base, checkpointing=True, steps=2),
+        replace(base, ftype="Q4_0", malloc="swapped", steps=1),  # ggtorch on glibc, the peer on jemalloc: for RSS
+        # the cost itself comes from steps with and without checkpointing alternating in ggtorch's process
+        replace(base, checkpointing=True, steps=1),
         # the same 1024 tokens per step at other context lengths: what attention's growth costs
         replace(base, ctx=64, batch=16, steps=2),
         replace(base, ctx=1024, batch=1, steps=2),
@@ -497,6 +498,7 @@ def main() -> None:
             for side in sides:
                 if side != "peer" or case.peer:
                     runs[side].append(run_child(side, spec, args.timeout))
+        row["wall_s"] = time.perf_counter() - t
         for side in sides:
             row[side] = best_run(runs[side], case)
             row[f"{side}_tps"] = tokens_per_second(row[side], case) if row[side] else None
@@ -572,6 +574,8 @@ def print_row(row: dict[str, Any], sides: list[str]) -> None:
     gf = ggtorch_gflops(row)
     if gf:
         parts.append(f"{gf:.0f} GFLOP/s = {share_of_peaks(row)} {case.dtype} GEMM")
+    if row.get("wall_s"):
+        parts.append(f"[row {row['wall_s']:.0f} s]")  # where the full run's 15 minutes go
     print("  ".join(parts), flush=True)
 
 
