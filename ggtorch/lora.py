@@ -255,11 +255,21 @@ def _frozen_products(base: nn.Module, dtype: torch.dtype) -> Products | None:
         raw, ggml_type, n_in, chunk_bytes = base.raw, base.ggml_type, base.shape[1], base.chunk_bytes
         return (lambda x: quant_mm_t(x, raw, ggml_type, n_in, chunk_bytes),
                 lambda g: quant_mm(g, raw, ggml_type, n_in, chunk_bytes))
-    if isinstance(base, nn.Linear) and base.bias is None and not base.weight.requires_grad:
-        if base.weight.dtype != dtype and not torch.is_autocast_enabled(base.weight.device.type):
-            return None  # a half-precision base without autocast: the plain path keeps the delta in f32
-        w = base.weight.to(dtype)  # (out, in); a cast only under autocast, as F.linear's would be
-        return (lambda x: mm_t(x, w)), (lambda g: mm(g, w))
+    if (isinstance(base, nn.Linear) and base.weight.dtype != dtype
+            and not torch.is_autocast_enabled(base.weight.device.type)):
+        return None  # a half-precision base without autocast: the plain path keeps the delta in f32
+    w = frozen_float_weight(base, dtype)  # (out, in); a cast only under autocast, as F.linear's would be
+    if w is None:
+        return None
+    return (lambda x: mm_t(x, w)), (lambda g: mm(g, w))
+
+
+def frozen_float_weight(base: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
+    """W in ``dtype`` of a bias-free ``nn.Linear`` or ggtorch ``Linear`` whose weight takes no
+    gradient: its forward is ``x @ W.T``, which the one-node LoRA and the fused loss compute
+    themselves. None for anything else, subclasses included (their forward may differ)."""
+    if type(base) in (nn.Linear, Linear) and base.bias is None and not base.weight.requires_grad:
+        return base.weight.to(dtype)
     return None
 
 

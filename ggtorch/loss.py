@@ -19,8 +19,8 @@ from typing import Literal
 import torch
 from torch.nn.modules import module as nn_module
 
-from .lora import LoRALinear
-from .matmul import Linear, mm, mm_t, uses_onednn
+from .lora import LoRALinear, frozen_float_weight
+from .matmul import mm, mm_t, uses_onednn
 from .quant import dequantize
 from .quant.autograd import compute_dtype
 from .quant.modules import QuantLinear
@@ -224,7 +224,7 @@ def _output_parts(output: torch.nn.Module, x: torch.Tensor
     scale = 1.0
     base = output
     if isinstance(output, LoRALinear):
-        if output.merged or not isinstance(output.dropout, torch.nn.Identity):
+        if output.merged or output.dropout_p > 0:
             return None
         base, lora_a, lora_b, scale = output.base, output.lora_a, output.lora_b, float(output.scale)
     dtype = compute_dtype(x)
@@ -233,10 +233,10 @@ def _output_parts(output: torch.nn.Module, x: torch.Tensor
         if n_embd * torch.empty((), dtype=dtype).element_size() > 4 * x.shape[0]:
             return None
         weight = dequantize(base.raw, base.ggml_type, base.shape, dtype)
-    elif type(base) in (torch.nn.Linear, Linear) and base.bias is None and not base.weight.requires_grad:
-        weight = base.weight.to(dtype)
     else:
-        return None
+        weight = frozen_float_weight(base, dtype)
+        if weight is None:
+            return None
     return weight, lora_a, lora_b, scale
 
 

@@ -430,7 +430,8 @@ def test_lora_product_under_bf16_autocast_computes_as_autocast_does(base_kind: s
 
 def test_lora_keeps_two_nodes_where_the_base_trains_or_dropout_is_on() -> None:
     """A base weight that requires grad still gets its gradient; dropout in training masks only
-    the delta: neither goes through the one-node product, whose base is frozen and input unmasked."""
+    the delta; a Linear subclass keeps its own forward: none goes through the one-node product,
+    whose base is a frozen plain x @ W.T and input unmasked."""
     base = nn.Linear(16, 8, bias=False)
     m = LoRALinear(base, rank=2)
     y = m(torch.randn(5, 16))
@@ -438,6 +439,16 @@ def test_lora_keeps_two_nodes_where_the_base_trains_or_dropout_is_on() -> None:
     y.sum().backward()
     assert base.weight.grad is not None and base.weight.grad.abs().sum() > 0
     base.weight.requires_grad_(False)
+
+    class Doubled(nn.Linear):  # a subclass's forward may be anything: it must be called
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    doubled = Doubled(16, 8, bias=False).requires_grad_(False)
+    x = torch.randn(5, 16)
+    y = LoRALinear(doubled, rank=2)(x)
+    assert type(y.grad_fn).__name__ != "_LoRAProductBackward"
+    torch.testing.assert_close(y, 2 * F.linear(x, doubled.weight))  # B = 0: the base's own output
     m = LoRALinear(base, rank=2, dropout=0.5)
     assert type(m.train()(torch.randn(5, 16)).grad_fn).__name__ != "_LoRAProductBackward"
     assert type(m.eval()(torch.randn(5, 16)).grad_fn).__name__ == "_LoRAProductBackward"
