@@ -46,7 +46,7 @@ from .models import names
 from .models.llama import RMSNorm
 from .mt19937 import MT19937
 from .quant.autograd import compute_dtype, quant_mm, quant_mm_t
-from .quant.modules import QuantEmbedding, QuantLinear
+from .quant.modules import QuantEmbedding, QuantLinear, float_module
 
 log = logging.getLogger(__name__)
 
@@ -192,14 +192,7 @@ class _LoRA(nn.Module):
 
 
 def _float_module(quant: QuantLinear | QuantEmbedding, weight: torch.Tensor) -> nn.Module:
-    n_rows, n_cols = quant.shape
-    module: nn.Module
-    if isinstance(quant, QuantEmbedding):
-        module = nn.Embedding(n_rows, n_cols, device="meta")
-    else:
-        module = Linear(n_cols, n_rows, bias=False, device="meta")
-    module.weight = nn.Parameter(weight, requires_grad=False)
-    return module
+    return float_module(nn.Parameter(weight, requires_grad=False), embedding=isinstance(quant, QuantEmbedding))
 
 
 def _supported(base: nn.Module, bases: tuple[type, ...], what: str) -> None:

@@ -19,9 +19,8 @@ from torch import nn
 
 from ..errors import BadGGUF, Unsupported
 from ..gguf_io import GGUFFile, TensorInfo, read_gguf, release_pages
-from ..matmul import Linear
 from ..quant import check_raw, dequantize
-from ..quant.modules import QuantEmbedding, QuantLinear
+from ..quant.modules import QuantEmbedding, QuantLinear, float_module
 from . import names
 from .config import LlamaConfig
 from .llama import Llama, RMSNorm
@@ -111,7 +110,7 @@ def build_llama(f: GGUFFile, config: LlamaConfig, device: torch.device | str = "
         raise BadGGUF(f"{f.path}: required tensor '{missing[0]}' is missing ({len(missing)} missing)")
 
     with torch.device("meta"):
-        model = Llama(config)
+        model = Llama(config, init_weights=False)
     for name, shape in expected.items():
         info = f.tensors[name]
         if info.shape != shape:
@@ -148,12 +147,7 @@ def _make_module(info: TensorInfo, kind: str, device: torch.device, dtype: torch
             return QuantEmbedding(raw, info.ggml_type, info.shape)
         return QuantLinear(raw, info.ggml_type, info.shape)
     weight = nn.Parameter(_float_weight(raw, info, dtype), requires_grad=False)
-    if kind == "token_embd":
-        module: nn.Module = nn.Embedding(*info.shape, device="meta")
-    else:
-        module = Linear(info.shape[1], info.shape[0], bias=False, device="meta")
-    module.weight = weight
-    return module
+    return float_module(weight, embedding=kind == "token_embd")
 
 
 def _float_weight(raw: torch.Tensor, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
@@ -180,9 +174,7 @@ def _tied_output(embedding: nn.Module) -> nn.Module:
     """The output projection of a tied model: the embedding's weight (or raw blocks), shared."""
     if isinstance(embedding, QuantEmbedding):
         return QuantLinear(embedding.raw, embedding.ggml_type, embedding.shape)
-    out = Linear(embedding.weight.shape[1], embedding.weight.shape[0], bias=False, device="meta")
-    out.weight = embedding.weight
-    return out
+    return float_module(embedding.weight, embedding=False)
 
 
 def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:

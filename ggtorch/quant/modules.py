@@ -95,6 +95,20 @@ class QuantEmbedding(_QuantWeight):
         return quant_embedding(ids, self.raw, self.ggml_type, self.shape, self.dtype)
 
 
+def float_module(weight: nn.Parameter, embedding: bool) -> nn.Module:
+    """A Linear (or nn.Embedding) holding ``weight`` (rows, cols) as it is: the same Parameter,
+    so modules given one stay tied. Built on the meta device without the random init its
+    constructor would run (the first normal_ on a meta tensor imports torch._dynamo: ~1.3 s)."""
+    n_rows, n_cols = weight.shape
+    module: nn.Module
+    if embedding:
+        module = nn.Embedding(n_rows, n_cols, _weight=torch.empty(n_rows, n_cols, device="meta"))
+    else:
+        module = Linear(n_cols, n_rows, bias=False, device="meta")
+    module.weight = weight
+    return module
+
+
 def dequantize_modules(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Replace every QuantLinear / QuantEmbedding in ``model`` by a frozen float nn.Linear /
     nn.Embedding of ``dtype`` (in place; also returned). Modules that shared one raw buffer (a
@@ -109,12 +123,7 @@ def dequantize_modules(model: nn.Module, dtype: torch.dtype = torch.float32) -> 
         if key not in shared:
             shared[key] = nn.Parameter(module.dequantized_weight(dtype), requires_grad=False)
         weight = shared[key]
-        n_rows, n_cols = module.shape
-        if isinstance(module, QuantEmbedding):
-            new: nn.Module = nn.Embedding(n_rows, n_cols, device="meta")
-        else:
-            new = Linear(n_cols, n_rows, bias=False, device="meta")
-        new.weight = weight
+        new = float_module(weight, embedding=isinstance(module, QuantEmbedding))
         parent_path, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, attr, new)
     return model

@@ -180,3 +180,16 @@ def test_inconsistent_hyperparameters_are_rejected(broken: Callable[..., Path]) 
         LlamaConfig.from_gguf(read_gguf(broken("heads", set_keys={"llama.attention.head_count": 7})))
     with pytest.raises(BadGGUF, match="positive"):
         LlamaConfig.from_gguf(read_gguf(broken("zero", set_keys={"llama.block_count": 0})))
+
+
+def test_loading_runs_no_random_init(stories260k: Path) -> None:
+    """The loader assigns every weight, so it must not initialize any: the first normal_ on a
+    meta tensor imports torch._dynamo, 1.3 s of a 0.06 s stories260K load. In a fresh process,
+    since the suite may have imported it already."""
+    import subprocess
+    import sys
+
+    code = (f"import sys; from ggtorch.models.loader import load_llama; load_llama({str(stories260k)!r}); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
