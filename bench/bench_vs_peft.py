@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -106,6 +107,9 @@ class Case:
     """Run the peer too (False: a ggtorch-only row, compared with the peer's rows of the same shape)."""
     repeat: int = 1
     """Runs per side, alternating ggtorch, peer, ggtorch, ...; the table shows each side's fastest."""
+    alternate_f32: bool = False
+    """ggtorch's child also loads the F32 base and alternates its steps with this row's: the
+    quantized-speed target compares them on the same machine state, not rows minutes apart."""
     malloc: str = "shipped"
     """``shipped``: ggtorch on the allocator its CLI picks (jemalloc when installed, see
     ggtorch/allocator.py), the peer on the system malloc, as its users run it. ``swapped``: each
@@ -122,17 +126,18 @@ def full_cases() -> list[Case]:
     base = Case("110M", "F32", "f32", ctx=256, batch=4)
     return [
         # the rows the speed targets compare: each side's best of two alternating runs
-        replace(base, repeat=2),
-        replace(base, dtype="bf16", repeat=2, steps=2),
+        replace(base, repeat=2, steps=2),
+        replace(base, dtype="bf16", repeat=2, steps=1),
         replace(base, ftype="Q8_0", peer=False, steps=2),  # the peer's work is the F32 row's (it dequantizes on load)
-        replace(base, ftype="Q4_0"),
-        replace(base, ftype="Q4_K_M"),
+        # the speed targets come from Q4 and F32 steps alternating in ggtorch's process, RSS from the row
+        replace(base, ftype="Q4_0", steps=1, alternate_f32=True),
+        replace(base, ftype="Q4_K_M", steps=1, alternate_f32=True),
         replace(base, ftype="Q4_0", malloc="swapped", steps=1),  # ggtorch on glibc, the peer on jemalloc: for RSS
         # the cost itself comes from steps with and without checkpointing alternating in ggtorch's process
         replace(base, checkpointing=True, steps=1),
         # the same 1024 tokens per step at other context lengths: what attention's growth costs
-        replace(base, ctx=64, batch=16, steps=2),
-        replace(base, ctx=1024, batch=1, steps=2),
+        replace(base, ctx=64, batch=16, steps=1),
+        replace(base, ctx=1024, batch=1, steps=1),
         Case("1.1B", "Q4_0", "f32", ctx=256, batch=1, steps=1),
         Case("1.1B", "F32", "f32", ctx=256, batch=1, steps=1),
     ]
@@ -223,24 +228,43 @@ def child_ggtorch(spec: dict[str, Any]) -> dict[str, Any]:
     out = {"load_s": load, "step_s": [r.seconds for r in results], "cpu_s": cpu, "loss": [r.loss for r in results]}
     if spec["checkpointing"]:
         out["peak_rss"] = peak_rss_bytes()  # of the checkpointed steps, before any step without it
-        out["alternating_s"] = checkpointing_alternation(trainer)
+        out["alternating_s"] = alternate(checkpointing_steps(trainer), cold="plain")
+    if spec["alternate_f32"]:
+        out["peak_rss"] = peak_rss_bytes()  # of this row's model alone, before the F32 one is loaded
+        f32 = Trainer(finetune_config({**spec, "model": spec["f32_model"]}), log_records=False)
+        out["alternating_s"] = alternate({"quantized": lambda: trainer.step().seconds,
+                                          "F32": lambda: f32.step().seconds}, cold="F32")
+        f32.close()
     trainer.close()
     return out
 
 
-def checkpointing_alternation(trainer: Any, rounds: int = 2) -> dict[str, list[float]]:
-    """Seconds per step without and with block checkpointing, alternating in this one process, so
-    the cost is measured on the same machine state (the table's rows are minutes apart)."""
+def alternate(steps: dict[str, Callable[[], float]], cold: str, rounds: int = 2) -> dict[str, list[float]]:
+    """Seconds of each kind of step, the kinds taking turns in this one process, so they are
+    compared on the same machine state (the table's rows are minutes apart, and the machine's
+    speed drifts). The ``cold`` kind, not yet run in this process, takes one untimed step first."""
+    steps[cold]()
+    times: dict[str, list[float]] = {kind: [] for kind in steps}
+    for _ in range(rounds):
+        for kind, step in steps.items():
+            times[kind].append(step())
+    return times
+
+
+def checkpointing_steps(trainer: Any) -> dict[str, Callable[[], float]]:
+    """A step of ``trainer`` without and with block checkpointing, for :func:`alternate`."""
     from ggtorch.trainer import disable_block_checkpointing, enable_block_checkpointing
 
-    times: dict[str, list[float]] = {"plain": [], "checkpointed": []}
-    for _ in range(rounds + 1):  # the first round warms the path without checkpointing up: not kept
-        for mode in times:
-            disable_block_checkpointing(trainer.model)
-            if mode == "checkpointed":
-                enable_block_checkpointing(trainer.model)
-            times[mode].append(trainer.step().seconds)
-    return {mode: seconds[1:] for mode, seconds in times.items()}
+    def plain() -> float:
+        disable_block_checkpointing(trainer.model)
+        return trainer.step().seconds
+
+    def checkpointed() -> float:
+        disable_block_checkpointing(trainer.model)
+        enable_block_checkpointing(trainer.model)
+        return trainer.step().seconds
+
+    return {"plain": plain, "checkpointed": checkpointed}
 
 
 def child_peer(spec: dict[str, Any]) -> dict[str, Any]:
@@ -492,6 +516,8 @@ def main() -> None:
             gemm[(case.shape, n_rows)] = run_child("gemm", {"threads": args.threads, "rows": n_rows,
                                                             "shapes": sorted(set(shape.matrices()))}, args.timeout)
         spec = {"model": str(path), "text": str(text), "threads": args.threads, **asdict(case)}
+        if case.alternate_f32:
+            spec["f32_model"] = str(model_file(args.workdir, shape, "F32"))
         row: dict[str, Any] = {"case": case, "gemm": gemm[(case.shape, n_rows)]}
         runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
         for _ in range(case.repeat):  # sides alternate, so a slow spell of the machine hits both
@@ -507,6 +533,8 @@ def main() -> None:
         rows.append(row)
         print_row(row, sides)
     for (shape_name, n_rows), peak in gemm.items():  # once more at the end: one slow spell can't set the peak
+        if shape_name != "110M":  # the targets' shape; the 1.1B rows' shares are for information
+            continue
         again = run_child("gemm", {"threads": args.threads, "rows": n_rows,
                                    "shapes": sorted(set(SHAPES[shape_name].matrices()))}, args.timeout)
         keep_faster(peak, again)
@@ -563,7 +591,8 @@ def print_row(row: dict[str, Any], sides: list[str]) -> None:
             parts.append(f"{side}: ERROR {r['error']}")
             continue
         parts.append(f"{side} {fmt(row[f'{side}_tps']):>6s} tok/s rss {gib(r.get('peak_rss'))} GiB "
-                     f"load {fmt(r.get('load_s'), '.1f')} s malloc {r.get('malloc', '?')}")
+                     f"load {fmt(r.get('load_s'), '.1f')} s process {fmt(r.get('wall_s'))} s "
+                     f"malloc {r.get('malloc', '?')}")
     if case.repeat > 1:
         parts.append("runs " + "; ".join(f"{side} " + "/".join(fmt(t) for t in row[f"{side}_all_tps"])
                                          for side in sides if row[f"{side}_all_tps"]))
@@ -640,11 +669,13 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "ratio from each side's process CPU time per step, which load from other processes disturbs much "
         "less than wall time (with one thread and an idle machine the two ratios agree). The speed of this shared "
         "machine drifts by ±15% over minutes, so the F32 f32 and bf16 rows, which the speed targets compare, run "
-        "each side twice, alternating, and show each side's faster run (all runs are listed below the table). "
+        "each side twice, alternating, and show each side's faster run (all runs are listed below the table); "
+        "the targets that compare ggtorch with itself (Q4 base vs F32 base, checkpointing's cost) come from one "
+        "ggtorch process taking steps of the two kinds in turn (two of each after a warm-up step: medians). "
         "GFLOP/s counts 4 × base "
         "matrix parameters per token (forward + input gradient) against the best GEMM GFLOP/s over the "
-        "model's matrix shapes (rows = batch × ctx), measured twice in the same run (before the first row of that "
-        "shape and after the last; the higher counts), of the faster of torch.mm "
+        "model's matrix shapes (rows = batch × ctx), measured in the same run (for the 110M shape twice, "
+        "before its first row and after the last row; the higher counts), of the faster of torch.mm "
         "(MKL for f32, what the peer's layers run) and ggtorch.matmul (oneDNN for f32, what ggtorch's layers "
         "run; the same kernel as torch.mm for bf16), with torch.mm's own f32 peak in parentheses: the issue "
         "defines its 70% target on torch's f32 GEMM, so its verdict uses torch.mm's peak.",
@@ -752,19 +783,25 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
     for ftype in ("Q4_0", "Q4_K_M"):
         q = find(rows, ftype=ftype)
         qt = q.get("ggtorch_tps") if q else None
-        rs = own and qt and qt / own
+        across_rows = own and qt and qt / own
+        # seconds per step: F32's over the quantized base's is the quantized base's relative speed
+        in_process = _alternating_ratio(q, "F32", "quantized")
+        rs = in_process or across_rows
         rss = (q["ggtorch"].get("peak_rss") / q["peer"]["peak_rss"]
                if q and q.get("ggtorch", {}).get("peak_rss") and q.get("peer", {}).get("peak_rss") else None)
         ok = None if not rs or rss is None else (rs >= 0.8 and rss <= 0.35)
+        how = "; its steps and F32-base steps alternating in one process" if in_process else ""
         out.append(f"{ftype} base: ≥ 0.8× ggtorch's F32-base speed — {fmt(rs or None, '.2f')}×, and peak RSS "
-                   f"≤ 35% of the peer's — {fmt(None if rss is None else 100 * rss)}% ({_verdict(ok)})")
+                   f"≤ 35% of the peer's — {fmt(None if rss is None else 100 * rss)}% ({_verdict(ok)}{how})")
+        if in_process and across_rows:
+            out.append(f"  (the {ftype} row against the F32 row's fastest run, minutes apart: {across_rows:.2f}×)")
         if ftype == "Q4_0":
             out += _same_allocator_rss(q, find(rows, ftype=ftype, malloc="swapped"))
     c = ck.get("ggtorch_tps") if ck else None
     across = 1 - c / own if c and own else None
-    alternating = (ck or {}).get("ggtorch", {}).get("alternating_s")
-    if alternating and alternating.get("plain") and alternating.get("checkpointed"):
-        cost = 1 - statistics.median(alternating["plain"]) / statistics.median(alternating["checkpointed"])
+    relative_speed = _alternating_ratio(ck, "plain", "checkpointed")
+    if relative_speed:
+        cost = 1 - relative_speed
         out.append(f"gradient checkpointing costs ≤ 35% of throughput — costs {100 * cost:.0f}% "
                    f"({_verdict(cost <= 0.35)}; steps with and without it alternating in one process)")
         if across is not None:
@@ -775,6 +812,15 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
                    f"{fmt(None if across is None else 100 * across)}% "
                    f"({_verdict(None if across is None else across <= 0.35)})")
     return out
+
+
+def _alternating_ratio(row: dict[str, Any] | None, numerator: str, denominator: str) -> float | None:
+    """median seconds of ``numerator`` steps / of ``denominator`` steps, from a row whose ggtorch
+    child alternated the two kinds (:func:`alternate`); None without such steps."""
+    times = (row or {}).get("ggtorch", {}).get("alternating_s") or {}
+    if not times.get(numerator) or not times.get(denominator):
+        return None
+    return statistics.median(times[numerator]) / statistics.median(times[denominator])
 
 
 def _same_allocator_rss(shipped: dict[str, Any] | None, swapped: dict[str, Any] | None) -> list[str]:

@@ -94,6 +94,20 @@ def test_checkpointing_cost_from_alternating_steps(bench: Any) -> None:
     assert "minutes apart: 30%)" in text  # the cross-row figure, 1 - 0.7, stays beside it
 
 
+def test_quantized_speed_from_alternating_steps(bench: Any) -> None:
+    rows = _rows(bench, f32_tps=330.0, q4_rss=1.2)
+    q4k = rows[4]  # 0.7x the F32 row across rows: missed there
+    q4k["ggtorch"]["alternating_s"] = {"quantized": [3.5, 3.9, 3.6], "F32": [3.0, 3.3, 3.2]}
+    text = "\n".join(bench.targets(rows))
+    # median F32 step 3.2 s / median Q4_K_M step 3.6 s
+    assert ("Q4_K_M base: ≥ 0.8× ggtorch's F32-base speed — 0.89×, and peak RSS ≤ 35% of the peer's — 29% "
+            "(**met**; its steps and F32-base steps alternating in one process)") in text
+    assert "(the Q4_K_M row against the F32 row's fastest run, minutes apart: 0.70×)" in text
+    assert "**missed**" not in text
+    q4k["ggtorch"]["alternating_s"] = {"quantized": [4.2, 4.2], "F32": [3.1, 3.3]}  # 3.2 / 4.2: missed in-process
+    assert "— 0.76×, and peak RSS ≤ 35% of the peer's — 29% (**missed**; its steps" in "\n".join(bench.targets(rows))
+
+
 def test_targets_missed(bench: Any) -> None:
     text = "\n".join(bench.targets(_rows(bench, f32_tps=300.0, q4_rss=1.3)))
     assert "1.20× (**missed**)" in text  # 300 / 250
