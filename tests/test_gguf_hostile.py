@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -97,29 +98,50 @@ def test_hostile_file_is_refused_with_a_message(tmp_path: Path, case: str) -> No
     assert time.perf_counter() - start < 2.0  # no loop over a count the file merely claims
 
 
-def test_every_shared_file_reads_like_gguf_py(shared: Path) -> None:
-    """The pre-pass accepts real files, and read_gguf's metadata equals GGUFReader's."""
+def _assert_reads_like_gguf_py(path: Path) -> None:
+    """read_gguf's metadata, value types and tensors equal gguf-py's GGUFReader's."""
     from gguf import GGUFReader, GGUFValueType
 
+    ours = read_gguf(path)
+    reader = GGUFReader(path)
+    fields = {key: field for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    assert list(ours.metadata) == list(fields)
+    python_type = {GGUFValueType.BOOL: bool, GGUFValueType.FLOAT32: float, GGUFValueType.FLOAT64: float,
+                   GGUFValueType.STRING: str}
+    for key, field in fields.items():
+        vtype = field.types[0]
+        assert ours.value_types[key][0] == vtype, key
+        value = ours.metadata[key]
+        if vtype == GGUFValueType.STRING:
+            assert value == bytes(field.parts[-1]).decode("utf-8", errors="replace")
+        elif vtype != GGUFValueType.ARRAY:
+            assert value == field.parts[-1][0] and type(value) is python_type.get(vtype, int), key
+        else:
+            etype = field.types[-1]
+            if field.data:
+                assert ours.value_types[key][1] == etype, key
+            if etype == GGUFValueType.STRING:
+                expected = [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+            else:
+                expected = [v for i in field.data for v in field.parts[i].tolist()]
+                assert all(type(v) is python_type.get(etype, int) for v in value), key
+            assert value == expected, key
+    assert list(ours.tensors) == [t.name for t in reader.tensors]
+    for t in reader.tensors:
+        info = ours.tensors[t.name]
+        assert info.ggml_type == t.tensor_type and info.shape == tuple(reversed(t.shape.tolist()))
+        assert info.data.tobytes() == np.asarray(t.data).view(np.uint8).tobytes()
+
+
+def test_every_shared_file_reads_like_gguf_py(shared: Path) -> None:
+    """The walk accepts real files (the models, both vocabularies) and reads them as gguf-py does."""
     paths = sorted(shared.rglob("*.gguf"))
     assert paths
     for path in paths:
-        ours = read_gguf(path)
-        reader = GGUFReader(path)
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            assert ours.value_types[key][0] == field.types[0], key
-            if field.types[0] == GGUFValueType.STRING:
-                assert ours.metadata[key] == bytes(field.parts[-1]).decode("utf-8", errors="replace")
-            elif field.types[0] != GGUFValueType.ARRAY:
-                assert ours.metadata[key] == field.parts[-1][0], key
-            elif field.types[-1] == GGUFValueType.STRING:
-                expected = [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-                assert ours.metadata[key] == expected, key
-            else:
-                expected = [v for i in field.data for v in field.parts[i].tolist()]
-                assert ours.metadata[key] == expected, key
-        assert sorted(ours.tensors) == sorted(t.name for t in reader.tensors)
-        for t in reader.tensors:
-            assert ours.tensors[t.name].data.tobytes() == np.asarray(t.data).view(np.uint8).tobytes()
+        _assert_reads_like_gguf_py(path)
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])
+def test_quantized_model_reads_like_gguf_py(random_llama: Callable[..., Path], ftype: str) -> None:
+    """A llama.cpp-quantized file: mixed block types, llama.cpp's own keys (quantization version)."""
+    _assert_reads_like_gguf_py(random_llama(ftype))
