@@ -174,6 +174,15 @@ def model_file(workdir: Path, shape: Shape, ftype: str) -> Path:
     return path
 
 
+def read_into_page_cache(path: Path) -> None:
+    """Read ``path`` once, so every side starts from a warm page cache. This VM evicts idle file
+    pages within minutes, and the side that runs first would otherwise fault a cold file in
+    (the 1.1B F32 file: up to a minute more in its warm-up step; in one pass it takes ~12 s)."""
+    with open(path, "rb") as f:
+        while f.read(1 << 24):
+            pass
+
+
 # --- children ---------------------------------------------------------------------------------
 
 
@@ -518,6 +527,8 @@ def main() -> None:
         spec = {"model": str(path), "text": str(text), "threads": args.threads, **asdict(case)}
         if case.alternate_f32:
             spec["f32_model"] = str(model_file(args.workdir, shape, "F32"))
+        for model in {spec["model"], spec.get("f32_model", spec["model"])}:
+            read_into_page_cache(Path(model))
         row: dict[str, Any] = {"case": case, "gemm": gemm[(case.shape, n_rows)]}
         runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
         for _ in range(case.repeat):  # sides alternate, so a slow spell of the machine hits both
@@ -667,7 +678,8 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "Q4_0 case with each side on the other allocator, so the two Q4_0 rows compare allocator for "
         "allocator too; load: model + LoRA setup; by CPU time: the same "
         "ratio from each side's process CPU time per step, which load from other processes disturbs much "
-        "less than wall time (with one thread and an idle machine the two ratios agree). The speed of this shared "
+        "less than wall time (with one thread and an idle machine the two ratios agree). Before each row the "
+        "model file is read once, so that both sides start from a warm page cache. The speed of this shared "
         "machine drifts by ±15% over minutes, so the F32 f32 and bf16 rows, which the speed targets compare, run "
         "each side three and two times, alternating, and show each side's fastest run (all runs are listed below "
         "the table); "
