@@ -14,7 +14,9 @@ side, each in its own child process so that peak RSS is per side:
 Both train LoRA rank 4 (alpha 4) on q/k/v/o/gate/up/down from the same token batches (ggtorch's
 data pipeline over the same text, same seed), with AdamW (lr 1e-3, decay 0.1, clip 1.0) and
 the same batch, context and threads. Tokens/s is the median over the timed optimizer steps
-after the warm-up steps. ``f32``/``bf16`` is the compute dtype: ggtorch runs bf16 autocast over
+after the warm-up steps; the targets that set ggtorch against itself (a Q4 base against the F32
+base, checkpointing's cost) come from one ggtorch process alternating both kinds of steps, free
+of the machine's drift between rows. ``f32``/``bf16`` is the compute dtype: ggtorch runs bf16 autocast over
 its base; the peer runs its model in bf16 (what a transformers user does), and the ggtorch bf16
 rows are also compared with the peer in f32.
 
@@ -177,7 +179,7 @@ def model_file(workdir: Path, shape: Shape, ftype: str) -> Path:
 def read_into_page_cache(path: Path) -> None:
     """Read ``path`` once, so every side starts from a warm page cache. This VM evicts idle file
     pages within minutes, and the side that runs first would otherwise fault a cold file in
-    (the 1.1B F32 file: up to a minute more in its warm-up step; in one pass it takes ~12 s)."""
+    (the 1.1B F32 file: up to a minute more in its warm-up step; in one pass it takes 12-21 s)."""
     with open(path, "rb") as f:
         while f.read(1 << 24):
             pass
