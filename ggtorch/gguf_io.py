@@ -32,12 +32,13 @@ SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_STRING = 1 << 30  # no legitimate key, name or token string comes near 1 GiB
 _INT64_MAX = (1 << 63) - 1
-_SCALAR_SIZES = {
-    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
-    GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
-    GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
-    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
+_STRUCT = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }
+_NUMPY = {vtype: np.dtype(fmt) for vtype, fmt in _STRUCT.items()}
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,7 @@ class _HeaderReader:
         if etype == GGUFValueType.STRING:
             self.need(8 * count, f"{count} strings of array '{key}'")  # each string has an 8-byte length
             return vtype, etype, [self.value_string(f"string {i} of array '{key}'") for i in range(count)]
-        nbytes = _SCALAR_SIZES[etype] * count
+        nbytes = _NUMPY[etype].itemsize * count
         self.need(nbytes, f"{count} values of array '{key}'")
         values = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.offs).tolist()
         self.offs += nbytes
@@ -298,15 +299,6 @@ class _HeaderReader:
             prev_end, prev_name = offset + nbytes, name
         return _Header(metadata, value_types,
                        [(name, t, shape, data_start + offset, nbytes) for name, t, shape, offset, nbytes in infos])
-
-
-_STRUCT = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}
-_NUMPY = {vtype: np.dtype(fmt) for vtype, fmt in _STRUCT.items()}
 
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:

@@ -210,7 +210,7 @@ class Llama(nn.Module):
 
     def __init__(self, config: LlamaConfig, *, init_weights: bool = True) -> None:
         """``init_weights=False`` leaves the weights uninitialized, for a loader that assigns
-        every one (built on the meta device, normal_ alone would cost ~1.3 s: it imports torch._refs)."""
+        every one (built on the meta device, normal_ alone would cost ~1.3 s: it imports torch._dynamo)."""
         super().__init__()
         self.config = config
         empty = None if init_weights else torch.empty(config.n_vocab, config.n_embd)
