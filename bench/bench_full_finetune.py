@@ -131,8 +131,8 @@ def bench_llama_cpp(model: Path, tokens: list[int], ctx: int, steps: int, warmup
 
 def bench_ggtorch(model: Path, text: Path, ctx: int, steps: int, warmup: int, threads: int) -> float:
     """Tokens/s of ggtorch's full finetune (``ggtorch train --model-base``), batch 1, f32."""
-    from ggtorch.train_config import TrainConfig
-    from ggtorch.trainer import Trainer
+    from ggtorch.training.config import TrainConfig
+    from ggtorch.training.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as d:
         config = TrainConfig(model_base=str(model), train_data=str(text), ctx=ctx, batch=1, adam_iter=warmup + steps,
@@ -164,7 +164,7 @@ def main() -> None:
         raise SystemExit("--ctx must be a multiple of 256 (llama.cpp pads n_ctx to 256)")
     torch.set_num_threads(args.threads)
 
-    from ggtorch.gguf_io import read_gguf
+    from ggtorch.io.gguf import read_gguf
     from ggtorch.models.tokenizer import Tokenizer
 
     tokens = Tokenizer.from_gguf(read_gguf(args.model)).encode(args.text.read_text(encoding="utf-8"))

@@ -1,4 +1,4 @@
-"""f32 GEMM on this CPU: torch.mm (MKL) against ggtorch.matmul (oneDNN), the products training runs.
+"""f32 GEMM on this CPU: torch.mm (MKL) against ggtorch.ops.matmul (oneDNN), the products training runs.
 
 For each matrix of a 110M and a TinyLlama-shaped llama, the forward product ``x @ W.T`` and the
 input gradient ``dY @ W`` with N rows (batch x context), plus the fused loss's 256-row chunks of
@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from bench_dequant import best_time  # this folder: run as python bench/bench_gemm.py
 
-from ggtorch import matmul
+from ggtorch.ops import matmul
 
 SHAPES = {  # (out, in) of the distinct matrices
     "110M": [(768, 768), (2048, 768), (768, 2048), (32000, 768)],
@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     big = torch.ones(args.rows, 768)
-    print(f"torch {torch.__version__}, {args.threads} threads, f32; ggtorch.matmul on oneDNN: "
+    print(f"torch {torch.__version__}, {args.threads} threads, f32; ggtorch.ops.matmul on oneDNN: "
           f"{matmul.uses_onednn(big, torch.ones(768, 768))}")
     print(f"{'model':>8} {'product (rows x in -> out)':>28} {'torch.mm GF/s':>14} {'ggtorch GF/s':>13} {'ratio':>6}")
     ratios = []

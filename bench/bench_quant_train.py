@@ -29,7 +29,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ggtorch.gguf_io import read_gguf  # noqa: E402
+from ggtorch.io.gguf import read_gguf  # noqa: E402
 from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters  # noqa: E402
 from ggtorch.models.loader import load_llama  # noqa: E402
 from tests.llama_models import RandomLlamaShape, quantize_with_llama_cpp, write_random_llama  # noqa: E402

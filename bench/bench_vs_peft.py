@@ -4,9 +4,9 @@ Not a test. One command builds random-weight llamas (``tests/llama_models.py``: 
 gguf-py, quantized by llama.cpp's own quantizer), then for every case runs one step loop per
 side, each in its own child process so that peak RSS is per side:
 
-- ggtorch: the real training path, :class:`ggtorch.trainer.Trainer` (what ``ggtorch finetune``
+- ggtorch: the real training path, :class:`ggtorch.training.trainer.Trainer` (what ``ggtorch finetune``
   runs) on the GGUF, base kept as it is in the file (``--base-dtype quantized``, the default),
-  on the allocator ``ggtorch finetune`` runs on (jemalloc when installed, ggtorch/allocator.py);
+  on the allocator ``ggtorch finetune`` runs on (jemalloc when installed, ggtorch/cli/allocator.py);
 - peer: transformers loads the same GGUF (it dequantizes every tensor), peft wraps it; on the
   system malloc, as its users run it. One Q4_0 row swaps the allocators, for the comparison of
   like with like.
@@ -23,7 +23,7 @@ rows are also compared with the peer in f32.
 GFLOP/s counts the useful matmul work of a LoRA step, 4 × (parameters of the base's matrices)
 per token (forward plus input gradient; attention, LoRA and recomputation are not counted), and
 is set against a GEMM peak measured in the same run: the best over the model's matrix shapes of
-torch.mm and of ggtorch.matmul (oneDNN, which ggtorch's f32 layers run on CPU), f32 and bf16; the
+torch.mm and of ggtorch.ops.matmul (oneDNN, which ggtorch's f32 layers run on CPU), f32 and bf16; the
 70% target is judged against torch.mm's f32 peak, the issue's reference, with both shown.
 
 Run from the repository root: ``python bench/bench_vs_peft.py [--quick] [--threads N]``.
@@ -114,7 +114,7 @@ class Case:
     quantized-speed target compares them on the same machine state, not rows minutes apart."""
     malloc: str = "shipped"
     """``shipped``: ggtorch on the allocator its CLI picks (jemalloc when installed, see
-    ggtorch/allocator.py), the peer on the system malloc, as its users run it. ``swapped``: each
+    ggtorch/cli/allocator.py), the peer on the system malloc, as its users run it. ``swapped``: each
     side on the other one, so the two rows together compare allocator for allocator."""
 
     @property
@@ -203,7 +203,7 @@ def peak_rss_bytes() -> int:
 
 def finetune_config(spec: dict[str, Any]) -> Any:
     """The FinetuneConfig both sides take their data (and ggtorch everything) from."""
-    from ggtorch.finetune_config import FinetuneConfig
+    from ggtorch.training.config import FinetuneConfig
 
     return FinetuneConfig(
         model_base=spec["model"], train_data=spec["text"], checkpoint_in="", checkpoint_out="", lora_out="",
@@ -217,7 +217,7 @@ def child_ggtorch(spec: dict[str, Any]) -> dict[str, Any]:
     """Trainer.train over the case; per-step seconds from its StepResults."""
     import torch
 
-    from ggtorch.trainer import Trainer
+    from ggtorch.training.trainer import Trainer
 
     class CPUClock:
         """Process CPU time at every step end (a callback: Trainer.train runs the loop)."""
@@ -264,7 +264,7 @@ def alternate(steps: dict[str, Callable[[], float]], cold: str, rounds: int = 2)
 
 def checkpointing_steps(trainer: Any) -> dict[str, Callable[[], float]]:
     """A step of ``trainer`` without and with block checkpointing, for :func:`alternate`."""
-    from ggtorch.trainer import disable_block_checkpointing, enable_block_checkpointing
+    from ggtorch.training.trainer import disable_block_checkpointing, enable_block_checkpointing
 
     def plain() -> float:
         disable_block_checkpointing(trainer.model)
@@ -286,7 +286,7 @@ def child_peer(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from ggtorch.data import DataOptions, TrainingData, read_text_file
-    from ggtorch.gguf_io import read_gguf
+    from ggtorch.io.gguf import read_gguf
     from ggtorch.models.tokenizer import Tokenizer
 
     torch.set_num_threads(spec["threads"])
@@ -324,17 +324,17 @@ def child_peer(spec: dict[str, Any]) -> dict[str, Any]:
 
 def child_gemm(spec: dict[str, Any]) -> dict[str, Any]:
     """Best GEMM GFLOP/s over the model's matrix shapes with N = batch*ctx rows, f32 and bf16, of
-    torch.mm and of ggtorch.matmul (oneDNN for f32 on CPU, what ggtorch's layers run): the peak
+    torch.mm and of ggtorch.ops.matmul (oneDNN for f32 on CPU, what ggtorch's layers run): the peak
     is the faster of the two, so ggtorch's fraction of it is not flattered by its own kernel."""
     import torch
     from bench_dequant import best_time  # this folder (a child runs as python bench/bench_vs_peft.py)
 
-    from ggtorch import matmul
+    from ggtorch.ops import matmul
 
     torch.set_num_threads(spec["threads"])
     n = spec["rows"]
     out: dict[str, Any] = {}
-    kernels = {"torch.mm": torch.mm, "ggtorch.matmul": matmul.mm}
+    kernels = {"torch.mm": torch.mm, "ggtorch.ops.matmul": matmul.mm}
     for name, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
         per_shape: dict[str, float] = {}
         per_kernel = dict.fromkeys(kernels, 0.0)
@@ -382,7 +382,7 @@ def run_child(kind: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]
 def malloc_env(env: dict[str, str], kind: str, malloc: str) -> dict[str, str]:
     """``env`` for a side's child: on jemalloc as ``ggtorch finetune`` would relaunch itself, or on
     the system malloc (jemalloc taken out of LD_PRELOAD)."""
-    from ggtorch import allocator
+    from ggtorch.cli import allocator
 
     on_jemalloc = kind == "ggtorch" if malloc == "shipped" else kind == "peer"
     preload = ":".join(p for p in env.get("LD_PRELOAD", "").split(":") if p and "libjemalloc" not in p)
@@ -395,7 +395,7 @@ def malloc_env(env: dict[str, str], kind: str, malloc: str) -> dict[str, str]:
 
 
 def child_main(kind: str, spec_json: str, result_path: str) -> None:
-    from ggtorch import allocator
+    from ggtorch.cli import allocator
 
     spec = json.loads(spec_json)
     result = CHILDREN[kind](spec)
@@ -501,7 +501,7 @@ def main() -> None:
     info = machine()
     print(f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.threads} threads", flush=True)
 
-    from ggtorch.allocator import find_jemalloc
+    from ggtorch.cli.allocator import find_jemalloc
 
     gemm: dict[tuple[str, int], dict[str, Any]] = {}
     rows = []
@@ -675,7 +675,7 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "GGUF with transformers (dequantized on load) and wraps it with peft. Compute bf16 means bf16 autocast "
         "for ggtorch and a bf16 model for the peer. tok/s: median over the timed steps after warm-up; RSS: "
         "peak resident set of the side's process (VmHWM); malloc: the allocator each side's process ran on: "
-        "ggtorch on the one `ggtorch finetune` picks (jemalloc when the machine has it, ggtorch/allocator.py), "
+        "ggtorch on the one `ggtorch finetune` picks (jemalloc when the machine has it, ggtorch/cli/allocator.py), "
         "the peer on the system's (glibc), as its users run it; the row marked `malloc swapped` runs the "
         "Q4_0 case with each side on the other allocator, so the two Q4_0 rows compare allocator for "
         "allocator too; load: model + LoRA setup; by CPU time: the same "
@@ -690,7 +690,7 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "matrix parameters per token (forward + input gradient) against the best GEMM GFLOP/s over the "
         "model's matrix shapes (rows = batch × ctx), measured in the same run (for the 110M shape of a full run "
         "twice, before its first row and after the last row; the higher counts), of the faster of torch.mm "
-        "(MKL for f32, what the peer's layers run) and ggtorch.matmul (oneDNN for f32, what ggtorch's layers "
+        "(MKL for f32, what the peer's layers run) and ggtorch.ops.matmul (oneDNN for f32, what ggtorch's layers "
         "run; the same kernel as torch.mm for bf16), with torch.mm's own f32 peak in parentheses: the issue "
         "defines its 70% target on torch's f32 GEMM, so its verdict uses torch.mm's peak.",
         "",
@@ -728,7 +728,7 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
     lines += ["", "## Targets (110M shape, batch 4, context 256)", ""]
     lines += [f"  - {t.strip()}" if t.startswith("  ") else f"- {t}" for t in targets(rows)]
     lines += ["", "GEMM peaks measured (GFLOP/s, best over the model's shapes; the peak is the faster kernel, "
-              "torch.mm or ggtorch.matmul, which is oneDNN for f32 on CPU):", ""]
+              "torch.mm or ggtorch.ops.matmul, which is oneDNN for f32 on CPU):", ""]
     for (shape, n), g in sorted(rows_gemm(rows).items()):
         lines.append(f"- {shape}, {n} rows: f32 {fmt(g.get('f32'))} ({kernels_text(g.get('f32_kernels'))}), "
                      f"bf16 {fmt(g.get('bf16'))} ({kernels_text(g.get('bf16_kernels'))})")

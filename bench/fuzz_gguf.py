@@ -1,4 +1,4 @@
-"""Long fuzz run over mutated GGUF files (the strategies of tests/test_fuzz_gguf.py).
+"""Long fuzz run over mutated GGUF files (the strategies of tests/io/test_fuzz_gguf.py).
 
     python bench/fuzz_gguf.py --examples 5000 [--kind model|adapter|checkpoint] [--seed 0]
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.gguf_fuzz import Mutation, Seed, check_outcome, make_seeds, mutations  # noqa: E402
+from tests.io.gguf_fuzz import Mutation, Seed, check_outcome, make_seeds, mutations  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 

@@ -15,8 +15,7 @@ The names here are the public API (each documented where it is defined):
 - Errors: every user-facing error is a :class:`GGTorchError` whose message names the fix.
 """
 
-from .adapters import LoraAdapter, read_adapter, write_adapter
-from .api import (
+from ggtorch.api import (
     GGUFModel,
     ProgressBar,
     export_peft,
@@ -28,18 +27,18 @@ from .api import (
     plot_losses,
     train,
 )
-from .checkpoint import Checkpoint, load_checkpoint
-from .errors import BadData, BadFlag, BadGGUF, GGTorchError, Unsupported
-from .finetune_config import FinetuneConfig
-from .gguf_io import GGUFFile, read_gguf
-from .lora import LoraConfig
-from .models.config import LlamaConfig
-from .models.llama import Llama
-from .models.tokenizer import Tokenizer
-from .quant import dequantize
-from .quant.quantize import quantize
-from .train_config import TrainConfig
-from .trainer import Callback, StepResult, Trainer
+from ggtorch.errors import BadData, BadFlag, BadGGUF, GGTorchError, Unsupported
+from ggtorch.io.checkpoint import Checkpoint, load_checkpoint
+from ggtorch.io.gguf import GGUFFile, read_gguf
+from ggtorch.lora import LoraConfig
+from ggtorch.lora.adapter_file import LoraAdapter, read_adapter, write_adapter
+from ggtorch.models.config import LlamaConfig
+from ggtorch.models.model import Llama
+from ggtorch.models.tokenizer import Tokenizer
+from ggtorch.quant import dequantize
+from ggtorch.quant.quantize import quantize
+from ggtorch.training.config import FinetuneConfig, TrainConfig
+from ggtorch.training.trainer import Callback, StepResult, Trainer
 
 __version__ = "0.1.0"
 

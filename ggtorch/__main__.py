@@ -1,5 +1,5 @@
 """``python -m ggtorch``: the same as the ``ggtorch`` command (also what torchrun launches)."""
 
-from ggtorch.cli import entry
+from ggtorch.cli.main import entry
 
 entry()

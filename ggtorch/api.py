@@ -4,8 +4,8 @@ Three objects cover the work:
 
 - :func:`load_model` → :class:`GGUFModel`: a GGUF llama in torch with its tokenizer; generate,
   perplexity, attach trainable LoRA, load/save adapters, merge them in.
-- :func:`finetune` / :func:`train` → :class:`~ggtorch.trainer.Trainer`: a training run configured
-  by the same options as the CLI (a :class:`~ggtorch.finetune_config.FinetuneConfig` or keyword
+- :func:`finetune` / :func:`train` → :class:`~ggtorch.training.trainer.Trainer`: a training run configured
+  by the same options as the CLI (a :class:`~ggtorch.training.config.FinetuneConfig` or keyword
   arguments), with callbacks, a progress bar that renders as a widget in Jupyter, stoppable
   (``trainer.request_stop()``) and resumable (``trainer.train(more)``, or a new run with
   ``checkpoint_in``).
@@ -34,24 +34,24 @@ from typing import Any
 
 import torch
 
-from .adapters import LoraAdapter, adapter_from_model, load_adapter_into, read_adapter, write_adapter
-from .checkpoint import Checkpoint, load_checkpoint
-from .errors import BadFlag
-from .export.merge import MergePlan, merge_to_gguf, read_source
-from .export.peft import export_peft as _export_peft
-from .export.peft import import_peft as _import_peft
-from .finetune_config import FinetuneConfig
-from .gguf_io import GGUFFile, read_gguf
-from .inference import PerplexityResult, generate, perplexity
-from .lora import LoraConfig, attach_lora, count_trainable_parameters, lora_modules, merge_lora
-from .models.config import LlamaConfig
-from .models.llama import Llama
-from .models.loader import load_llama
-from .models.tokenizer import Tokenizer
-from .scratch import init_tensors, new_config, new_metadata, write_model
-from .train_config import TrainConfig
-from .train_log import draw_losses, plot_loss
-from .trainer import DTYPES, Callback, StepResult, Trainer, resolve_device
+from ggtorch.errors import BadFlag
+from ggtorch.export.merge import MergePlan, merge_to_gguf, read_source
+from ggtorch.export.peft import export_peft as _export_peft
+from ggtorch.export.peft import import_peft as _import_peft
+from ggtorch.io.checkpoint import Checkpoint, load_checkpoint
+from ggtorch.io.gguf import GGUFFile, read_gguf
+from ggtorch.io.model_file import write_model
+from ggtorch.lora import LoraConfig, attach_lora, count_trainable_parameters, lora_modules, merge_lora
+from ggtorch.lora.adapter_file import LoraAdapter, adapter_from_model, load_adapter_into, read_adapter, write_adapter
+from ggtorch.models.config import LlamaConfig
+from ggtorch.models.generate import PerplexityResult, generate, perplexity
+from ggtorch.models.init import init_tensors, new_config, new_metadata
+from ggtorch.models.loader import load_llama
+from ggtorch.models.model import Llama
+from ggtorch.models.tokenizer import Tokenizer
+from ggtorch.training.config import FinetuneConfig, TrainConfig
+from ggtorch.training.log import draw_losses, plot_loss
+from ggtorch.training.trainer import DTYPES, Callback, StepResult, Trainer, resolve_device
 
 __all__ = ["Checkpoint", "GGUFModel", "LoraAdapter", "ProgressBar", "export_peft", "finetune", "import_peft",
            "load_checkpoint", "load_model", "merge_adapters", "new_model", "plot_losses", "read_adapter", "train",

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.llama_models import RandomLlamaShape, quantize_with_llama_cpp, write_random_llama
+from tests.llama_models import RandomLlamaShape, plain_cpu_reference, quantize_with_llama_cpp, write_random_llama
+
+plain_cpu_reference()
 
 SHARED = Path(os.environ.get("GGTORCH_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from ggtorch.gguf_io import TensorOut, read_gguf, write_gguf
+from ggtorch.io.gguf import TensorOut, read_gguf, write_gguf
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,29 @@ def quantize_with_llama_cpp(src: Path, dst: Path, ftype: str) -> Path:
 
 
 GGML_TYPE_F32 = 0  # ggml_type enum value, for llama.cpp's type_k / type_v
+
+
+def plain_cpu_reference() -> None:
+    """Make every llama.cpp model of this process load without ggml's extra CPU buffer types.
+
+    On CPUs with AMX, llama.cpp repacks Q4_0/Q4_1/Q8_0 weights into its AMX buffer type, whose
+    matmul crashes (segfault in llama_decode) on the small models the tests use; the reference
+    is ggml's plain CPU path, the one every other CPU runs. ``llama_cpp.Llama`` has no option for
+    ``use_extra_bufts``, so the default model parameters it starts from are changed instead.
+    """
+    import llama_cpp.llama_cpp as lib  # test-only dependency: the reference implementation
+
+    if getattr(lib.llama_model_default_params, "plain_cpu", False):
+        return
+    defaults = lib.llama_model_default_params
+
+    def without_extra_buffer_types():  # -> llama_model_params
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    without_extra_buffer_types.plain_cpu = True  # type: ignore[attr-defined]
+    lib.llama_model_default_params = without_extra_buffer_types
 
 
 def open_llama_cpp(path: Path, n_ctx: int, f32_kv_cache: bool = True):  # -> llama_cpp.Llama

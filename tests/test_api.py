@@ -12,8 +12,8 @@ import torch
 import ggtorch
 from ggtorch import FinetuneConfig, GGUFModel, StepResult, Trainer
 from tests.llama_models import llama_cpp_logits, open_llama_cpp
-from tests.test_adapters import llama_cpp_with_adapter
-from tests.test_inference import REFERENCE_TEXT
+from tests.lora.test_adapter_file import llama_cpp_with_adapter
+from tests.models.test_generate import REFERENCE_TEXT
 
 
 @pytest.fixture(scope="session")

@@ -20,9 +20,9 @@ old dense one-hot tensor. Everything here runs once per batch on the host; the t
 returns are moved to the device by the trainer.
 """
 
-from .batches import Shuffled, build_batch, shuffle_samples
-from .chat import PROMPT_TEMPLATE, PROMPT_TEMPLATE_WITH_INPUT, ChatTemplate, Encoded, RecordEncoder
-from .packing import (
+from ggtorch.data.batches import Shuffled, build_batch, shuffle_samples
+from ggtorch.data.chat import PROMPT_TEMPLATE, PROMPT_TEMPLATE_WITH_INPUT, ChatTemplate, Encoded, RecordEncoder
+from ggtorch.data.packing import (
     IGNORE_INDEX,
     RecordBatch,
     RecordData,
@@ -32,8 +32,16 @@ from .packing import (
     group_rows,
     load_records,
 )
-from .records import FORMATS, Example, Record, detect_format, is_record_source, read_records, records_from_dicts
-from .samples import (
+from ggtorch.data.records import (
+    FORMATS,
+    Example,
+    Record,
+    detect_format,
+    is_record_source,
+    read_records,
+    records_from_dicts,
+)
+from ggtorch.data.samples import (
     DataOptions,
     Samples,
     TokenizerLike,
@@ -43,8 +51,8 @@ from .samples import (
     samples_hash,
     stream_samples,
 )
-from .stream import Batch, DataState, TrainingData, eval_batches, eval_windows
-from .text import check_utf8, process_escapes, read_text_file
+from ggtorch.data.stream import Batch, DataState, TrainingData, eval_batches, eval_windows
+from ggtorch.data.text import check_utf8, process_escapes, read_text_file
 
 __all__ = ["FORMATS", "IGNORE_INDEX", "PROMPT_TEMPLATE", "PROMPT_TEMPLATE_WITH_INPUT", "ChatTemplate", "Encoded",
            "Example", "Record", "RecordBatch", "RecordData", "RecordEncoder", "RecordOptions", "collate",

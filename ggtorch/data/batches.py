@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import BadData
-from ..mt19937 import MT19937
-from .samples import DataOptions, Vocab
+from ggtorch.data.samples import DataOptions, Vocab
+from ggtorch.errors import BadData
+from ggtorch.rng import MT19937
 
 MT19937_MAX_MINUS_1 = 4294967294
 """``rng.max() - 1``: the old offset draw divides by this, so a draw can exceed 1 by a hair."""

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BadData
-from .records import Example
-from .samples import TokenizerLike
+from ggtorch.data.records import Example
+from ggtorch.data.samples import TokenizerLike
+from ggtorch.errors import BadData
 
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 """The default prompt of a prompt/response record; the response follows, then EOS."""

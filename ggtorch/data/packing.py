@@ -28,10 +28,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..errors import BadData, BadFlag
-from .chat import Encoded, RecordEncoder
-from .records import Example, Record, detect_format, read_records, records_from_dicts, to_example
-from .samples import TokenizerLike, resolve_seed
+from ggtorch.data.chat import Encoded, RecordEncoder
+from ggtorch.data.records import Example, Record, detect_format, read_records, records_from_dicts, to_example
+from ggtorch.data.samples import TokenizerLike, resolve_seed
+from ggtorch.errors import BadData, BadFlag
 
 IGNORE_INDEX = -100
 """A target that does not count in the loss (torch's ``ignore_index``)."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadData, BadFlag
+from ggtorch.errors import BadData, BadFlag
 
 RECORD_SUFFIXES = (".jsonl", ".parquet")
 FORMATS = ("auto", "text", "chat", "prompt-response")

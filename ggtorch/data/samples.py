@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import BadData, BadFlag
-from .text import process_escapes
+from ggtorch.data.text import process_escapes
+from ggtorch.errors import BadData, BadFlag
 
 
 @dataclass

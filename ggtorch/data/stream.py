@@ -8,10 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import BadData, BadFlag
-from ..mt19937 import MT19937
-from .batches import Shuffled, build_batch, shuffle_samples
-from .samples import (
+from ggtorch.data.batches import Shuffled, build_batch, shuffle_samples
+from ggtorch.data.samples import (
     DataOptions,
     Samples,
     TokenizerLike,
@@ -21,7 +19,9 @@ from .samples import (
     samples_hash,
     stream_samples,
 )
-from .text import check_utf8
+from ggtorch.data.text import check_utf8
+from ggtorch.errors import BadData, BadFlag
+from ggtorch.rng import MT19937
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """``(inputs, targets)``: two LongTensors of shape ``(n_batch, n_ctx)``."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import BadData
+from ggtorch.errors import BadData
 
 
 def read_text_file(path: str | os.PathLike[str], flag: str = "--train-data") -> bytes:

@@ -24,13 +24,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from ..adapters import NORM_SUFFIX, LoraAdapter, LoraPair, read_adapter, validate_against_base
-from ..checkpoint import CHECKPOINT_TYPE, load_checkpoint
-from ..errors import BadGGUF, GGTorchError, Unsupported
-from ..gguf_io import GGUFFile, read_gguf, write_gguf_streaming
-from ..quant import dequantize
-from ..quant.quantize import fallback_type, quantize
-from .old_formats import OLD_CHECKPOINT_TYPE, LoraWithNorms, is_ggla, read_old
+from ggtorch.errors import BadGGUF, GGTorchError, Unsupported
+from ggtorch.export.old_formats import OLD_CHECKPOINT_TYPE, LoraWithNorms, is_ggla, read_old
+from ggtorch.io.checkpoint import CHECKPOINT_TYPE, load_checkpoint
+from ggtorch.io.gguf import GGUFFile, read_gguf, write_gguf_streaming
+from ggtorch.lora.adapter_file import NORM_SUFFIX, LoraAdapter, LoraPair, read_adapter, validate_against_base
+from ggtorch.quant import dequantize
+from ggtorch.quant.quantize import fallback_type, quantize
 
 T = GGMLQuantizationType
 

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from ..adapters import NORM_SUFFIX, TOKEN_EMBD, LoraAdapter, LoraPair
-from ..errors import BadGGUF, GGTorchError
-from ..gguf_io import read_gguf
+from ggtorch.errors import BadGGUF, GGTorchError
+from ggtorch.io.gguf import read_gguf
+from ggtorch.lora.adapter_file import NORM_SUFFIX, TOKEN_EMBD, LoraAdapter, LoraPair
 
 GGLA_MAGIC = 0x67676C61
 OLD_CHECKPOINT_TYPE = "finetune_lora"

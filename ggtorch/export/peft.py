@@ -35,11 +35,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..adapters import TOKEN_EMBD, LoraAdapter, LoraPair, validate_against_base
-from ..errors import BadData, GGTorchError, Unsupported
-from ..gguf_io import GGUFFile, atomic_path
-from ..models import names
-from ..models.config import LlamaConfig
+from ggtorch.errors import BadData, GGTorchError, Unsupported
+from ggtorch.io.gguf import GGUFFile, atomic_path
+from ggtorch.lora.adapter_file import TOKEN_EMBD, LoraAdapter, LoraPair, validate_against_base
+from ggtorch.models import names
+from ggtorch.models.config import LlamaConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

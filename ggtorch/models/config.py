@@ -12,9 +12,9 @@ from typing import Any
 
 from gguf import Keys
 
-from ..errors import BadGGUF, Unsupported
-from ..gguf_io import GGUFFile
-from . import names
+from ggtorch.errors import BadGGUF, Unsupported
+from ggtorch.io.gguf import GGUFFile
+from ggtorch.models import names
 
 ARCH = "llama"
 

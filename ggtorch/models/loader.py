@@ -17,14 +17,14 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from ..errors import BadGGUF, Unsupported
-from ..gguf_io import GGUFFile, TensorInfo, read_gguf, release_pages
-from ..quant import check_raw, dequantize
-from ..quant.modules import QuantEmbedding, QuantLinear, float_module
-from . import names
-from .config import LlamaConfig
-from .llama import Llama, RMSNorm
-from .tokenizer import Tokenizer
+from ggtorch.errors import BadGGUF, Unsupported
+from ggtorch.io.gguf import GGUFFile, TensorInfo, read_gguf, release_pages
+from ggtorch.models import names
+from ggtorch.models.config import LlamaConfig
+from ggtorch.models.model import Llama, RMSNorm
+from ggtorch.models.tokenizer import Tokenizer
+from ggtorch.quant import check_raw, dequantize
+from ggtorch.quant.modules import QuantEmbedding, QuantLinear, float_module
 
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 

@@ -27,8 +27,8 @@ from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from ..errors import BadGGUF, Unsupported
-from ..gguf_io import GGUFFile
+from ggtorch.errors import BadGGUF, Unsupported
+from ggtorch.io.gguf import GGUFFile
 
 SPACE_ESCAPE = "\u2581"
 """``▁``: how sentencepiece vocabularies spell a space (``llama_escape_whitespace``)."""

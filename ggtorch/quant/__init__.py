@@ -17,9 +17,9 @@ from collections.abc import Callable
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..errors import BadGGUF, Unsupported
-from .floats import dequantize_bf16, dequantize_f16, dequantize_f32
-from .iquants import (
+from ggtorch.errors import BadGGUF, Unsupported
+from ggtorch.quant.floats import dequantize_bf16, dequantize_f16, dequantize_f32
+from ggtorch.quant.iquants import (
     dequantize_iq1_m,
     dequantize_iq1_s,
     dequantize_iq2_s,
@@ -30,9 +30,9 @@ from .iquants import (
     dequantize_iq4_nl,
     dequantize_iq4_xs,
 )
-from .kquants import dequantize_q2_k, dequantize_q3_k, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k
-from .legacy import dequantize_q4_0, dequantize_q4_1, dequantize_q5_0, dequantize_q5_1, dequantize_q8_0
-from .smallfloats import dequantize_mxfp4, dequantize_nvfp4, dequantize_tq1_0, dequantize_tq2_0
+from ggtorch.quant.kquants import dequantize_q2_k, dequantize_q3_k, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k
+from ggtorch.quant.legacy import dequantize_q4_0, dequantize_q4_1, dequantize_q5_0, dequantize_q5_1, dequantize_q8_0
+from ggtorch.quant.smallfloats import dequantize_mxfp4, dequantize_nvfp4, dequantize_tq1_0, dequantize_tq2_0
 
 T = GGMLQuantizationType
 

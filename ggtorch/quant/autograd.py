@@ -9,7 +9,7 @@ a 512 MiB f32 temporary in every forward and backward, which is exactly the memo
 keeping the model quantized is meant to save. 8 MiB holds every matrix of a 110M-shape layer
 whole, so such layers run one unsplit matmul each way (a split forward costs a copy of each
 partial product into the output); larger chunks measurably raise peak memory at short
-contexts (tests/test_memory.py) for no further gain.
+contexts (tests/training/test_memory.py) for no further gain.
 
 Compute dtype: the dtype of ``x``, or the autocast dtype when autocast is enabled on
 ``x``'s device (the matmul is computed in it, as autocast computes ``F.linear``). The
@@ -24,8 +24,8 @@ import math
 import torch
 from gguf import GGMLQuantizationType
 
-from ..matmul import add_mm_, mm, mm_t
-from . import dequantize, row_nbytes
+from ggtorch.ops.matmul import add_mm_, mm, mm_t
+from ggtorch.quant import dequantize, row_nbytes
 
 CHUNK_BYTES = 8 << 20
 """Upper bound on the dequantized temporary per chunk (bytes in the compute dtype); change

@@ -12,7 +12,7 @@ import gguf.quants as gguf_quants
 import torch
 from gguf import GGMLQuantizationType
 
-from .fields import bits_lsb_first, crumbs, f16, lookup, nibbles, split, table, u16, u32
+from ggtorch.quant.fields import bits_lsb_first, crumbs, f16, lookup, nibbles, split, table, u16, u32
 
 T = GGMLQuantizationType
 _GGUF_QUANTS = {

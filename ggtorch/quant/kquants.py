@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .fields import crumbs, f16, nibbles, split
+from ggtorch.quant.fields import crumbs, f16, nibbles, split
 
 QK_K = 256
 

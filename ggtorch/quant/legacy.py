@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .fields import bits_lsb_first, f16, nibbles, split
+from ggtorch.quant.fields import bits_lsb_first, f16, nibbles, split
 
 
 def _scaled(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,9 +21,9 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from ..matmul import Linear
-from . import dequantize, row_nbytes
-from .autograd import quant_embedding, quant_linear
+from ggtorch.ops.matmul import Linear
+from ggtorch.quant import dequantize, row_nbytes
+from ggtorch.quant.autograd import quant_embedding, quant_linear
 
 
 class _QuantWeight(nn.Module):

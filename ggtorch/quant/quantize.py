@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from ..errors import Unsupported
+from ggtorch.errors import Unsupported
 
 T = GGMLQuantizationType
 

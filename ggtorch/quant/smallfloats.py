@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .fields import crumbs, f16, lookup, nibbles, split, table
+from ggtorch.quant.fields import crumbs, f16, lookup, nibbles, split, table
 
 QK_K = 256
 

@@ -18,18 +18,18 @@ import torch
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType
 
-from ggtorch.adapters import LoraAdapter, LoraPair, adapter_from_model, read_adapter, write_adapter
-from ggtorch.checkpoint import save_checkpoint
-from ggtorch.cli import main
-from ggtorch.gguf_io import GGUFFile, read_gguf
+from ggtorch.cli.main import main
+from ggtorch.io.checkpoint import save_checkpoint
+from ggtorch.io.gguf import GGUFFile, read_gguf
 from ggtorch.lora import LoraConfig, attach_lora, lora_modules, lora_tensors_by_gguf_name
+from ggtorch.lora.adapter_file import LoraAdapter, LoraPair, adapter_from_model, read_adapter, write_adapter
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.loader import build_llama
 from ggtorch.quant import dequantize
 from ggtorch.quant.quantize import QUANTIZABLE_TYPES, quantize
 from tests.llama_models import llama_cpp_logits, rewrite_gguf
-from tests.models.test_llama import random_tokens
-from tests.test_adapters import llama_cpp_with_adapter
+from tests.lora.test_adapter_file import llama_cpp_with_adapter
+from tests.models.test_model import random_tokens
 
 T = GGMLQuantizationType
 N_TOKENS = 24
@@ -269,7 +269,7 @@ def test_bad_inputs_are_one_line_errors(random_llama: Callable[..., Path], stori
 
 def test_lora_flag_spellings_normalize_alike() -> None:
     """llama.cpp's current (FILE:SCALE, comma lists) and old (-s FILE SCALE, -l FILE) spellings."""
-    from ggtorch.cli_export import normalize_lora_args
+    from ggtorch.cli.export import normalize_lora_args
 
     expected = ["--lora-scaled", "a.gguf:1.0", "--lora-scaled", "b.gguf:0.5", "-o", "x"]
     assert normalize_lora_args(["--lora", "a.gguf", "--lora-scaled", "b.gguf:0.5", "-o", "x"]) == expected

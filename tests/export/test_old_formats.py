@@ -23,8 +23,8 @@ from ggtorch.models.config import LlamaConfig
 from ggtorch.models.loader import build_llama
 from tests.export.test_merge import base_gguf, one_line_error, run_cli
 from tests.llama_models import llama_cpp_logits
-from tests.models.test_llama import TOLERANCE, random_tokens
-from tests.test_adapters import llama_cpp_with_adapter
+from tests.lora.test_adapter_file import llama_cpp_with_adapter
+from tests.models.test_model import TOLERANCE, random_tokens
 
 N_TOKENS = 24
 KINDS = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_down", "ffn_up"]

@@ -18,16 +18,22 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from ggtorch.adapters import LoraAdapter, adapter_from_model, combine_adapters, load_adapter_into, write_adapter
-from ggtorch.cli import main
+from ggtorch.cli.main import main
 from ggtorch.errors import BadData, GGTorchError, Unsupported
 from ggtorch.export.peft import gguf_rows_to_hf, hf_rows_to_gguf, import_peft
-from ggtorch.gguf_io import read_gguf
+from ggtorch.io.gguf import read_gguf
+from ggtorch.lora.adapter_file import (
+    LoraAdapter,
+    adapter_from_model,
+    combine_adapters,
+    load_adapter_into,
+    write_adapter,
+)
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.loader import build_llama
 from tests.llama_models import RandomLlamaShape, llama_cpp_logits
-from tests.models.test_llama import random_tokens
-from tests.test_adapters import ggtorch_logits, llama_cpp_with_adapter, trained_looking_model
+from tests.lora.test_adapter_file import ggtorch_logits, llama_cpp_with_adapter, trained_looking_model
+from tests.models.test_model import random_tokens
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -11,12 +11,12 @@ import torch
 from gguf import MODEL_ARCH, MODEL_TENSOR, TENSOR_NAMES
 
 from ggtorch.errors import BadGGUF, Unsupported
-from ggtorch.gguf_io import read_gguf
+from ggtorch.io.gguf import read_gguf
 from ggtorch.lora import LoraConfig, attach_lora, merge_lora
 from ggtorch.models import names
 from ggtorch.models.config import LlamaConfig
-from ggtorch.models.llama import Llama
 from ggtorch.models.loader import build_llama, load_llama
+from ggtorch.models.model import Llama
 from ggtorch.quant import dequantize
 from tests.llama_models import RandomLlamaShape, rewrite_gguf
 

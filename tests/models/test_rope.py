@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ggtorch.models.llama import apply_rope, rope_angles, rope_pairs
+from ggtorch.models.model import apply_rope, rope_angles, rope_pairs
 
 
 def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import llama_cpp
 import pytest
 
 from ggtorch.errors import Unsupported
-from ggtorch.gguf_io import GGUFFile, read_gguf, write_gguf
+from ggtorch.io.gguf import GGUFFile, read_gguf, write_gguf
 from ggtorch.models.tokenizer import Tokenizer
 
 VOCAB_NAMES = ("llama-spm", "llama-bpe")

@@ -189,7 +189,7 @@ def test_dequantize_modules_shares_tied_weights(ggml_quantize, ggml_to_float) ->
 def test_lora_grads_equal_dequantized_base(ggml_type: T, ggml_quantize, ggml_to_float) -> None:
     """Every supported type: a LoRA over the quantized base trains like one over the float base."""
     from ggtorch.lora import LoRALinear
-    from ggtorch.matmul import Linear
+    from ggtorch.ops.matmul import Linear
 
     n_out, n_in = 7, _cols(ggml_type)
     raw, w = _blocks(ggml_type, n_out, n_in, ggml_quantize, ggml_to_float)

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
 from ggtorch.errors import BadGGUF, Unsupported
-from ggtorch.gguf_io import read_gguf
+from ggtorch.io.gguf import read_gguf
 from ggtorch.quant import SUPPORTED_TYPES, block_size, dequantize, row_nbytes, type_size
 
 

@@ -1,0 +1,121 @@
+"""``ggtorch export-lora`` (merge adapters into a GGUF model) and ``ggtorch convert-old-lora``.
+
+export-lora takes llama.cpp's flag spellings, current and old: ``--lora F`` (comma lists too),
+``--lora-scaled F:S`` (comma lists too), ``--lora-scaled F S`` and ``-s F S`` (old export-lora),
+``-l F``, ``--model-base``/``--model-out``. Adapters are applied in command-line order.
+"""
+
+from __future__ import annotations
+
+import time
+
+import click
+import torch
+
+from ggtorch.errors import BadFlag
+from ggtorch.export.merge import OUTTYPES, MergeSource, merge_to_gguf, read_source
+from ggtorch.export.old_formats import convert_old
+from ggtorch.io.gguf import read_gguf
+from ggtorch.lora.adapter_file import ADAPTER_DTYPES, validate_against_base, write_adapter
+
+_SCALED = "--lora-scaled"
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
+def normalize_lora_args(args: list[str]) -> list[str]:
+    """Every adapter flag spelling as ``--lora-scaled FILE:SCALE`` (one per file, order kept)."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        flag, eq, inline = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if flag in ("--lora", "-l", _SCALED, "-s"):
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
+            if value is None:
+                raise BadFlag(f"{flag} needs a file name")
+            i += 1 if eq else 2
+            if flag in ("--lora", "-l"):
+                out += [x for f in value.split(",") if f for x in (_SCALED, f"{f}:1.0")]
+                continue
+            head, _, tail = value.rpartition(":")
+            if head and _is_number(tail):  # FILE:SCALE[,FILE:SCALE...]
+                out += [x for f in value.split(",") if f for x in (_SCALED, f)]
+            elif i < len(args) and _is_number(args[i]):  # old spelling: FILE SCALE
+                out += [_SCALED, f"{value}:{args[i]}"]
+                i += 1
+            else:
+                raise BadFlag(f"{flag} {value}: expected FILE:SCALE or FILE SCALE, e.g. {flag} adapter.gguf:0.5")
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+class _LoraArgsCommand(click.Command):
+    """A command whose adapter flags are normalized before click parses them."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            args = normalize_lora_args(list(args))
+        except BadFlag as e:
+            raise click.UsageError(str(e), ctx) from None
+        return super().parse_args(ctx, args)
+
+
+def _file_scale(spec: str) -> tuple[str, float]:
+    path, _, scale = spec.rpartition(":")
+    return path, float(scale)
+
+
+@click.command(name="export-lora", cls=_LoraArgsCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-m", "--model", "--model-base", "model_path", required=True, help="Base GGUF model.")
+@click.option("-o", "--output", "--model-out", "out_path", required=True, help="Merged GGUF model to write.")
+@click.option("--lora", "-l", "lora_plain", multiple=True, metavar="FILE[,FILE...]",
+              help="Adapter to merge with scale 1: GGUF LoRA, ggtorch checkpoint, or old lora-*.bin/checkpoint.")
+@click.option("--lora-scaled", "-s", "lora_scaled", multiple=True, metavar="FILE:SCALE",
+              help="Adapter with a user scale (also FILE SCALE, as the old export-lora took it).")
+@click.option("--outtype", type=click.Choice(sorted(OUTTYPES)), default="same", show_default=True,
+              help="Type of the merged tensors; untouched tensors are copied as they are. 'same' keeps each base "
+                   "type where ggtorch quantizes it exactly like llama.cpp, else Q8_0 (K-quants, IQ types).")
+@click.option("-t", "--threads", type=int, default=None, help="torch CPU threads.")
+def export_lora(model_path: str, out_path: str, lora_plain: tuple[str, ...], lora_scaled: tuple[str, ...],
+                outtype: str, threads: int | None) -> None:
+    """Merge LoRA adapters into a GGUF model: W + Σ scale·(alpha/r)·B·A (llama.cpp's export-lora)."""
+    if threads:
+        torch.set_num_threads(threads)
+    specs = [_file_scale(s) for s in lora_scaled]
+    if not specs:
+        raise BadFlag("no adapter given; pass --lora FILE or --lora-scaled FILE:SCALE")
+    sources: list[MergeSource] = [read_source(path, scale) for path, scale in specs]
+    start = time.perf_counter()
+    plan = merge_to_gguf(model_path, sources, out_path, outtype)
+    for (before, after), n in sorted(plan.fallbacks().items()):
+        click.echo(f"note: {n} merged {before.name} tensor(s) written as {after.name}"
+                   + (" (ggtorch has no llama.cpp-exact quantizer for that type)" if outtype == "same" else ""),
+                   err=True)
+    click.echo(f"merged {len(specs)} adapter(s) into {len(plan.merged)} tensors -> {out_path} "
+               f"[{time.perf_counter() - start:.1f} s]")
+
+
+@click.command(name="convert-old-lora", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("old_path", metavar="OLD.bin|OLD-checkpoint.gguf")
+@click.option("-o", "--output", "out_path", required=True, help="GGUF LoRA adapter to write.")
+@click.option("--drop-norms", is_flag=True, help="Leave out norm-gain adapters (today's format cannot hold them).")
+@click.option("--outtype", type=click.Choice(sorted(ADAPTER_DTYPES)), default="f32", show_default=True,
+              help="Type of the adapter tensors.")
+@click.option("-m", "--model-base", "model_path", default=None, help="Base GGUF model to check the adapter against.")
+def convert_old_lora(old_path: str, out_path: str, drop_norms: bool, outtype: str, model_path: str | None) -> None:
+    """Convert an old llama.cpp finetune adapter (ggla lora-*.bin) or checkpoint to today's GGUF LoRA."""
+    adapter = convert_old(old_path, drop_norms=drop_norms)
+    if model_path:
+        validate_against_base(adapter, read_gguf(model_path), old_path)
+    write_adapter(out_path, adapter, outtype)
+    click.echo(f"wrote {len(adapter.pairs)} LoRA pairs -> {out_path}")
+

@@ -1,0 +1,1 @@
+"""Files: validated memory-mapped GGUF reading, atomic writing, checkpoints, full-model GGUFs."""

@@ -1,0 +1,94 @@
+"""LoraConfig: which tensors get an adapter, of which rank, scaled and initialized how.
+
+Kinds are the old finetune's tensor names; their order (globals, then per layer) is the order
+the old program drew its init values and wrote its checkpoints in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from ggtorch.errors import BadFlag
+
+MATRIX_KINDS: tuple[str, ...] = ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output",
+                                 "ffn_gate", "ffn_down", "ffn_up")
+NORM_KINDS: tuple[str, ...] = ("attn_norm", "ffn_norm", "output_norm")
+ALL_KINDS: tuple[str, ...] = MATRIX_KINDS + NORM_KINDS
+TIED_KINDS: tuple[str, ...] = ("token_embd", "output")
+GLOBAL_ORDER: tuple[str, ...] = ("token_embd", "output_norm", "output")
+LAYER_ORDER: tuple[str, ...] = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+                                "ffn_gate", "ffn_down", "ffn_up")
+"""The old finetune's tensor order (randomize_lora, checkpoints): globals, then per layer."""
+
+# FinetuneConfig field -> tensor kind, for the old --rank-* flags.
+FINETUNE_RANK_FIELDS: dict[str, str] = {
+    "rank_tok_embd": "token_embd", "rank_out": "output", "rank_wq": "attn_q", "rank_wk": "attn_k",
+    "rank_wv": "attn_v", "rank_wo": "attn_output", "rank_ffn_gate": "ffn_gate", "rank_ffn_down": "ffn_down",
+    "rank_ffn_up": "ffn_up", "rank_att_norm": "attn_norm", "rank_ffn_norm": "ffn_norm",
+    "rank_out_norm": "output_norm",
+}
+
+
+@dataclass
+class LoraConfig:
+    """Which tensors get an adapter, of which rank, and how it is scaled and initialized."""
+
+    rank: int = 4
+    """Rank of every adapted matrix without an override (llama.cpp's ``--lora-r``)."""
+    alpha: float | None = None
+    """Scale numerator: each adapter is scaled by alpha / its rank (default: alpha = rank)."""
+    ranks: dict[str, int] = field(default_factory=dict)
+    """Per-kind overrides (``{"attn_q": 8, "output": 0}``); 0 switches a kind off. Norm kinds
+    (attn_norm, ffn_norm, output_norm) are trained only when given a rank here."""
+    dropout: float = 0.0
+    """Dropout probability on the LoRA input of linear layers (not on the embedding's ids)."""
+    init: Literal["ggml", "torch"] = "ggml"
+    """``ggml``: bit-exact old finetune init (libstdc++ mt19937 + normal); ``torch``: same
+    distribution from ``torch.Generator``."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise BadFlag(f"LoRA rank must be at least 1, got {self.rank}")
+        unknown = sorted(set(self.ranks) - set(ALL_KINDS))
+        if unknown:
+            raise BadFlag(f"unknown LoRA tensor kind '{unknown[0]}'; kinds are {', '.join(ALL_KINDS)}")
+        for kind, r in self.ranks.items():
+            if r < 0:
+                raise BadFlag(f"LoRA rank of {kind} must be >= 0, got {r}")
+        if self.alpha is not None and not self.alpha > 0:
+            raise BadFlag(f"LoRA alpha must be positive, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise BadFlag(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if self.init not in ("ggml", "torch"):
+            raise BadFlag(f"LoRA init must be 'ggml' or 'torch', got '{self.init}'")
+
+    @property
+    def lora_alpha(self) -> float:
+        return float(self.alpha) if self.alpha is not None else float(self.rank)
+
+    def rank_of(self, kind: str) -> int:
+        """The rank ``kind`` is trained with (0: not adapted)."""
+        if kind in self.ranks:
+            return self.ranks[kind]
+        return 0 if kind in NORM_KINDS else self.rank
+
+    def explicit(self, kind: str) -> bool:
+        """Whether the user asked for this kind by name (an override > 0)."""
+        return self.ranks.get(kind, 0) > 0
+
+    @classmethod
+    def from_finetune(cls, c: Any) -> LoraConfig:
+        """From a FinetuneConfig: ``lora_r``, ``lora_alpha``, ``lora_dropout`` and the ``rank_*`` flags."""
+        ranks = {kind: getattr(c, fname) for fname, kind in FINETUNE_RANK_FIELDS.items()
+                 if getattr(c, fname, None) is not None}
+        return cls(rank=c.lora_r, alpha=c.lora_alpha, ranks=ranks, dropout=getattr(c, "lora_dropout", 0.0))
+
+    def metadata(self) -> dict[str, int | float]:
+        """``training.lora.rank.<kind>`` for every kind (as the old checkpoints) and ``training.lora.alpha``."""
+        meta: dict[str, int | float] = {f"training.lora.rank.{k}": self.rank_of(k) for k in GLOBAL_ORDER + LAYER_ORDER}
+        # rounded to f32 as GGUF stores it, so a value read back from a checkpoint compares equal
+        meta["training.lora.alpha"] = float(np.float32(self.lora_alpha))
+        return meta

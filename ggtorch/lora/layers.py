@@ -1,0 +1,180 @@
+"""The LoRA wrappers: LoRALinear, LoRAEmbedding and LoRANorm around a base module.
+
+Each holds the original module as ``base`` (``models/`` stays untouched) and ``lora_a``,
+``lora_b`` in GGUF LoRA orientation; ``merge()``/``unmerge()`` fold the delta in and out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from ggtorch.errors import Unsupported
+from ggtorch.lora.product import _frozen_products, _LoRAProduct
+from ggtorch.models.model import RMSNorm
+from ggtorch.quant.autograd import compute_dtype
+from ggtorch.quant.modules import QuantEmbedding, QuantLinear, float_module
+
+LINEAR_BASES = (nn.Linear, QuantLinear)
+EMBEDDING_BASES = (nn.Embedding, QuantEmbedding)
+
+
+class _LoRA(nn.Module):
+    """Shared state of the wrappers: base, pair, scale, merged flag."""
+
+    lora_a: nn.Parameter
+    lora_b: nn.Parameter
+
+    def __init__(self, base: nn.Module, rank: int, scale: float) -> None:
+        super().__init__()
+        self.base = base
+        self.rank = rank
+        self.scale = scale
+        self.merged = False
+        self.gguf_name: str | None = None
+        """The base tensor's GGUF name (``blk.0.attn_q.weight``), set by attach_lora."""
+        self._unmerged_base: nn.Module | None = None
+        self._unmerged_weight: nn.Parameter | None = None
+
+    def delta_weight(self) -> torch.Tensor:
+        """s·ΔW in the base weight's orientation, f32."""
+        raise NotImplementedError
+
+    def merge(self) -> None:
+        """Fold s·ΔW into the base weight (idempotent). The merged weight is a new tensor (a
+        quantized base becomes its f32 dequantization plus the delta), never an in-place edit:
+        a float base can be a view of the GGUF file's mapping that other models share.
+        unmerge() puts the original weight or blocks back, exactly."""
+        if self.merged:
+            return
+        with torch.no_grad():
+            if isinstance(self.base, QuantLinear | QuantEmbedding):
+                self._unmerged_base = self.base
+                self.base = _float_module(self.base, self.base.dequantized_weight(torch.float32) + self.delta_weight())
+            else:
+                w = self.base.weight
+                self._unmerged_weight = w
+                self.base.weight = nn.Parameter((w.float() + self.delta_weight()).to(w.dtype),
+                                                requires_grad=w.requires_grad)
+        self.merged = True
+
+    def unmerge(self) -> None:
+        """Undo merge() (idempotent): the original base weight (or quantized blocks) again."""
+        if not self.merged:
+            return
+        if self._unmerged_base is not None:
+            self.base, self._unmerged_base = self._unmerged_base, None
+        elif self._unmerged_weight is not None:
+            self.base.weight, self._unmerged_weight = self._unmerged_weight, None
+        self.merged = False
+
+    def lora_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        yield "lora_a", self.lora_a
+        yield "lora_b", self.lora_b
+
+
+def _float_module(quant: QuantLinear | QuantEmbedding, weight: torch.Tensor) -> nn.Module:
+    return float_module(nn.Parameter(weight, requires_grad=False), embedding=isinstance(quant, QuantEmbedding))
+
+
+def _supported(base: nn.Module, bases: tuple[type, ...], what: str) -> None:
+    if not isinstance(base, bases):
+        raise Unsupported(f"{what} cannot wrap a {type(base).__name__}; supported bases: "
+                          f"{', '.join(b.__name__ for b in bases)}")
+
+
+class LoRALinear(_LoRA):
+    """``base(x) + scale · B(A(dropout(x)))`` around an nn.Linear or QuantLinear."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float | None = None, dropout: float = 0.0) -> None:
+        _supported(base, LINEAR_BASES, "LoRALinear")
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be at least 1, got {rank}")
+        super().__init__(base, rank, (alpha if alpha is not None else rank) / rank)
+        n_out, n_in = _linear_shape(base)
+        device = _device_of(base)
+        self.lora_a = nn.Parameter(torch.zeros(rank, n_in, device=device))
+        self.lora_b = nn.Parameter(torch.zeros(n_out, rank, device=device))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged:
+            return self.base(x)
+        dtype = compute_dtype(x)
+        products = None if self.training and self.dropout_p > 0 else _frozen_products(self.base, dtype)
+        if products is not None and (dtype == self.lora_a.dtype or torch.is_autocast_enabled(x.device.type)):
+            return _LoRAProduct.apply(x, self.lora_a, self.lora_b, self.scale, products, dtype)
+        y = self.base(x)
+        x = self.dropout(x)
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.lora_a.dtype)  # a half-precision base still gets an f32 delta (peft does the same)
+        h = F.linear(x, self.lora_a)  # (..., r); under autocast in the autocast dtype
+        return y + (F.linear(h, self.lora_b.to(h.dtype)) * self.scale).to(y.dtype)
+
+    @property
+    def dropout_p(self) -> float:
+        return self.dropout.p if isinstance(self.dropout, nn.Dropout) else 0.0
+
+    def delta_weight(self) -> torch.Tensor:
+        return (self.lora_b.float() @ self.lora_a.float()) * self.scale  # (out, in)
+
+
+class LoRAEmbedding(_LoRA):
+    """``base(ids) + scale · lora_a[ids] @ lora_b.T`` around an nn.Embedding or QuantEmbedding."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float | None = None) -> None:
+        _supported(base, EMBEDDING_BASES, "LoRAEmbedding")
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be at least 1, got {rank}")
+        super().__init__(base, rank, (alpha if alpha is not None else rank) / rank)
+        n_vocab, n_embd = _linear_shape(base)
+        device = _device_of(base)
+        self.lora_a = nn.Parameter(torch.zeros(n_vocab, rank, device=device))
+        self.lora_b = nn.Parameter(torch.zeros(n_embd, rank, device=device))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        y = self.base(ids)
+        if self.merged:
+            return y
+        h = F.embedding(ids, self.lora_a)  # (..., r)
+        return y + (F.linear(h, self.lora_b) * self.scale).to(y.dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        return (self.lora_a.float() @ self.lora_b.float().T) * self.scale  # (n_vocab, n_embd)
+
+
+class LoRANorm(_LoRA):
+    """RMSNorm with gain ``g + scale · (lora_b @ lora_a)[0]``: the old finetune's norm adapters."""
+
+    def __init__(self, base: nn.Module, rank: int) -> None:
+        _supported(base, (RMSNorm,), "LoRANorm")
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be at least 1, got {rank}")
+        super().__init__(base, rank, 1.0)
+        n_embd = base.weight.shape[0]
+        device = base.weight.device
+        self.lora_a = nn.Parameter(torch.zeros(rank, n_embd, device=device))
+        self.lora_b = nn.Parameter(torch.zeros(1, rank, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged:
+            return self.base(x)
+        gain = self.base.weight.float() + self.delta_weight()
+        return functional_call(self.base, {"weight": gain}, (x,))
+
+    def delta_weight(self) -> torch.Tensor:
+        return (self.lora_b.float() @ self.lora_a.float())[0] * self.scale  # (n_embd,)
+
+
+def _linear_shape(base: nn.Module) -> tuple[int, int]:
+    if isinstance(base, QuantLinear | QuantEmbedding):
+        return base.shape
+    return tuple(base.weight.shape)  # type: ignore[return-value]
+
+
+def _device_of(base: nn.Module) -> torch.device:
+    return base.raw.device if isinstance(base, QuantLinear | QuantEmbedding) else base.weight.device

@@ -1,0 +1,268 @@
+"""Next-token cross-entropy over a large vocabulary, in row chunks.
+
+``F.cross_entropy`` on (N, V) logits materializes log-softmax (N, V), then in backward a
+one-hot gradient (N, V) and the log-softmax gradient (N, V): three vocabulary-sized f32
+tensors besides the logits (for batch 4 x 256 tokens x 32000 words, 131 MB each) and five
+passes over them. Here forward keeps only the per-row log-sum-exp (N,), and backward writes
+``softmax - onehot`` straight into the one gradient tensor autograd needs, a few rows at a
+time so the temporaries stay in cache. The gradient is softmax's output (its fused kernel is
+several times faster than a separate exp), the log-sum-exp is recomputed by it, not stored as
+probabilities. Same values as ``F.cross_entropy`` up to f32 rounding,
+including ``ignore_index=-100`` rows, which count for nothing and get a zero gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch.nn.modules import module as nn_module
+
+from ggtorch.lora import LoRALinear, frozen_float_weight
+from ggtorch.ops.matmul import mm, mm_t, uses_onednn
+from ggtorch.quant import dequantize
+from ggtorch.quant.autograd import compute_dtype
+from ggtorch.quant.modules import QuantLinear
+
+IGNORE_INDEX = -100
+CHUNK_BYTES = 4 << 20
+"""Bytes of f32 logits handled per chunk: large enough to amortize per-op overhead, small
+enough to stay in cache between the exp and the write of the gradient."""
+
+
+def _row_chunks(n_rows: int, n_cols: int) -> list[tuple[int, int]]:
+    step = max(1, CHUNK_BYTES // (4 * n_cols))
+    return [(r0, min(r0 + step, n_rows)) for r0 in range(0, n_rows, step)]
+
+
+class _TokenCrossEntropy(torch.autograd.Function):
+    """Per-row ``logsumexp(logits) - logits[target]`` (0 where target == ignore_index), f32."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        n, v = logits.shape
+        valid = targets != IGNORE_INDEX
+        safe = torch.where(valid, targets, 0)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        with torch.autocast(logits.device.type, enabled=False):
+            for r0, r1 in _row_chunks(n, v):
+                lse[r0:r1] = torch.logsumexp(logits[r0:r1].float(), dim=-1)
+        picked = logits.gather(1, safe[:, None])[:, 0].float()
+        ctx.save_for_backward(logits, lse, safe, valid)
+        return (lse - picked) * valid
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        logits, lse, safe, valid = ctx.saved_tensors
+        n, v = logits.shape
+        g = grad_out.float() * valid  # (N,)
+        grad = torch.empty(n, v, dtype=torch.float32, device=logits.device)
+        for r0, r1 in _row_chunks(n, v):
+            p = grad[r0:r1]  # (rows, V): softmax's own kernel, written in place (much faster than exp)
+            torch.softmax(logits[r0:r1].float(), dim=-1, out=p)
+            p.mul_(g[r0:r1, None]).scatter_add_(1, safe[r0:r1, None], -g[r0:r1, None])
+        return grad.to(logits.dtype), None
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                  reduction: Literal["mean", "sum", "none"] = "mean") -> torch.Tensor:
+    """Cross-entropy of ``logits`` (..., V) against class ids ``targets`` (...), computed in f32.
+
+    ``mean`` divides the sum by the number of counted positions (targets != -100), as
+    ``F.cross_entropy`` does; ``sum`` and ``none`` (per position, 0 where ignored) are there so a
+    caller can sum over micro-batches and divide by a global count.
+    """
+    losses = _TokenCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    if reduction == "none":
+        return losses.reshape(targets.shape)
+    if reduction == "sum":
+        return losses.sum()
+    if reduction == "mean":
+        return losses.sum() / (targets != IGNORE_INDEX).sum()
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+# --- the output projection and the loss in one pass ---------------------------------------------
+
+FUSED_CHUNK_BYTES = 32 << 20
+"""f32 logits per token chunk of :func:`output_cross_entropy` (rows x n_vocab x 4 bytes): about
+256 rows for a 32000-word vocabulary, where the chunk's GEMMs run near full speed (at 128 rows the
+output matmul lost ~30%, measured). Buffers of this size are reused for every chunk of a call,
+except on oneDNN's path, whose logits are fresh per chunk (it has no out=)."""
+
+
+IN_PLACE_SOFTMAX_DEVICES = ("cpu", "cuda")
+"""Devices whose softmax may write its output over its input (tested on CPU; CUDA's kernels read
+each element before writing it); elsewhere the probabilities get a buffer of their own."""
+
+
+TINY_PROBABILITY = 2.0 ** -100
+"""Below this a target's f32 probability has lost precision (f32 normals end at 2**-126), so its
+loss comes from the log-sum-exp of recomputed logits instead of ``-log(p)``."""
+
+
+def _row_losses(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``logsumexp(logits) - logits[target]`` per row (f32, 0 where not ``valid``)."""
+    return (torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[:, None])[:, 0]) * valid
+
+
+def _row_losses_from_probs(probs: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+                           exact_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The same losses as ``-log(probs[target])``: the gradient needs the softmax anyway, and the
+    log-sum-exp's own passes over the vocabulary (max, subtract, exp, sum) are saved.
+
+    Rows whose target probability is below 2**-100 (a loss above ~69) take the log-sum-exp of
+    their logits, recomputed by ``exact_logits(row indices)`` (the softmax overwrote them), so the
+    value never becomes inf."""
+    p_target = probs.gather(1, targets[:, None])[:, 0]
+    losses = torch.where(valid, -torch.log(p_target), 0.0)  # not * valid: an ignored row may give inf
+    tiny = (p_target < TINY_PROBABILITY) & valid
+    if bool(tiny.any()):
+        rows = tiny.nonzero()[:, 0]
+        losses[rows] = _row_losses(exact_logits(rows), targets[rows], valid[rows])
+    return losses
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Sum over rows of ``cross_entropy(x @ W.T [+ s·(x @ A.T) @ B.T], targets)``, chunked over rows.
+
+    The gradient is computed in forward while each chunk's logits are at hand (softmax - onehot
+    is only needed once), kept as (N, C) / LoRA-sized tensors, and scaled by the upstream
+    gradient in backward: the (N, V) logits never exist, neither do their gradient or a second
+    pass over W. Everything is computed in ``weight.dtype`` for the matmuls (as autocast would)
+    and f32 for the softmax.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,  # type: ignore[override]
+                weight: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+        n, c = x.shape
+        v = weight.shape[0]
+        dtype = weight.dtype
+        f32 = torch.float32
+        lora = lora_a is not None
+        need_grad = any(ctx.needs_input_grad[:3])
+        with torch.autocast(x.device.type, enabled=False):
+            xc = x.to(dtype)
+            valid = targets != IGNORE_INDEX
+            safe = torch.where(valid, targets, 0)
+            h = b = None
+            if lora:
+                b = lora_b.to(dtype)
+                h = xc @ lora_a.to(dtype).T  # (N, r)
+            total = torch.zeros((), dtype=f32, device=x.device)
+            grad_x = torch.empty(n, c, dtype=f32, device=x.device) if need_grad else None
+            grad_h = torch.empty(n, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
+            grad_b = torch.zeros(v, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
+            step = max(1, FUSED_CHUNK_BYTES // (4 * v))
+            # Chunk buffers live for the whole call: a fresh (rows, V) tensor per chunk is returned to
+            # the OS and page-faulted back in every time (14 x 16 MiB per step, measured, on glibc).
+            # oneDNN (f32 on CPU) has no out=, so its logits are fresh per chunk; the softmax is then
+            # written over the f32 logits where its kernels allow that (each row's max and sum are
+            # taken before any element is written).
+            rows_max = min(step, n)
+            logits_buf = None if uses_onednn(xc, weight) else torch.empty(rows_max, v, dtype=dtype, device=x.device)
+            f32_buf = None if dtype == f32 else torch.empty(rows_max, v, dtype=f32, device=x.device)
+            in_place = x.device.type in IN_PLACE_SOFTMAX_DEVICES
+            probs_buf = None if in_place or not need_grad else torch.empty(rows_max, v, dtype=f32, device=x.device)
+
+            def logits_of(rows: slice | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                logits = mm_t(xc[rows], weight) if out is None else torch.matmul(xc[rows], weight.T, out=out)
+                if lora:
+                    logits.add_(h[rows] @ b.T, alpha=scale)
+                return logits  # (rows, V)
+
+            for r0 in range(0, n, step):
+                r1 = min(r0 + step, n)
+                logits = logits_of(slice(r0, r1), None if logits_buf is None else logits_buf[:r1 - r0])
+                logits32 = logits if f32_buf is None else f32_buf[:r1 - r0].copy_(logits)
+                if not need_grad:
+                    total += _row_losses(logits32, safe[r0:r1], valid[r0:r1]).sum()
+                    continue
+                p = torch.softmax(logits32, dim=-1, out=logits32 if probs_buf is None else probs_buf[:r1 - r0])
+                total += _row_losses_from_probs(p, safe[r0:r1], valid[r0:r1],
+                                                lambda rows, r0=r0: logits_of(rows + r0).float()).sum()
+                p.scatter_add_(1, safe[r0:r1, None], torch.full((r1 - r0, 1), -1.0, dtype=f32, device=x.device))
+                p.mul_(valid[r0:r1, None])  # d(row loss)/d(logits), 0 for ignored rows
+                if dtype != f32:
+                    p = logits.copy_(p)  # the logits are spent: their buffer takes p in the compute dtype
+                grad_x[r0:r1] = mm(p, weight)
+                if lora:
+                    grad_h[r0:r1] = (p @ b).float() * scale
+                    grad_b += (p.T @ h[r0:r1]).float() * scale
+            grad_a = None
+            if need_grad and lora:
+                grad_a = grad_h.T @ x.float()  # (r, C)
+                grad_x += grad_h @ lora_a.float()
+        ctx.save_for_backward(grad_x, grad_a, grad_b)
+        ctx.dtypes = (x.dtype, None if lora_a is None else lora_a.dtype, None if lora_b is None else lora_b.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        grad_x, grad_a, grad_b = ctx.saved_tensors
+        x_dtype, a_dtype, b_dtype = ctx.dtypes
+        g = grad_out.float()
+        gx = (grad_x * g).to(x_dtype) if grad_x is not None and ctx.needs_input_grad[0] else None
+        ga = (grad_a * g).to(a_dtype) if grad_a is not None and ctx.needs_input_grad[1] else None
+        gb = (grad_b * g).to(b_dtype) if grad_b is not None and ctx.needs_input_grad[2] else None
+        return gx, ga, gb, None, None, None
+
+
+def _output_parts(output: torch.nn.Module, x: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float] | None:
+    """(W in the compute dtype, lora_a, lora_b, scale) of an output projection the fused loss handles.
+
+    None (use the plain path) for anything else: a LoRA with dropout, a merged or foreign module,
+    a quantized W whose float copy would be bigger than the logits it saves, or a module with
+    forward hooks (they expect to see its call and its logits).
+    """
+    if any(m._forward_hooks or m._forward_pre_hooks for m in output.modules()) or _global_hooks():
+        return None
+    lora_a = lora_b = None
+    scale = 1.0
+    base = output
+    if isinstance(output, LoRALinear):
+        if output.merged or output.dropout_p > 0:
+            return None
+        base, lora_a, lora_b, scale = output.base, output.lora_a, output.lora_b, float(output.scale)
+    dtype = compute_dtype(x)
+    if isinstance(base, QuantLinear):
+        n_vocab, n_embd = base.shape
+        if n_embd * torch.empty((), dtype=dtype).element_size() > 4 * x.shape[0]:
+            return None
+        weight = dequantize(base.raw, base.ggml_type, base.shape, dtype)
+    else:
+        weight = frozen_float_weight(base, dtype)
+        if weight is None:
+            return None
+    return weight, lora_a, lora_b, scale
+
+
+def _global_hooks() -> bool:
+    """Whether module forward hooks are registered for every module (register_module_forward_hook)."""
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
+def output_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                         reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+    """``cross_entropy(output(hidden), targets)`` without materializing the (N, V) logits.
+
+    ``output`` is the model's output projection (``nn.Linear``, ``QuantLinear``, or a
+    ``LoRALinear`` around either); ``hidden`` (..., C) the normed hidden states
+    (``Llama.forward(..., hidden_only=True)``). Call it under the same autocast as the model.
+    Other modules, and LoRA with dropout, go through ``output(hidden)`` and :func:`cross_entropy`.
+    """
+    x = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
+    parts = _output_parts(output, x)
+    if parts is None:
+        return cross_entropy(output(hidden).float(), targets, reduction)
+    weight, lora_a, lora_b, scale = parts
+    total = _LinearCrossEntropy.apply(x, lora_a, lora_b, weight, t, scale)
+    if reduction == "sum":
+        return total
+    if reduction == "mean":
+        return total / (t != IGNORE_INDEX).sum()
+    raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")

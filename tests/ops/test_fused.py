@@ -1,0 +1,153 @@
+"""The fused RMSNorm / SwiGLU Functions against the op-by-op formulas autograd differentiates itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ggtorch.ops.fused import rms_norm, swiglu
+
+
+def reference_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+def test_rms_norm_forward_is_bit_identical_to_the_op_by_op_form() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 17, 96, generator=g) * 3
+    w = torch.randn(96, generator=g)
+    assert torch.equal(rms_norm(x, w, 1e-5), reference_rms_norm(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("needs", [(True, False), (True, True)])
+def test_rms_norm_gradients_equal_autograd_of_the_formula(needs: tuple[bool, bool]) -> None:
+    g = torch.Generator().manual_seed(2)
+    x0 = torch.randn(4, 9, 64, generator=g) * 2
+    w0 = torch.randn(64, generator=g)
+    up = torch.randn(4, 9, 64, generator=g)
+    grads = []
+    for fn in (rms_norm, reference_rms_norm):
+        x = x0.clone().requires_grad_(needs[0])
+        w = w0.clone().requires_grad_(needs[1])
+        (fn(x, w, 1e-6) * up).sum().backward()
+        grads.append((x.grad, w.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-5)
+    if needs[1]:
+        torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-4)
+    else:
+        assert grads[0][1] is None
+
+
+def test_rms_norm_keeps_the_input_dtype_under_bf16() -> None:
+    x = torch.randn(2, 3, 32).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(32)
+    y = rms_norm(x, w, 1e-5)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, reference_rms_norm(x, w, 1e-5))
+    y.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16
+
+
+def test_swiglu_forward_is_bit_identical_and_gradients_match_autograd() -> None:
+    g = torch.Generator().manual_seed(3)
+    gate0 = torch.randn(4, 7, 48, generator=g) * 4
+    up0 = torch.randn(4, 7, 48, generator=g)
+    dy = torch.randn(4, 7, 48, generator=g)
+    outs, grads = [], []
+    for fn in (swiglu, lambda a, b: F.silu(a) * b):
+        gate, up = gate0.clone().requires_grad_(), up0.clone().requires_grad_()
+        y = fn(gate, up)
+        (y * dy).sum().backward()
+        outs.append(y.detach())
+        grads.append((gate.grad, up.grad))
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-6, atol=1e-7)
+
+
+def test_swiglu_gradcheck_float64() -> None:
+    g = torch.Generator().manual_seed(4)
+    gate = torch.randn(3, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(3, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(swiglu, (gate, up))
+
+
+def test_fused_functions_keep_less_for_backward() -> None:
+    """What the point is: SwiGLU keeps 2 (not 3) activation tensors, RMSNorm 1 (not 2) plus 1/rms."""
+    sizes: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        sizes.append(t.numel())
+        return t
+
+    x = torch.randn(8, 256, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        swiglu(x * 1, x * 2)
+    assert sum(n for n in sizes if n == x.numel()) == 2 * x.numel()
+    sizes.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        rms_norm(x * 1, torch.ones(256), 1e-5)
+    assert sum(n for n in sizes if n == x.numel()) == x.numel()
+
+
+def _lora_grads(model: torch.nn.Module, tokens: torch.Tensor, autocast: bool) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(tokens)
+    logits.float().logsumexp(-1).sum().backward()
+    return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_recomputed_outputs_give_bit_identical_gradients_and_are_not_kept(monkeypatch: pytest.MonkeyPatch,
+                                                                          autocast: bool) -> None:
+    """Llama.forward saves rms_norm/swiglu outputs as recipes; backward must not notice."""
+    from contextlib import nullcontext
+
+    from ggtorch.lora import LoraConfig, attach_lora
+    from ggtorch.models import model as llama
+    from ggtorch.models.config import LlamaConfig
+    from ggtorch.ops import fused
+
+    torch.manual_seed(0)
+    model = llama.Llama(LlamaConfig(n_vocab=64, n_embd=32, n_layer=2, n_head=4, n_head_kv=2, n_ff=48,
+                                    n_ctx_train=16))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    attach_lora(model, LoraConfig(rank=2, init="torch"), seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.1)  # B = 0 would hide any error in the A gradients
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    recipes = []
+    real_pack = fused._pack
+    monkeypatch.setattr(fused, "_pack", lambda t: recipes.append(real_pack(t)) or recipes[-1])
+    with_recompute = _lora_grads(model, tokens, autocast)
+    if not autocast:  # per layer: attention norm output (q, k, v LoRA A), FFN norm's (gate, up), SwiGLU's (down)
+        assert sum(isinstance(r, tuple) for r in recipes) == 2 * 6
+    else:  # autocast saves its bf16 copies of the norms' outputs; SwiGLU's bf16 output is a recipe
+        assert sum(isinstance(r, tuple) for r in recipes) == 2
+    monkeypatch.setattr(llama, "recompute_outputs", nullcontext)
+    kept = _lora_grads(model, tokens, autocast)
+    assert all(torch.equal(a, b) for a, b in zip(with_recompute, kept, strict=True))
+
+
+def test_a_changed_output_is_saved_as_is_not_recomputed() -> None:
+    """An output edited in place after the forward no longer equals its recipe: it must be kept."""
+    from ggtorch.ops import fused
+
+    g, u = torch.randn(4, 8), torch.randn(4, 8)
+    a = torch.randn(3, 8, requires_grad=True)
+    with fused.recompute_outputs():
+        p = fused.swiglu(g, u)
+        p.mul_(2)  # version bump
+        packed = fused._pack(p.view(4, 8))
+    assert packed is not None and not isinstance(packed, tuple)
+    with fused.recompute_outputs():
+        q = fused.swiglu(g, u)
+        h = torch.nn.functional.linear(q, a)
+    h.sum().backward()
+    torch.testing.assert_close(a.grad, torch.ones(4, 3).T @ (torch.nn.functional.silu(g) * u))

@@ -1,0 +1,360 @@
+"""``ggtorch finetune`` end to end on the real stories260K model: learning, exact resume, outputs, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ggtorch.cli.main import main
+from ggtorch.training.config import FinetuneConfig
+from ggtorch.training.trainer import Trainer
+from tests.llama_models import GGML_TYPE_F32, llama_cpp_logits, quantize_with_llama_cpp
+
+SMALL = ["-c", "32", "-b", "4", "--warmup", "2", "--adam-alpha", "0.01", "--seed", "7"]
+
+
+@pytest.fixture(scope="module")
+def stories_q8(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return quantize_with_llama_cpp(stories260k, tmp_path_factory.mktemp("q8") / "stories260K-Q8_0.gguf", "Q8_0")
+
+
+def run(args: list[str], cwd: Path) -> tuple[int, str]:
+    runner = CliRunner()
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        result = runner.invoke(main, args, catch_exceptions=False)
+    finally:
+        os.chdir(old)
+    return result.exit_code, result.output
+
+
+def losses(log: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "iter"]
+
+
+def run_whole_and_resumed(common: list[str], tmp_path: Path) -> tuple[Path, Path]:
+    """``common`` for 6 iterations in folder one; for 3, then resumed for 3, in folder two."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    code, out = run([*common, "-n", "6", "--checkpoint-in", "none.gguf"], one)
+    assert code == 0, out
+    code, out = run([*common, "-n", "3", "--checkpoint-in", "none.gguf"], two)
+    assert code == 0, out
+    code, out = run([*common, "-n", "3", "--checkpoint-in", "checkpoint-LATEST.gguf"], two)
+    assert code == 0, out
+    assert "resumed from checkpoint-LATEST.gguf at iteration 3" in out
+    return one, two
+
+
+def test_resume_is_exact(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
+    """6 iterations in one run == 3, stop, resume for 3: same adapter bytes and loss sequence."""
+    common = ["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), *SMALL,
+              "--save-every", "0", "--lora-dropout", "0.1"]
+    one, two = run_whole_and_resumed(common, tmp_path)
+    assert (one / "ggml-lora-LATEST-f32.gguf").read_bytes() == (two / "ggml-lora-LATEST-f32.gguf").read_bytes()
+    assert (one / "ggml-lora-6-f32.gguf").read_bytes() == (two / "ggml-lora-6-f32.gguf").read_bytes()
+    assert losses(one / "checkpoint-log.jsonl") == losses(two / "checkpoint-log.jsonl")
+    assert len(losses(one / "checkpoint-log.jsonl")) == 6
+
+
+@pytest.mark.parametrize("base", ["F32", "Q8_0"])
+def test_finetune_lowers_heldout_loss(base: str, stories260k: Path, stories_q8: Path, texts: dict[str, Path],
+                                      tmp_path: Path) -> None:
+    model = stories260k if base == "F32" else stories_q8
+    config = FinetuneConfig(model_base=str(model), train_data=str(texts["train"]), val_data=str(texts["heldout"]),
+                            ctx=64, batch=8, adam_iter=40, warmup=5, adam_alpha=0.01, seed=3, save_every=0,
+                            checkpoint_in="", checkpoint_out="", lora_out=str(tmp_path / "a-ITERATION.gguf"),
+                            log_file=str(tmp_path / "log.jsonl"))
+    trainer = Trainer(config)
+    before = trainer.evaluate()
+    trainer.train()
+    after = trainer.evaluate()
+    trainer.close()
+    print(f"{base}: held-out loss {before:.4f} -> {after:.4f}")
+    assert after < before - 0.1, (before, after)
+    assert (tmp_path / "a-40.gguf").is_file() and (tmp_path / "a-LATEST.gguf").is_file()
+
+
+@pytest.fixture(scope="module")
+def finetuned(stories260k: Path, stories_q8: Path, random_llama: Callable[..., Path], texts: dict[str, Path],
+              tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Path, Trainer]]:
+    """A short finetune per base (cached): (base path, adapter path, trainer with the trained model)."""
+    bases = {"stories-F32": lambda: stories260k, "stories-Q8_0": lambda: stories_q8,
+             "random-Q4_0": lambda: random_llama("Q4_0"), "random-Q4_K_M": lambda: random_llama("Q4_K_M")}
+    cache: dict[str, tuple[Path, Path, Trainer]] = {}
+
+    def get(name: str) -> tuple[Path, Path, Trainer]:
+        if name not in cache:
+            base = bases[name]()
+            out = tmp_path_factory.mktemp(name) / "lora.gguf"
+            config = FinetuneConfig(model_base=str(base), train_data=str(texts["train"]), ctx=16, batch=2,
+                                    adam_iter=4, warmup=0, adam_alpha=0.02, seed=1, save_every=0, checkpoint_in="",
+                                    checkpoint_out="", lora_out=str(out), use_checkpointing=False)
+            trainer = Trainer(config)
+            trainer.train()
+            trainer.close()
+            cache[name] = (base, out, trainer)
+        return cache[name]
+
+    return get
+
+
+# The base-parity tolerances of tests/models/test_llama.py (why: see there).
+PARITY = {"stories-F32": 1e-4, "stories-Q8_0": 0.6, "random-Q4_0": 0.6, "random-Q4_K_M": 0.6}
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+@pytest.mark.parametrize("name", list(PARITY))
+def test_llama_cpp_runs_the_finetuned_adapter(finetuned: Callable[[str], tuple[Path, Path, Trainer]], name: str,
+                                              scale: float) -> None:
+    """After a short finetune, llama.cpp + the written adapter == ggtorch's base + adapter, on held-out tokens.
+
+    The random untied models adapt every matrix kind, token_embd and output included.
+    """
+    import llama_cpp
+
+    from ggtorch.lora import lora_modules
+    from ggtorch.lora.adapter_file import read_adapter
+
+    base, adapter_path, trainer = finetuned(name)
+    kinds = {n.split(".")[-2] if n.startswith("blk.") else n.split(".")[0] for n in read_adapter(adapter_path).pairs}
+    expected = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_down", "ffn_up"}
+    assert kinds == (expected | {"token_embd", "output"} if name.startswith("random") else expected)
+    n_vocab = trainer.model_config.n_vocab
+    tokens = [1] + np.random.default_rng(5).integers(3, n_vocab, 23).tolist()
+    modules = [m for _, m in lora_modules(trainer.model)]
+    scales = [m.scale for m in modules]
+    try:
+        for m in modules:
+            m.scale *= scale
+        with torch.no_grad():
+            trainer.model.eval()
+            ours = trainer.model(torch.tensor([tokens]))[0].numpy()
+    finally:
+        for m, s in zip(modules, scales, strict=True):
+            m.scale = s
+    llm = llama_cpp.Llama(model_path=str(base), lora_path=str(adapter_path), lora_scale=scale, logits_all=True,
+                          n_ctx=32, n_threads=2, verbose=False, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
+    ref = llama_cpp_logits(llm, tokens)
+    assert np.abs(ours - ref).max() <= PARITY[name]
+    del llm
+    plain = llama_cpp.Llama(model_path=str(base), logits_all=True, n_ctx=32, n_threads=2, verbose=False,
+                            type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
+    effect = np.abs(ref - llama_cpp_logits(plain, tokens)).max()
+    print(f"{name} scale {scale}: max |ggtorch - llama.cpp| {np.abs(ours - ref).max():.3g}, "
+          f"adapter effect {effect:.3g}")
+    assert effect > 2 * PARITY[name]  # the adapter moves the logits well beyond the tolerance
+
+
+def test_help_lists_old_flags_in_groups() -> None:
+    code, out = run(["finetune", "--help"], Path.cwd())
+    assert code == 0
+    for heading in ("Model and data", "Outputs and checkpoints", "Training", "LoRA", "Optimizer (ggml AdamW)",
+                    "Samples (as the old finetune built them)", "Accepted for compatibility, ignored"):
+        assert heading in out
+    for flag in ("--adam-decay-min-ndim", "--cos-decay-restart", "--rank-ffn_gate", "--fill-with-next-samples",
+                 "--use-checkpointing / --no-checkpointing", "-ngl", "--only-write-lora", "--device"):
+        assert flag in out, flag
+
+
+def test_old_command_line_runs_with_notes(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
+    """A command line of the old program, ggml-only flags included, runs (underscore spellings too)."""
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]),
+                     "--threads", "2", "--adam-iter", "2", "--batch", "2", "--ctx", "16", "--lora-r", "2",
+                     "--rank-ffn_gate", "3", "--no-flash", "-ngl", "0", "--mem-compute", "8",
+                     "--checkpoint-out", "ck-ITERATION.gguf", "--lora-out", "l-ITERATION.gguf"], tmp_path)
+    assert code == 0, out
+    assert "--use-flash / --no-flash is a ggml" in out and "--n-gpu-layers is a ggml" in out
+    assert {"ck-2.gguf", "ck-LATEST.gguf", "l-2.gguf", "l-LATEST.gguf"} <= {p.name for p in tmp_path.iterdir()}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--train-data", "missing.txt"], "missing.txt"),
+    (["--train-data", "{empty}"], "empty"),
+    (["--checkpoint-out", "no/such/dir/ck.gguf"], "does not exist"),
+    (["--checkpoint-in", "{model}"], "not a ggtorch training checkpoint"),
+    (["--ctx", "0"], "--ctx must be at least 1"),
+])
+def test_bad_input_is_one_clear_line(args: list[str], message: str, stories260k: Path, texts: dict[str, Path],
+                                     tmp_path: Path) -> None:
+    args = [a.format(empty=texts["empty"], model=stories260k) for a in args]
+    base = ["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), "-n", "1",
+            "-c", "16", "-b", "1"]
+    code, out = run(base + args, tmp_path)
+    assert code == 1
+    assert message in out and "Traceback" not in out
+    assert out.count("error:") == 1
+
+
+def test_checkpoint_of_another_base_is_refused(stories260k: Path, random_llama: Callable[..., Path],
+                                               texts: dict[str, Path], tmp_path: Path) -> None:
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), "-n", "1",
+                     "-c", "16", "-b", "1"], tmp_path)
+    assert code == 0, out
+    code, out = run(["finetune", "--model-base", str(random_llama("F32")), "--train-data", str(texts["train"]),
+                     "-n", "1", "-c", "16", "-b", "1", "--checkpoint-in", "checkpoint-LATEST.gguf"], tmp_path)
+    assert code == 1 and "trained on base model 'stories260K'" in out
+
+
+def test_short_text_and_long_context_warn(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["tiny"]), "-n", "1",
+                     "-c", "600", "-b", "1", "--no-checkpointing"], tmp_path)
+    assert code == 0, out
+    assert "above the model's training context 512" in out
+    assert "fewer than the context of 600" in out
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(stories260k: Path, texts: dict[str, Path],
+                                                           tmp_path: Path) -> None:
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), "-n", "2",
+                     "-c", "16", "-b", "1", "--save-every", "1"], tmp_path)
+    assert code == 0, out
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), "-n", "20",
+                     "-c", "16", "-b", "1", "--save-every", "1", "--checkpoint-in", "checkpoint-LATEST.gguf",
+                     "--adam-alpha", "1e30", "--adam-gclip", "0", "--warmup", "0"], tmp_path)
+    assert code == 1 and "the loss became" in out and "Traceback" not in out
+    from ggtorch.io.checkpoint import load_checkpoint
+
+    latest = load_checkpoint(tmp_path / "checkpoint-LATEST.gguf")
+    assert all(torch.isfinite(t).all() for t in latest.tensors.values())
+    assert latest.iteration >= 2
+    assert "last saved checkpoint" in out
+
+
+def test_plot_draws_the_loss_curve(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), "-n", "3",
+                     "-c", "16", "-b", "2"], tmp_path)
+    assert code == 0, out
+    code, out = run(["plot", "checkpoint-log.jsonl", "-o", "loss.png"], tmp_path)
+    assert code == 0, out
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+def test_only_write_lora_writes_the_checkpoints_adapter(stories260k: Path, texts: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), "-n", "3",
+                     "-c", "16", "-b", "2", "--rank-wq", "0"], tmp_path)
+    assert code == 0, out
+    trained = (tmp_path / "ggml-lora-3-f32.gguf").read_bytes()
+    for p in tmp_path.glob("ggml-lora-*"):
+        p.unlink()
+    code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]),
+                     "-c", "16", "-b", "2", "--rank-wq", "0", "--checkpoint-in", "checkpoint-LATEST.gguf",
+                     "--only-write-lora", "--lora-out", "out-ITERATION.gguf"], tmp_path)
+    assert code == 0, out
+    assert (tmp_path / "out-3.gguf").read_bytes() == trained  # named with the checkpoint's iteration
+    assert not list(tmp_path.glob("checkpoint-4*"))  # no training happened
+
+
+def test_bf16_autocast_trains(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
+    config = FinetuneConfig(model_base=str(stories260k), train_data=str(texts["train"]), ctx=32, batch=4,
+                            adam_iter=6, warmup=1, adam_alpha=0.01, seed=2, dtype="bf16", checkpoint_in="",
+                            checkpoint_out="", lora_out="", log_file=str(tmp_path / "log.jsonl"))
+    trainer = Trainer(config)
+    results = trainer.train()
+    trainer.close()
+    assert all(np.isfinite(r.loss) for r in results)
+    a = [p for _, p, _ in trainer.params][1]
+    assert a.dtype == torch.float32 and a.abs().sum() > 0  # LoRA weights stay f32 under autocast
+
+
+def test_bf16_compute_holds_float_base_matrices_in_bf16_with_the_same_result(stories260k: Path,
+                                                                              texts: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    """Autocast rounds every frozen f32 weight to bf16 in every step; the default rounds it once at
+    load instead. Same numbers (losses and adapter bit for bit), half the memory, no per-step cast."""
+    runs = {}
+    for base_dtype in ("quantized", "f32"):
+        config = FinetuneConfig(model_base=str(stories260k), train_data=str(texts["train"]), ctx=32, batch=4,
+                                adam_iter=4, warmup=1, adam_alpha=0.01, seed=2, dtype="bf16", checkpoint_in="",
+                                checkpoint_out="", lora_out="", base_dtype=base_dtype,
+                                log_file=str(tmp_path / f"log-{base_dtype}.jsonl"))
+        trainer = Trainer(config)
+        runs[base_dtype] = ([r.loss for r in trainer.train()], [p.detach().clone() for _, p, _ in trainer.params],
+                            trainer.model.layers[0].attn.q.base.weight.dtype)
+        trainer.close()
+    assert runs["quantized"][2] == torch.bfloat16 and runs["f32"][2] == torch.float32
+    assert runs["quantized"][0] == runs["f32"][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs["quantized"][1], runs["f32"][1], strict=True))
+
+
+def test_ctrl_c_saves_and_a_second_ctrl_c_exits_at_once(stories260k: Path, texts: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "ggtorch", "finetune", "--model-base", str(stories260k), "--train-data",
+           str(texts["train"]), "-n", "100000", "-c", "16", "-b", "2", "--save-every", "0", "-t", "1"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "checkpoint-log.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not log.is_file() or len(losses(log)) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "interrupted at iteration" in out and "Traceback" not in out
+    from ggtorch.io.checkpoint import load_checkpoint
+
+    latest = load_checkpoint(tmp_path / "checkpoint-LATEST.gguf")
+    assert latest.iteration == len(losses(log)) >= 3
+
+    # A second Ctrl-C while the first is being handled: out at once, LATEST still the good one.
+    proc = subprocess.Popen(cmd + ["--checkpoint-in", "checkpoint-LATEST.gguf"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    n_before = len(losses(log))
+    while time.time() < deadline + 120 and len(losses(log)) < n_before + 2:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out
+    load_checkpoint(tmp_path / "checkpoint-LATEST.gguf")  # loadable whatever the timing
+
+
+def test_block_checkpointing_on_and_off_gives_the_same_gradients(stories260k: Path) -> None:
+    """enable_block_checkpointing recomputes each Block in backward (the same numbers), and
+    disable_block_checkpointing puts the stored-activation forward back."""
+    from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
+    from ggtorch.models.loader import load_llama
+    from ggtorch.models.model import Block
+    from ggtorch.training.trainer import disable_block_checkpointing, enable_block_checkpointing
+
+    model = load_llama(stories260k).model
+    attach_lora(model, LoraConfig(rank=2), seed=1)
+    params = [p for _, p, _ in trainable_parameters(model)]
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2], [1, 4, 8, 16, 32, 64]])
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+
+    def grads() -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        model(ids).float().logsumexp(-1).sum().backward()
+        return [p.grad.clone() for p in params]
+
+    plain = grads()
+    assert enable_block_checkpointing(model) == len(blocks) > 0
+    assert all("forward" in b.__dict__ for b in blocks)
+    checkpointed = grads()
+    assert disable_block_checkpointing(model) == len(blocks)
+    assert not any("forward" in b.__dict__ for b in blocks) and disable_block_checkpointing(model) == 0
+    again = grads()
+    for a, b, c in zip(plain, checkpointed, again, strict=True):
+        assert a.abs().max() > 0
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)

@@ -1,0 +1,189 @@
+"""ggtorch.training.loss against torch's F.cross_entropy on materialized logits (values and gradients)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from ggtorch.lora import LoRALinear
+from ggtorch.quant.modules import QuantLinear
+from ggtorch.quant.quantize import quantize
+from ggtorch.training import loss as loss_mod
+from ggtorch.training.loss import cross_entropy, output_cross_entropy
+
+
+def _case(n: int, v: int, n_ignored: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, v, generator=g) * 4
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[torch.randperm(n, generator=g)[:n_ignored]] = -100
+    return logits, targets
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("n_ignored", [0, 5])
+def test_equals_torch_cross_entropy(reduction: str, n_ignored: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loss_mod, "CHUNK_BYTES", 7 * 4 * 1000)  # 7 rows per chunk: a ragged last chunk
+    logits, targets = _case(40, 1000, n_ignored)
+    ours_in = logits.clone().requires_grad_()
+    ref_in = logits.clone().requires_grad_()
+    ours = cross_entropy(ours_in.view(4, 10, 1000), targets.view(4, 10), reduction)
+    ref = F.cross_entropy(ref_in, targets, reduction=reduction).view(ours.shape)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-5)
+    weights = torch.randn(ours.shape)  # a non-uniform upstream gradient for "none"
+    (ours * weights).sum().backward()
+    (ref * weights).sum().backward()
+    torch.testing.assert_close(ours_in.grad, ref_in.grad, rtol=1e-5, atol=1e-7)
+    if n_ignored:
+        ignored = targets == -100
+        assert torch.all(ours_in.grad[ignored] == 0)
+        if reduction == "none":
+            assert torch.all(ours.view(-1)[ignored] == 0)
+
+
+def test_all_ignored_mean_is_nan_like_torch() -> None:
+    logits, targets = _case(6, 50, 6)
+    assert torch.isnan(cross_entropy(logits, targets)) and torch.isnan(F.cross_entropy(logits, targets))
+    assert cross_entropy(logits, targets, "sum").item() == 0.0
+
+
+def test_bf16_logits_give_bf16_gradient_computed_in_f32() -> None:
+    logits, targets = _case(8, 300, 0)
+    low = logits.bfloat16().requires_grad_()
+    loss = cross_entropy(low, targets)
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert low.grad.dtype == torch.bfloat16
+    ref = logits.bfloat16().float().requires_grad_()
+    F.cross_entropy(ref, targets).backward()
+    torch.testing.assert_close(loss, F.cross_entropy(logits.bfloat16().float(), targets))
+    torch.testing.assert_close(low.grad.float(), ref.grad, rtol=1e-2, atol=1e-4)
+
+
+def test_bad_reduction() -> None:
+    logits, targets = _case(2, 5, 0)
+    with pytest.raises(ValueError, match="reduction"):
+        cross_entropy(logits, targets, "avg")  # type: ignore[arg-type]
+
+
+# --- output_cross_entropy: the output projection fused with the loss -------------------------------
+
+N_EMBD, N_VOCAB = 64, 500
+
+
+def _output(kind: str, lora: bool) -> nn.Module:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(N_VOCAB, N_EMBD, generator=g) / 4
+    if kind == "linear":
+        base: nn.Module = nn.Linear(N_EMBD, N_VOCAB, bias=False)
+        base.weight = nn.Parameter(w, requires_grad=False)
+    else:
+        raw = torch.from_numpy(quantize(w, GGMLQuantizationType.Q8_0)).reshape(-1)
+        base = QuantLinear(raw, GGMLQuantizationType.Q8_0, (N_VOCAB, N_EMBD))
+    if not lora:
+        return base
+    module = LoRALinear(base, rank=3, alpha=6.0)
+    with torch.no_grad():  # B != 0 so the adapter changes the logits and gets a gradient through A
+        module.lora_a.copy_(torch.randn(3, N_EMBD, generator=g) / 8)
+        module.lora_b.copy_(torch.randn(N_VOCAB, 3, generator=g) / 8)
+    return module
+
+
+@pytest.mark.parametrize("kind", ["linear", "quant"])
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_output_loss_equals_logits_then_cross_entropy(kind: str, lora: bool, autocast: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loss_mod, "FUSED_CHUNK_BYTES", 7 * 4 * N_VOCAB)  # 7 rows per chunk
+    output = _output(kind, lora)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(3, 30, N_EMBD, generator=g)
+    targets = torch.randint(0, N_VOCAB, (3, 30), generator=g)
+    targets[0, :4] = -100
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    results = []
+    for fused in (True, False):
+        h = hidden.clone().requires_grad_()
+        params = [p for p in output.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = None
+        with ctx:
+            loss = (output_cross_entropy(output, h, targets) if fused
+                    else F.cross_entropy(output(h).float().reshape(-1, N_VOCAB), targets.reshape(-1)))
+        (loss * 3).backward()
+        results.append((loss.detach(), h.grad, [p.grad.clone() for p in params]))
+    (ours, ours_gx, ours_gp), (ref, ref_gx, ref_gp) = results
+    tol = {"rtol": 2e-2, "atol": 2e-3} if autocast else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(ours, ref, **tol)
+    torch.testing.assert_close(ours_gx, ref_gx, **tol)
+    assert torch.all(ours_gx[0, :4] == 0)
+    assert len(ours_gp) == (2 if lora else 0)
+    for a, b in zip(ours_gp, ref_gp, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+        assert b.abs().max() > 0
+
+
+@pytest.mark.parametrize("gap", [5.0, 60.0, 300.0])
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_fused_output_loss_of_very_unlikely_targets(gap: float, lora: bool, in_place: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target logit ``gap`` below the rest: past a gap of ~104 its f32 probability underflows
+    (the loss as -log(p) would be inf); the loss and gradient must still be logsumexp's. Chunks of
+    4 rows put such rows in later chunks too (their logits are recomputed by row index), with the
+    softmax over the logits' buffer and (as on devices not known to allow that) beside it."""
+    monkeypatch.setattr(loss_mod, "FUSED_CHUNK_BYTES", 4 * 4 * N_VOCAB)
+    if not in_place:
+        monkeypatch.setattr(loss_mod, "IN_PLACE_SOFTMAX_DEVICES", ())
+    output = _output("linear", lora)
+    base = output.base if lora else output
+    hidden = torch.zeros(1, 10, N_EMBD)
+    hidden[0, :, 0] = 1.0
+    hidden[0, :, 1] = torch.linspace(-3, 3, 10)  # rows differ: a recomputed row must be the right one
+    targets = torch.tensor([[7, 8, 9, 7, -100, 1, 9, 2, 8, 3]])  # an ignored row's stand-in target is id 0
+    base.weight.data[7:10, 0] = -gap
+    base.weight.data[0, 0] = -300.0  # underflows even when the counted rows do not
+    h = hidden.clone().requires_grad_()
+    ours = output_cross_entropy(output, h, targets, "sum")
+    ours.backward()
+    h_ref = hidden.clone().requires_grad_()
+    ref = F.cross_entropy(output(h_ref).reshape(-1, N_VOCAB), targets.reshape(-1), reduction="sum")
+    ref.backward()
+    assert ref.item() > 4 * gap  # the rows really are that unlikely
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_output_loss_falls_back_for_lora_with_dropout() -> None:
+    output = _output("linear", lora=True)
+    output.dropout = nn.Dropout(0.5)
+    hidden, targets = torch.randn(2, 5, N_EMBD), torch.randint(0, N_VOCAB, (2, 5))
+    torch.manual_seed(0)
+    ours = output_cross_entropy(output, hidden, targets)
+    torch.manual_seed(0)
+    ref = F.cross_entropy(output(hidden).reshape(-1, N_VOCAB), targets.reshape(-1))
+    torch.testing.assert_close(ours, ref)
+
+
+def test_fused_output_loss_sum_and_no_grad() -> None:
+    output = _output("linear", lora=False)
+    hidden, targets = torch.randn(2, 5, N_EMBD), torch.randint(0, N_VOCAB, (2, 5))
+    with torch.no_grad():
+        total = output_cross_entropy(output, hidden, targets, "sum")
+    ref = F.cross_entropy(output(hidden).reshape(-1, N_VOCAB), targets.reshape(-1), reduction="sum")
+    torch.testing.assert_close(total, ref)
+
+
+def test_fused_output_loss_runs_the_modules_forward_hooks() -> None:
+    """A hook on the output layer (to inspect or poison logits) still sees its call."""
+    output = _output("linear", lora=False)
+    seen = []
+    output.register_forward_hook(lambda m, args, out: seen.append(out.shape) or out * 2)
+    hidden, targets = torch.randn(2, 5, N_EMBD), torch.randint(0, N_VOCAB, (2, 5))
+    ours = output_cross_entropy(output, hidden, targets)
+    assert seen == [(2, 5, N_VOCAB)]
+    ref = F.cross_entropy(output(hidden).reshape(-1, N_VOCAB), targets.reshape(-1))
+    torch.testing.assert_close(ours, ref)
