@@ -66,3 +66,25 @@ def random_llama(tmp_path_factory: pytest.TempPathFactory, spm_vocab: Path) -> C
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory: pytest.TempPathFactory, shared: Path) -> Callable[..., Path]:
+    """``family_model("qwen3", ftype="Q4_K_M")`` → path of a GGUF of a preset of tests/families.py.
+
+    The F32 file is written by gguf-py once per preset; each quantized variant is made from it by
+    llama.cpp once per session.
+    """
+    from tests.families import write_preset
+
+    cache: dict[tuple[str, str], Path] = {}
+    root = tmp_path_factory.mktemp("families")
+
+    def make(name: str, ftype: str = "F32") -> Path:
+        if (name, "F32") not in cache:
+            cache[name, "F32"] = write_preset(name, root, shared / "vocab")
+        if (name, ftype) not in cache:
+            cache[name, ftype] = quantize_with_llama_cpp(cache[name, "F32"], root / f"{name}-{ftype}.gguf", ftype)
+        return cache[name, ftype]
+
+    return make

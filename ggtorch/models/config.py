@@ -1,12 +1,16 @@
-"""LlamaConfig: the hyperparameters of a llama, read from GGUF metadata.
+"""ModelConfig: the hyperparameters of a model of any supported family, read from GGUF metadata.
 
-Keys are read through gguf-py's ``Keys`` constants with the ``{arch}`` placeholder filled
-in, with llama.cpp's defaults and fallbacks (see src/models/llama.cpp and
-src/llama-model.cpp there), so a file llama.cpp loads gets the same numbers here.
+Keys are read through gguf-py's ``Keys`` constants with the ``{arch}`` placeholder filled in,
+with llama.cpp's defaults and fallbacks (``llama_model_base::load_hparams`` and each family's
+``load_arch_hparams`` in src/llama-model.cpp and src/models/), so a file llama.cpp loads gets the
+same numbers here. The family's row (models/families.py) supplies the switches and the defaults
+for missing keys; the tensors present decide the optional parts (tied output, fused q/k/v,
+biases, rope factors).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +19,10 @@ from gguf import Keys
 from ggtorch.errors import BadGGUF, Unsupported
 from ggtorch.io.gguf import GGUFFile
 from ggtorch.models import names
+from ggtorch.models.families import FAMILIES, Family
 
 ARCH = "llama"
+"""The architecture of new models (``ggtorch train --vocab-model``)."""
 
 # gguf-py dropped the constant for the pre-2023 key; llama.cpp still reads it as a fallback
 # for Keys.Rope.SCALING_FACTOR (LLM_KV_ROPE_SCALE_LINEAR).
@@ -24,8 +30,8 @@ ROPE_SCALE_LINEAR = "{arch}.rope.scale_linear"
 
 
 @dataclass
-class LlamaConfig:
-    """Shapes and constants of a llama model (ggml's hparams, named after llama.cpp's fields)."""
+class ModelConfig:
+    """Shapes and constants of a model (ggml's hparams, named after llama.cpp's fields)."""
 
     n_vocab: int
     n_embd: int
@@ -34,10 +40,10 @@ class LlamaConfig:
     n_head_kv: int
     n_ff: int
     n_ctx_train: int = 2048
-    """Context length the model was trained with (``llama.context_length``)."""
+    """Context length the model was trained with (``{arch}.context_length``)."""
     rms_eps: float = 1e-5
     n_rot: int | None = None
-    """Rotary dimensions per head; llama.cpp requires it to equal head_dim for llama."""
+    """Rotary dimensions per head (default: the whole head); the first n_rot of each head rotate."""
     rope_freq_base: float = 10000.0
     rope_freq_scale: float = 1.0
     """Linear rope scaling: 1 / ``rope.scaling.factor`` (positions are multiplied by it)."""
@@ -45,41 +51,95 @@ class LlamaConfig:
     """No ``output.weight`` in the file: the output projection reuses ``token_embd``."""
     rope_freqs: bool = False
     """The file has ``rope_freqs.weight``: per-pair divisors of the rope frequencies (Llama 3.1+)."""
+    arch: str = ARCH
+    """``general.architecture``: the row of models/families.py the model follows."""
+    head_dim_k: int | None = None
+    """Width of a query/key head (``attention.key_length``; default n_embd / n_head)."""
+    sliding_window: int = 0
+    """Keys a sliding-window layer sees: the query's own position and the window - 1 before it."""
+    swa_layers: tuple[bool, ...] = ()
+    """Per layer, whether it is a sliding-window layer (empty: none is)."""
+    rope_freq_base_swa: float = 10000.0
+    rope_freq_scale_swa: float = 1.0
+    """Rope of the sliding-window layers (gemma: their own base, no scaling)."""
+    attn_softcap: float = 0.0
+    """Attention scores become cap·tanh(scores / cap) before the softmax (0: off)."""
+    final_softcap: float = 0.0
+    """Logits become cap·tanh(logits / cap) (0: off)."""
+    attention_scale: float | None = None
+    """Scale of q·k (default 1/sqrt(head_dim_k))."""
+    rope_long_short: bool = False
+    """The file has LongRoPE's ``rope_factors_long``/``_short`` (phi3)."""
+    n_ctx_orig: int | None = None
+    """``rope.scaling.original_context_length``: above it LongRoPE uses the long factors (default
+    n_ctx_train)."""
+    rope_attn_factor: float = 1.0
+    """``rope.scaling.attn_factor``: cos and sin are multiplied by it (LongRoPE's magnitude scale)."""
+    fused_qkv: bool = False
+    """q, k and v come from one ``attn_qkv`` matrix."""
+    biases: tuple[str, ...] = ()
+    """Matrix kinds with a ``.bias`` in the file (``attn_q``, ``output``, ...)."""
 
     def __post_init__(self) -> None:
+        if self.arch not in FAMILIES:
+            raise Unsupported(f"unsupported architecture '{self.arch}'; ggtorch supports {', '.join(FAMILIES)}")
         if self.n_rot is None:
             self.n_rot = self.head_dim
         for name in ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_ctx_train", "n_rot"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise BadGGUF(f"llama hyperparameter {name} = {value!r} must be a positive integer")
-        if self.n_embd % self.n_head:
+                raise BadGGUF(f"{self.arch} hyperparameter {name} = {value!r} must be a positive integer")
+        if self.head_dim_k is None and self.n_embd % self.n_head:
             raise BadGGUF(f"embedding length {self.n_embd} is not divisible by head count {self.n_head}")
         if self.n_head % self.n_head_kv:
             raise BadGGUF(f"head count {self.n_head} is not divisible by KV head count {self.n_head_kv}")
-        if self.n_rot != self.head_dim:
+        if self.n_rot > self.head_dim or self.n_rot % 2:
+            raise BadGGUF(f"rope dimension count {self.n_rot} must be even and at most the head size {self.head_dim}")
+        if self.arch in ("llama", "qwen2", "qwen3") and self.n_rot != self.head_dim:
             raise Unsupported(f"rope dimension count {self.n_rot} differs from the head size {self.head_dim}; "
-                              "llama.cpp's llama requires them equal")
-        for name in ("rms_eps", "rope_freq_base", "rope_freq_scale"):
+                              f"llama.cpp's {self.arch} requires them equal")
+        for name in ("rms_eps", "rope_freq_base", "rope_freq_scale", "rope_freq_base_swa", "rope_freq_scale_swa"):
             value = getattr(self, name)
             if not value > 0:
-                raise BadGGUF(f"llama hyperparameter {name} = {value!r} must be positive")
+                raise BadGGUF(f"{self.arch} hyperparameter {name} = {value!r} must be positive")
+        if self.swa_layers and len(self.swa_layers) != self.n_layer:
+            raise BadGGUF(f"the sliding-window pattern has {len(self.swa_layers)} layers, the model {self.n_layer}")
+        if any(self.swa_layers) and self.sliding_window <= 0:
+            raise BadGGUF(f"sliding-window layers need a positive window, got {self.sliding_window}")
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.arch]
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_dim_k if self.head_dim_k is not None else self.n_embd // self.n_head
+
+    @property
+    def n_embd_q(self) -> int:
+        """Width of all query heads together (not always n_embd: qwen3, gemma)."""
+        return self.head_dim * self.n_head
 
     @property
     def n_embd_kv(self) -> int:
         """Width of K and V (grouped-query attention: fewer KV heads than query heads)."""
         return self.head_dim * self.n_head_kv
 
+    @property
+    def kq_scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def is_swa(self, layer: int) -> bool:
+        return bool(self.swa_layers) and self.swa_layers[layer]
+
     @classmethod
-    def from_gguf(cls, f: GGUFFile) -> LlamaConfig:
-        """Read the config from a GGUF's metadata; Unsupported for other architectures."""
+    def from_gguf(cls, f: GGUFFile) -> ModelConfig:
+        """Read the config from a GGUF's metadata; Unsupported for architectures without a family row."""
         arch = f.architecture
-        if arch != ARCH:
-            raise Unsupported(f"{f.path}: unsupported architecture '{arch}'; ggtorch supports only 'llama'")
+        if arch not in FAMILIES:
+            raise Unsupported(f"{f.path}: unsupported architecture '{arch}'; ggtorch supports "
+                              f"{', '.join(FAMILIES)}")
+        family = FAMILIES[arch]
 
         def key(template: str) -> str:
             return template.format(arch=arch)
@@ -91,52 +151,125 @@ class LlamaConfig:
             k = key(template)
             return _scalar(f, k, f.metadata[k]) if k in f.metadata else default
 
-        n_head = _int(f, Keys.Attention.HEAD_COUNT, required(Keys.Attention.HEAD_COUNT))
-        n_embd = _int(f, Keys.LLM.EMBEDDING_LENGTH, required(Keys.LLM.EMBEDDING_LENGTH))
-        n_vocab = optional(Keys.LLM.VOCAB_SIZE, None)
+        def integer(template: str, value: Any) -> int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise BadGGUF(f"{f.path}: '{key(template)}' = {value!r} must be an integer")
+            return value
+
+        n_head = integer(Keys.Attention.HEAD_COUNT, required(Keys.Attention.HEAD_COUNT))
+        n_embd = integer(Keys.LLM.EMBEDDING_LENGTH, required(Keys.LLM.EMBEDDING_LENGTH))
+        n_layer = integer(Keys.LLM.BLOCK_COUNT, required(Keys.LLM.BLOCK_COUNT))
+        n_vocab = optional(Keys.LLM.VOCAB_SIZE, None) if arch == "llama" else None
         if n_vocab is None:
             tokens = f.get(Keys.Tokenizer.LIST)
             if tokens is None:
                 raise BadGGUF(f"{f.path}: neither '{key(Keys.LLM.VOCAB_SIZE)}' nor '{Keys.Tokenizer.LIST}' "
                               "is present, so the vocabulary size is unknown")
             n_vocab = len(tokens)
+        head_dim = integer(Keys.Attention.KEY_LENGTH,
+                           optional(Keys.Attention.KEY_LENGTH, n_embd // max(n_head, 1)))
+        value_dim = integer(Keys.Attention.VALUE_LENGTH, optional(Keys.Attention.VALUE_LENGTH, head_dim))
+        if value_dim != head_dim:
+            raise Unsupported(f"{f.path}: value heads of {value_dim} differ from key heads of {head_dim}; "
+                              "ggtorch supports equal ones")
 
-        scaling_type = optional(Keys.Rope.SCALING_TYPE, "none")
-        if scaling_type not in ("none", "linear"):
-            raise Unsupported(f"{f.path}: rope scaling type '{scaling_type}' is not supported (only none/linear)")
+        scaling_type = optional(Keys.Rope.SCALING_TYPE, "linear")
+        if scaling_type not in ("none", "linear") and not (scaling_type == "longrope" and arch == "phi3"):
+            raise Unsupported(f"{f.path}: rope scaling type '{scaling_type}' is not supported (only none/linear"
+                              + (", longrope for phi3)" if arch != "phi3" else " and longrope)"))
         factor = optional(Keys.Rope.SCALING_FACTOR, None)
         if factor is None:
             factor = optional(ROPE_SCALE_LINEAR, 0.0)
         # llama.cpp: a factor of 0 (absent) means no scaling.
         freq_scale = 1.0 if float(factor) == 0.0 else 1.0 / float(factor)
+        freq_base = float(optional(Keys.Rope.FREQ_BASE, 10000.0))
 
+        window, swa_layers = _sliding_window(f, family, n_layer, optional)
+        base_swa, scale_swa = 10000.0, 1.0
+        if family.swa_rope_base == "global":
+            base_swa, scale_swa = freq_base, freq_scale
+        if any(swa_layers):
+            base_swa = float(optional(Keys.Rope.FREQ_BASE_SWA, base_swa))
+
+        attention_scale = None
+        if family.query_prescale:
+            width = n_embd // n_head if n_layer in family.large_layer_counts else head_dim
+            attention_scale = 1.0 / math.sqrt(width)
+        n_ctx_train = integer(Keys.LLM.CONTEXT_LENGTH, required(Keys.LLM.CONTEXT_LENGTH))
+        tensors = f.tensors
+        fused_qkv = names.gguf_name("attn_qkv", 0) in tensors
+        biases = tuple(kind for kind in names.MATRIX_KINDS if names.bias_of(kind) in names.TENSOR_KINDS
+                       and any(name in tensors for name in _bias_names(kind, n_layer)))
         return cls(
             n_vocab=int(n_vocab),
             n_embd=n_embd,
-            n_layer=_int(f, Keys.LLM.BLOCK_COUNT, required(Keys.LLM.BLOCK_COUNT)),
+            n_layer=n_layer,
             n_head=n_head,
-            n_head_kv=_int(f, Keys.Attention.HEAD_COUNT_KV, optional(Keys.Attention.HEAD_COUNT_KV, n_head)),
-            n_ff=_int(f, Keys.LLM.FEED_FORWARD_LENGTH, required(Keys.LLM.FEED_FORWARD_LENGTH)),
-            n_ctx_train=_int(f, Keys.LLM.CONTEXT_LENGTH, required(Keys.LLM.CONTEXT_LENGTH)),
+            n_head_kv=integer(Keys.Attention.HEAD_COUNT_KV, optional(Keys.Attention.HEAD_COUNT_KV, n_head)),
+            n_ff=integer(Keys.LLM.FEED_FORWARD_LENGTH, required(Keys.LLM.FEED_FORWARD_LENGTH)),
+            n_ctx_train=n_ctx_train,
             rms_eps=float(required(Keys.Attention.LAYERNORM_RMS_EPS)),
-            n_rot=_int(f, Keys.Rope.DIMENSION_COUNT, optional(Keys.Rope.DIMENSION_COUNT, n_embd // max(n_head, 1))),
-            rope_freq_base=float(optional(Keys.Rope.FREQ_BASE, 10000.0)),
+            n_rot=integer(Keys.Rope.DIMENSION_COUNT, optional(Keys.Rope.DIMENSION_COUNT, head_dim)),
+            rope_freq_base=freq_base,
             rope_freq_scale=freq_scale,
-            tied_output=names.gguf_name("output") not in f.tensors,
-            rope_freqs=names.ROPE_FREQS in f.tensors,
+            tied_output=family.tied_always or names.gguf_name("output") not in tensors,
+            rope_freqs=names.ROPE_FREQS in tensors,
+            arch=arch,
+            head_dim_k=head_dim if head_dim != n_embd // n_head else None,
+            sliding_window=window,
+            swa_layers=swa_layers,
+            rope_freq_base_swa=base_swa,
+            rope_freq_scale_swa=scale_swa,
+            attn_softcap=float(optional(Keys.LLM.ATTN_LOGIT_SOFTCAPPING, family.attn_softcap)),
+            final_softcap=float(optional(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, family.final_softcap)),
+            attention_scale=attention_scale,
+            rope_long_short=family.rope_factors == "long_short" and names.ROPE_FACTORS_SHORT in tensors,
+            n_ctx_orig=integer(Keys.Rope.SCALING_ORIG_CTX_LEN, optional(Keys.Rope.SCALING_ORIG_CTX_LEN, n_ctx_train)),
+            rope_attn_factor=float(optional(Keys.Rope.SCALING_ATTN_FACTOR, 1.0)),
+            fused_qkv=fused_qkv,
+            biases=biases,
         )
 
 
+LlamaConfig = ModelConfig
+"""The name the config had when ggtorch ran llama alone; kept for the public API."""
+
+
+def _bias_names(kind: str, n_layer: int) -> list[str]:
+    template = names.TENSOR_KINDS[names.bias_of(kind)][0]
+    return [template.format(bid=bid) for bid in range(n_layer)] if "{bid}" in template else [template]
+
+
+def _sliding_window(f: GGUFFile, family: Family, n_layer: int, optional: Any) -> tuple[int, tuple[bool, ...]]:
+    """(window, per-layer flags) as llama.cpp's load_swa_pattern sets them for the family.
+
+    ``sliding_window_pattern`` is either a per-layer bool array or a period n (layer i slides when
+    i % n < n - 1); without it the family's period applies. gemma3 slides only when the file names
+    a positive window; families without a period ignore any window key (llama.cpp's llama and phi3).
+    """
+    if not family.swa_period:
+        return 0, ()
+    window = optional(Keys.Attention.SLIDING_WINDOW, family.swa_window or 0)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise BadGGUF(f"{f.path}: '{Keys.Attention.SLIDING_WINDOW.format(arch=f.architecture)}' = {window!r} "
+                      "must be a non-negative integer")
+    if window == 0:
+        return 0, ()
+    pattern_key = Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=f.architecture)
+    pattern = f.metadata.get(pattern_key, family.swa_period)
+    if isinstance(pattern, list):
+        if len(pattern) < n_layer:
+            raise BadGGUF(f"{f.path}: '{pattern_key}' has {len(pattern)} entries for {n_layer} layers")
+        return window, tuple(bool(x) for x in pattern[:n_layer])
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
+        raise BadGGUF(f"{f.path}: '{pattern_key}' = {pattern!r} must be a non-negative integer or a bool array")
+    return window, tuple(pattern == 0 or i % pattern < pattern - 1 for i in range(n_layer))
+
+
 def _scalar(f: GGUFFile, key: str, value: Any) -> Any:
-    """A per-layer array (allowed by GGUF for some keys) must be uniform for a plain llama."""
+    """A per-layer array (allowed by GGUF for some keys) must be uniform: ggtorch's layers share one shape."""
     if isinstance(value, list):
         if not value or any(v != value[0] for v in value):
             raise Unsupported(f"{f.path}: '{key}' varies per layer ({value[:4]}...); ggtorch supports uniform layers")
         return value[0]
-    return value
-
-
-def _int(f: GGUFFile, template: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadGGUF(f"{f.path}: '{template.format(arch=ARCH)}' = {value!r} must be an integer")
     return value

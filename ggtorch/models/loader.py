@@ -1,4 +1,5 @@
-"""Load a llama GGUF into ggtorch's Llama, checking every tensor like nanoGPT's from_pretrained.
+"""Load a GGUF of any supported family into ggtorch's Transformer, checking every tensor like
+nanoGPT's from_pretrained.
 
 The model is built on the meta device (no memory), then each GGUF tensor is placed into the
 module its name maps to (``ggtorch.models.names``): dequantized to a float dtype, or kept as
@@ -20,8 +21,8 @@ from torch import nn
 from ggtorch.errors import BadGGUF, Unsupported
 from ggtorch.io.gguf import GGUFFile, TensorInfo, read_gguf, release_pages
 from ggtorch.models import names
-from ggtorch.models.config import LlamaConfig
-from ggtorch.models.model import Llama, RMSNorm
+from ggtorch.models.config import ModelConfig
+from ggtorch.models.model import RMSNorm, Transformer
 from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.quant import check_raw, dequantize
 from ggtorch.quant.modules import QuantEmbedding, QuantLinear, float_module
@@ -33,14 +34,14 @@ FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGM
 class LoadedLlama:
     """What load_llama returns: the model, its config and tokenizer, and the opened file."""
 
-    model: Llama
-    config: LlamaConfig
+    model: Transformer
+    config: ModelConfig
     tokenizer: Tokenizer
     gguf: GGUFFile
 
 
-def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """GGUF tensor name -> torch-order shape, for every tensor a llama file of this config holds."""
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> torch-order shape, for every tensor a file of this config holds."""
     c = config
     shapes: dict[str, tuple[int, ...]] = {
         names.gguf_name("token_embd"): (c.n_vocab, c.n_embd),
@@ -50,21 +51,45 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes[names.gguf_name("output")] = (c.n_vocab, c.n_embd)
     per_layer = {
         "attn_norm": (c.n_embd,),
-        "attn_q": (c.n_head * c.head_dim, c.n_embd),
-        "attn_k": (c.n_embd_kv, c.n_embd),
-        "attn_v": (c.n_embd_kv, c.n_embd),
-        "attn_output": (c.n_embd, c.n_head * c.head_dim),
+        "attn_output": (c.n_embd, c.n_embd_q),
         "ffn_norm": (c.n_embd,),
-        "ffn_gate": (c.n_ff, c.n_embd),
-        "ffn_up": (c.n_ff, c.n_embd),
+        "ffn_up": (2 * c.n_ff if c.family.fused_up else c.n_ff, c.n_embd),
         "ffn_down": (c.n_embd, c.n_ff),
     }
+    if not c.family.fused_up:
+        per_layer["ffn_gate"] = (c.n_ff, c.n_embd)
+    if c.fused_qkv:
+        per_layer["attn_qkv"] = (c.n_embd_q + 2 * c.n_embd_kv, c.n_embd)
+    else:
+        per_layer |= {"attn_q": (c.n_embd_q, c.n_embd), "attn_k": (c.n_embd_kv, c.n_embd),
+                      "attn_v": (c.n_embd_kv, c.n_embd)}
+    if c.family.qk_norm:
+        per_layer |= {"attn_q_norm": (c.head_dim,), "attn_k_norm": (c.head_dim,)}
+    if c.family.post_norms:
+        per_layer |= {"attn_post_norm": (c.n_embd,), "ffn_post_norm": (c.n_embd,)}
+    for kind in c.biases:
+        if kind != "output":
+            per_layer[names.bias_of(kind)] = (per_layer[kind][0],)
     for bid in range(c.n_layer):
         for kind, shape in per_layer.items():
             shapes[names.gguf_name(kind, bid)] = shape
+    if "output" in c.biases:
+        shapes[names.gguf_name("output_bias")] = (c.n_vocab,)
     if c.rope_freqs:
         shapes[names.ROPE_FREQS] = (c.n_rot // 2,)
+    if c.rope_long_short:
+        shapes[names.ROPE_FACTORS_LONG] = shapes[names.ROPE_FACTORS_SHORT] = (c.n_rot // 2,)
     return shapes
+
+
+def _check_biases(f: GGUFFile, config: ModelConfig) -> None:
+    """A bias the family's graph does not read is refused by name (llama.cpp would not load it)."""
+    allowed = set(config.family.layer_biases) | ({"output"} if config.family.output_bias else set())
+    for kind in config.biases:
+        if kind not in allowed:
+            name = names.TENSOR_KINDS[names.bias_of(kind)][0].format(bid=0)
+            raise Unsupported(f"{f.path}: tensor '{name}' is not part of a {config.arch} model; "
+                              "ggtorch cannot use this model")
 
 
 def load_llama(path: str | PathLike[str], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -81,7 +106,7 @@ def load_llama(path: str | PathLike[str], device: torch.device | str = "cpu", dt
     (as LoRA merges do), not in place.
     """
     f = read_gguf(path)
-    config = LlamaConfig.from_gguf(f)
+    config = ModelConfig.from_gguf(f)
     tokenizer = Tokenizer.from_gguf(f)
     if tokenizer.n_vocab != config.n_vocab:
         raise BadGGUF(f"{f.path}: the tokenizer has {tokenizer.n_vocab} tokens but the model's vocabulary "
@@ -90,36 +115,48 @@ def load_llama(path: str | PathLike[str], device: torch.device | str = "cpu", dt
     return LoadedLlama(model, config, tokenizer, f)
 
 
-def build_llama(f: GGUFFile, config: LlamaConfig, device: torch.device | str = "cpu",
+def build_llama(f: GGUFFile, config: ModelConfig, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
-                embedding_dtype: torch.dtype | None = None) -> Llama:
-    """The weights of ``f`` placed into a Llama of ``config`` (see load_llama).
+                embedding_dtype: torch.dtype | None = None) -> Transformer:
+    """The weights of ``f`` placed into a Transformer of ``config`` (see load_llama).
 
     ``embedding_dtype``: the dtype of a float token_embd (default ``dtype``). An embedding's
     rows start the residual stream, which autocast leaves in f32, so a trainer computing in
     bf16 keeps it f32 while holding the other float matrices in bf16.
     """
     device = torch.device(device)
+    _check_biases(f, config)
     expected = expected_shapes(config)
     unexpected = sorted(set(f.tensors) - expected.keys())
     if unexpected:
-        raise Unsupported(f"{f.path}: tensor '{unexpected[0]}' is not part of a plain llama "
+        raise Unsupported(f"{f.path}: tensor '{unexpected[0]}' is not part of a {config.arch} model "
                           f"({len(unexpected)} unexpected tensor(s)); ggtorch cannot use this model")
-    missing = [name for name in expected if name not in f.tensors]
+    optional = {name for name in expected if name.endswith(".bias")}  # llama.cpp reads each layer's as optional
+    missing = [name for name in expected if name not in f.tensors and name not in optional]
     if missing:
         raise BadGGUF(f"{f.path}: required tensor '{missing[0]}' is missing ({len(missing)} missing)")
 
     with torch.device("meta"):
-        model = Llama(config, init_weights=False)
+        model = Transformer(config, init_weights=False)
     for name, shape in expected.items():
+        if name not in f.tensors:  # an absent optional bias adds nothing
+            _set_module(model, names.gguf_to_module(name), nn.Parameter(torch.zeros(shape, device=device),
+                                                                        requires_grad=False))
+            continue
         info = f.tensors[name]
         if info.shape != shape:
             raise BadGGUF(f"{f.path}: tensor '{name}' has shape {info.shape}, expected {shape} "
                           "from the model's hyperparameters")
-        if name == names.ROPE_FREQS:
-            model.rope_freqs = dequantize(info.raw().to(device), info.ggml_type, info.shape, torch.float32, name)
+        if name in names.ROPE_BUFFERS:
+            setattr(model, names.ROPE_BUFFERS[name],
+                    dequantize(info.raw().to(device), info.ggml_type, info.shape, torch.float32, name))
             continue
         kind, _ = names.parse_gguf_name(name)
+        if kind in names.BIAS_KINDS:
+            bias = dequantize(info.raw().to(device), info.ggml_type, info.shape, torch.float32, name)
+            _set_module(model, names.gguf_to_module(name), nn.Parameter(bias, requires_grad=False))
+            release_pages(info)
+            continue
         kind_dtype = embedding_dtype if kind == "token_embd" and embedding_dtype is not None else dtype
         module = _make_module(info, kind, device, kind_dtype, keep_quantized, config.rms_eps)
         if not _uses_mapping(module, info):

@@ -1,26 +1,29 @@
-"""The llama model in plain torch, computing what llama.cpp's llm_build_llama computes.
+"""One transformer in plain torch for every supported family, computing what llama.cpp's graphs compute.
 
-One file, nanoGPT style: RMSNorm, rope, Attention, MLP, Block, Llama. Module paths follow
-``ggtorch.models.names`` (``layers.{i}.attn.q`` ...), so GGUF tensors map one-to-one onto
-modules. Linear layers are ``ggtorch.ops.matmul.Linear`` (an ``nn.Linear``) or, for weights kept
-in their ggml blocks, ``ggtorch.quant.modules.QuantLinear``: this file only calls them.
+One file, nanoGPT style: RMSNorm, rope, Attention, MLP, Block, Transformer. What a family changes
+(models/families.py) arrives through ModelConfig switches: rope layout and partial rope, q/k norms,
+fused q/k/v, biases, post norms, GeGLU, embedding scale, soft-capping, sliding-window layers,
+rope factors. Module paths follow ``ggtorch.models.names`` (``layers.{i}.attn.q`` ...), so GGUF
+tensors map one-to-one onto modules. Linear layers are ``ggtorch.ops.matmul.Linear`` (an
+``nn.Linear``) or, for weights kept in their ggml blocks, ``ggtorch.quant.modules.QuantLinear``: this
+file only calls them, and keeps biases as separate parameters so every Linear is bias-free.
 
 Shapes: B batch, T tokens in this call, S = start_pos + T keys, C n_embd, H query heads,
-Hkv key/value heads, D head_dim, V n_vocab.
+Hkv key/value heads, D head_dim, R n_rot (rotated dims of a head), F n_ff, V n_vocab.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ggtorch.models.attention import attention
-from ggtorch.models.config import LlamaConfig
+from ggtorch.models.config import ModelConfig
 from ggtorch.ops.fused import recompute_outputs, rms_norm, swiglu
 from ggtorch.ops.matmul import Linear
 
@@ -38,7 +41,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_angles(start_pos: int, n_tokens: int, n_rot: int, freq_base: float, freq_scale: float,
-                device: torch.device, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                device: torch.device, freq_factors: torch.Tensor | None = None,
+                attn_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (T, n_rot/2) of theta = p * freq_scale * base^(-2i/n_rot) / freq_factors[i].
 
     Mirrors ggml_rope_cache_init: the angle is built in f32 by multiplying the position by
@@ -46,14 +50,16 @@ def rope_angles(start_pos: int, n_tokens: int, n_rot: int, freq_base: float, fre
     the rounding is ggml's and long positions do not drift from llama.cpp.
     """
     positions = torch.arange(start_pos, start_pos + n_tokens, dtype=torch.float32, device=device)
-    return rope_angles_at(positions, n_rot, freq_base, freq_scale, freq_factors)
+    return rope_angles_at(positions, n_rot, freq_base, freq_scale, freq_factors, attn_factor)
 
 
 def rope_angles_at(positions: torch.Tensor, n_rot: int, freq_base: float, freq_scale: float,
-                   freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   freq_factors: torch.Tensor | None = None,
+                   attn_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (*positions.shape, n_rot/2) for arbitrary positions (packed records restart at 0).
 
     The same running product as :func:`rope_angles`, so a position gets the same angle either way.
+    ``attn_factor`` multiplies both, as ggml's rope_yarn does with its ``mscale`` (LongRoPE).
     """
     theta_scale = torch.tensor(freq_base, dtype=torch.float32) ** (torch.tensor(-2.0, dtype=torch.float32) / n_rot)
     steps = torch.full((*positions.shape, n_rot // 2), float(theta_scale), dtype=torch.float32,
@@ -63,15 +69,25 @@ def rope_angles_at(positions: torch.Tensor, n_rot: int, freq_base: float, freq_s
     if freq_factors is not None:
         theta = theta / freq_factors.float()
     theta = theta * freq_scale
-    return torch.cos(theta), torch.sin(theta)
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    if attn_factor != 1.0:
+        cos, sin = cos * attn_factor, sin * attn_factor
+    return cos, sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (x[2i], x[2i+1]) by theta_i: ggml's NORM mode, not NeoX halves.
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool = False) -> torch.Tensor:
+    """Rotate the first R = 2·cos.shape[-1] dims of each head by theta_i; the rest pass unchanged.
 
-    x: (B, T, H, D); cos, sin: (T, D/2), or (B, T, D/2) for per-row positions. Computed in f32,
+    ggml's NORM mode rotates adjacent pairs (x[2i], x[2i+1]); NEOX mode pairs x[i] with x[i + R/2].
+    x: (B, T, H, D); cos, sin: (T, R/2), or (B, T, R/2) for per-row positions. Computed in f32,
     returned in x's dtype.
     """
+    n_rot = 2 * cos.shape[-1]
+    if n_rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :n_rot], cos, sin, neox), x[..., n_rot:]), dim=-1)
+    if neox:  # the halves as pairs: (..., 2, R/2) -> (..., R/2, 2), rotated, and back
+        pairs = x.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+        return apply_rope(pairs, cos, sin).unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
     if x.device.type not in COMPLEX_DEVICES:
         return rope_pairs(x.float(), cos, sin).to(x.dtype)
     rotation = torch.complex(cos, sin).unsqueeze(-2)  # (T|B,T, 1, D/2)
@@ -92,9 +108,8 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class _Rope(torch.autograd.Function):
     """Each pair as a complex number times ``cos + i·sin``: (x0·c - x1·s, x0·s + x1·c), the same
-    f32 products and sums as ggml's rope, in one kernel (ten times faster than the same formula as
-    real multiplies, a pair swap and an add). Backward rotates by -theta, the conjugate, and saves
-    only the angles, no activation."""
+    f32 products and sums as ggml's rope, in one kernel instead of real multiplies, a pair swap and
+    an add. Backward rotates by -theta, the conjugate, and saves only the angles, no activation."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -113,11 +128,16 @@ def _times(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * rotation).flatten(-2)
 
 
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap · tanh(x / cap): gemma's soft-capping of attention scores and logits."""
+    return torch.tanh(x / cap) * cap
+
+
 @dataclass
 class KVCache:
     """Keys and values of every layer for the positions seen so far, preallocated to max_len.
 
-    ``length`` is the number of positions filled; Llama.forward writes the next T positions
+    ``length`` is the number of positions filled; Transformer.forward writes the next T positions
     and advances it, so generating N tokens costs one T=1 forward per token.
     """
 
@@ -130,7 +150,7 @@ class KVCache:
         self.max_len = self.k[0].shape[2]
 
     @classmethod
-    def empty(cls, config: LlamaConfig, batch_size: int, max_len: int, device: torch.device | str,
+    def empty(cls, config: ModelConfig, batch_size: int, max_len: int, device: torch.device | str,
               dtype: torch.dtype) -> KVCache:
         shape = (batch_size, config.n_head_kv, max_len, config.head_dim)
         k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
@@ -138,25 +158,76 @@ class KVCache:
         return cls(k, v)
 
 
+@dataclass
+class Rope:
+    """The angles of one forward for one kind of layer (global or sliding-window)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    neox: bool
+
+
+def _with_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _bias(config: ModelConfig, kind: str, n: int) -> nn.Parameter | None:
+    """A bias parameter for ``kind`` when the file has one (filled by the loader)."""
+    return nn.Parameter(torch.zeros(n)) if kind in config.biases else None
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rope (models/attention.py: flash, or products for
-    short training sequences on CPU)."""
+    short training sequences on CPU; explicit scores under soft-capping)."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.n_head, self.n_head_kv, self.head_dim = config.n_head, config.n_head_kv, config.head_dim
-        self.q = Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
-        self.k = Linear(config.n_embd, config.n_embd_kv, bias=False)
-        self.v = Linear(config.n_embd, config.n_embd_kv, bias=False)
-        self.o = Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+        c = config
+        self.n_head, self.n_head_kv, self.head_dim = c.n_head, c.n_head_kv, c.head_dim
+        self.widths = (c.n_embd_q, c.n_embd_kv, c.n_embd_kv)
+        if c.fused_qkv:
+            self.qkv = Linear(c.n_embd, sum(self.widths), bias=False)
+            self.qkv_bias = _bias(c, "attn_qkv", sum(self.widths))
+        else:
+            self.q = Linear(c.n_embd, c.n_embd_q, bias=False)
+            self.k = Linear(c.n_embd, c.n_embd_kv, bias=False)
+            self.v = Linear(c.n_embd, c.n_embd_kv, bias=False)
+            self.q_bias = _bias(c, "attn_q", c.n_embd_q)
+            self.k_bias = _bias(c, "attn_k", c.n_embd_kv)
+            self.v_bias = _bias(c, "attn_v", c.n_embd_kv)
+        self.o = Linear(c.n_embd_q, c.n_embd, bias=False)
+        self.o_bias = _bias(c, "attn_output", c.n_embd)
+        if c.family.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_eps)
+        self.qk_norm = c.family.qk_norm
+        self.prescale = c.family.query_prescale
+        self.scale = c.kq_scale
+        self.softcap = c.attn_softcap
+        self.window = c.sliding_window if c.is_swa(layer) else 0
+        """Keys a query sees in a sliding-window layer (0: all earlier ones)."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if hasattr(self, "qkv"):
+            return _with_bias(self.qkv(x), self.qkv_bias).split(self.widths, dim=-1)
+        return (_with_bias(self.q(x), self.q_bias), _with_bias(self.k(x), self.k_bias),
+                _with_bias(self.v(x), self.v_bias))
+
+    def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                start_pos: int = 0, attn_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = apply_rope(self.q(x).view(B, T, self.n_head, self.head_dim), cos, sin)
-        k = apply_rope(self.k(x).view(B, T, self.n_head_kv, self.head_dim), cos, sin)
-        v = self.v(x).view(B, T, self.n_head_kv, self.head_dim)
+        q, k, v = self._qkv(x)
+        q = q.view(B, T, self.n_head, self.head_dim)
+        k = k.view(B, T, self.n_head_kv, self.head_dim)
+        v = v.view(B, T, self.n_head_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, rope.cos, rope.sin, rope.neox)
+        k = apply_rope(k, rope.cos, rope.sin, rope.neox)
+        scale = self.scale
+        if self.prescale:  # llama.cpp scales q after rope and multiplies scores by 1
+            q, scale = q * scale, 1.0
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|Hkv, T, D)
         if kv is not None:
             k_cache, v_cache = kv  # (B, Hkv, max_len, D)
@@ -165,70 +236,149 @@ class Attention(nn.Module):
             k, v = k_cache[:, :, :start_pos + T], v_cache[:, :, :start_pos + T]  # (B, Hkv, S, D)
         S = k.shape[2]
         mask, causal = None, T > 1
-        if causal and S > T:
-            # Queries sit at positions start_pos..S-1: is_causal would align them to 0..T-1.
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
-            causal = False
         if attn_mask is not None:  # packed records: (B, 1, T, T), True where a query may attend
             mask, causal = attn_mask, False
-        y = attention(q, k, v, scale=1.0 / math.sqrt(self.head_dim), causal=causal, mask=mask)  # (B, H, T, D)
-        return self.o(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+        elif causal and S > T or self.window:
+            # Queries sit at positions start_pos..S-1: is_causal would align them to 0..T-1.
+            mask, causal = _causal_mask(T, S, x.device), False
+        if self.window:
+            mask = mask & _window_mask(T, S, self.window, x.device, positions)
+        if self.softcap:
+            y = _capped_attention(q, k, v, scale, self.softcap, mask, causal)
+        else:
+            y = attention(q, k, v, scale=scale, causal=causal, mask=mask)  # (B, H, T, D)
+        return _with_bias(self.o(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)), self.o_bias)
+
+
+def _causal_mask(T: int, S: int, device: torch.device) -> torch.Tensor:
+    """(T, S) True where query t (at position S - T + t) may see key s: s <= its position."""
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
+
+
+def _window_mask(T: int, S: int, window: int, device: torch.device,
+                 positions: torch.Tensor | None) -> torch.Tensor:
+    """True where a key lies less than ``window`` positions before its query (llama.cpp's
+    LLAMA_SWA_TYPE_STANDARD masks p_query - p_key >= window). With packed rows, positions (B, T)
+    restart per record, and the segment mask keeps records apart."""
+    if positions is not None:
+        return (positions[:, :, None] - positions[:, None, :] < window)[:, None]  # (B, 1, T, T)
+    query = torch.arange(S - T, S, device=device)[:, None]
+    return query - torch.arange(S, device=device)[None, :] < window  # (T, S)
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cap: float,
+                      mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """Attention with soft-capped scores, in llama.cpp's order: cap·tanh(q·k / cap), times the scale,
+    masked, softmax (f32), times v. Written out, since no fused kernel takes a cap."""
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    k = k.repeat_interleave(G, dim=1) if G > 1 else k
+    v = v.repeat_interleave(G, dim=1) if G > 1 else v
+    scores = softcap(q.float() @ k.float().transpose(-1, -2), cap) * scale  # (B, H, T, S)
+    if causal:
+        mask = _causal_mask(T, k.shape[2], q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1).to(v.dtype) @ v).to(q.dtype)
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or GELU (GeGLU); phi3 keeps
+    gate and up in one matrix (``fused_up``: the gate is its first half)."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate = Linear(config.n_embd, config.n_ff, bias=False)
-        self.up = Linear(config.n_embd, config.n_ff, bias=False)
-        self.down = Linear(config.n_ff, config.n_embd, bias=False)
+        c = config
+        self.fused = c.family.fused_up
+        if not self.fused:
+            self.gate = Linear(c.n_embd, c.n_ff, bias=False)
+            self.gate_bias = _bias(c, "ffn_gate", c.n_ff)
+        self.up = Linear(c.n_embd, 2 * c.n_ff if self.fused else c.n_ff, bias=False)
+        self.up_bias = _bias(c, "ffn_up", c.n_ff)
+        self.down = Linear(c.n_ff, c.n_embd, bias=False)
+        self.down_bias = _bias(c, "ffn_down", c.n_embd)
+        self.gelu = c.family.activation == "gelu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(swiglu(self.gate(x), self.up(x)))
+        if self.fused:
+            gate, up = self.up(x).chunk(2, dim=-1)
+        else:
+            gate, up = _with_bias(self.gate(x), self.gate_bias), _with_bias(self.up(x), self.up_bias)
+        hidden = gelu(gate) * up if self.gelu else swiglu(gate, up)
+        return _with_bias(self.down(hidden), self.down_bias)
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation, the formula ggml writes (ggml_gelu_f32) and gemma was trained with.
+
+    ggml's CPU backend reads it from a table indexed by the input rounded to fp16 (GGML_GELU_FP16),
+    its GPU backends compute the formula; ggtorch computes the formula on every device, so training
+    sees its smooth gradient (tests/models check the table's few-1e-3 difference on CPU).
+    """
+    return F.gelu(x, approximate="tanh")
 
 
 class Block(nn.Module):
-    """One transformer layer (pre-norm residual); the unit the trainer checkpoints."""
+    """One transformer layer (pre-norm residual, gemma's post norms when the family has them); the
+    unit the trainer checkpoints."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(config.n_embd, config.rms_eps)
-        self.attn = Attention(config)
-        self.ffn_norm = RMSNorm(config.n_embd, config.rms_eps)
-        self.ffn = MLP(config)
+        c = config
+        self.attn_norm = RMSNorm(c.n_embd, c.rms_eps)
+        self.attn = Attention(c, layer)
+        self.ffn_norm = RMSNorm(c.n_embd, c.rms_eps)
+        self.ffn = MLP(c)
+        self.post_norms = c.family.post_norms
+        if self.post_norms:
+            self.attn_post_norm = RMSNorm(c.n_embd, c.rms_eps)
+            self.ffn_post_norm = RMSNorm(c.n_embd, c.rms_eps)
+        self.sliding = c.is_swa(layer)
+        """Whether the layer attends within a sliding window (its own rope in gemma3)."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv, start_pos, attn_mask)
-        return x + self.ffn(self.ffn_norm(x))
+    def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                start_pos: int = 0, attn_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.attn(self.attn_norm(x), rope, kv, start_pos, attn_mask, positions)
+        if self.post_norms:
+            h = self.attn_post_norm(h)
+        x = x + h
+        h = self.ffn(self.ffn_norm(x))
+        if self.post_norms:
+            h = self.ffn_post_norm(h)
+        return x + h
 
 
-class Llama(nn.Module):
+class Transformer(nn.Module):
     """Token ids (B, T) -> next-token logits (B, T, V)."""
 
-    def __init__(self, config: LlamaConfig, *, init_weights: bool = True) -> None:
+    def __init__(self, config: ModelConfig, *, init_weights: bool = True) -> None:
         """``init_weights=False`` leaves the weights uninitialized, for a loader that assigns
-        every one (built on the meta device, normal_ alone would cost ~1.3 s: it imports torch._dynamo)."""
+        every one (built on the meta device, normal_ would import torch._dynamo for nothing)."""
         super().__init__()
-        self.config = config
-        empty = None if init_weights else torch.empty(config.n_vocab, config.n_embd)
-        self.tok_embd = nn.Embedding(config.n_vocab, config.n_embd, _weight=empty)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.output_norm = RMSNorm(config.n_embd, config.rms_eps)
-        self.output = Linear(config.n_embd, config.n_vocab, bias=False)
+        c = self.config = config
+        empty = None if init_weights else torch.empty(c.n_vocab, c.n_embd)
+        self.tok_embd = nn.Embedding(c.n_vocab, c.n_embd, _weight=empty)
+        self.layers = nn.ModuleList(Block(c, i) for i in range(c.n_layer))
+        self.output_norm = RMSNorm(c.n_embd, c.rms_eps)
+        self.output = Linear(c.n_embd, c.n_vocab, bias=False)
+        self.output_bias = _bias(c, "output", c.n_vocab)
         if init_weights:
             self.apply(_init_weights)
         self.rope_freqs: torch.Tensor | None
-        if config.rope_freqs:
-            self.register_buffer("rope_freqs", torch.ones(config.n_rot // 2))  # filled by the loader
-        else:
-            self.rope_freqs = None
-        if config.tied_output:
+        self.rope_factors_long: torch.Tensor | None
+        self.rope_factors_short: torch.Tensor | None
+        for name, present in (("rope_freqs", c.rope_freqs), ("rope_factors_long", c.rope_long_short),
+                              ("rope_factors_short", c.rope_long_short)):
+            # per-pair divisors of the rope frequencies, filled by the loader
+            self.register_buffer(name, torch.ones(c.n_rot // 2) if present else None)
+        if c.tied_output:
             self.output.weight = self.tok_embd.weight  # one Parameter, as llama.cpp reuses token_embd
+        self.n_ctx = c.n_ctx_orig or c.n_ctx_train
+        """The context the model runs with: above ``n_ctx_orig`` LongRoPE takes its long factors,
+        as llama.cpp decides from its context size. Generation and training set it."""
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Llama:
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Transformer:
         """After .to()/.cuda(): a tied output shares the embedding's raw blocks again.
 
         Module._apply converts each module's buffers separately, which would give a tied
@@ -239,11 +389,46 @@ class Llama(nn.Module):
             self.output.raw = self.tok_embd.raw
         return self
 
+    @property
+    def plain_head(self) -> bool:
+        """Whether the logits are exactly ``self.output(hidden)``: no output bias, no soft-capping,
+        so a loss may apply the output projection itself (ggtorch.training.loss.output_cross_entropy)."""
+        return self.output_bias is None and not self.config.final_softcap
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (f32) from the normed hidden states: output projection, bias, final soft-capping."""
+        logits = _with_bias(self.output(hidden), self.output_bias).float()
+        if self.config.final_softcap:
+            logits = softcap(logits, self.config.final_softcap)
+        return logits
+
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         """An empty KV cache on the model's device for up to max_len (default n_ctx_train) positions."""
         ref = self.output_norm.weight
         return KVCache.empty(self.config, batch_size, max_len or self.config.n_ctx_train, ref.device,
                              dtype or torch.float32)
+
+    def _ropes(self, start_pos: int, T: int, device: torch.device,
+               positions: torch.Tensor | None) -> tuple[Rope, Rope | None]:
+        """Angles of the global layers and, when the model has any, of the sliding-window ones."""
+        c = self.config
+        factors = self.rope_freqs
+        if c.rope_long_short:
+            long = self.n_ctx > (c.n_ctx_orig or c.n_ctx_train)
+            factors = self.rope_factors_long if long else self.rope_factors_short
+        neox = c.family.rope == "neox"
+
+        def angles(base: float, scale: float, freq_factors: torch.Tensor | None) -> Rope:
+            if positions is None:
+                cos, sin = rope_angles(start_pos, T, c.n_rot, base, scale, device, freq_factors, c.rope_attn_factor)
+            else:
+                cos, sin = rope_angles_at(positions, c.n_rot, base, scale, freq_factors, c.rope_attn_factor)
+            return Rope(cos, sin, neox)
+
+        rope = angles(c.rope_freq_base, c.rope_freq_scale, factors)
+        if not any(c.swa_layers):
+            return rope, None
+        return rope, angles(c.rope_freq_base_swa, c.rope_freq_scale_swa, factors)
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
                 last_only: bool = False, *, positions: torch.Tensor | None = None,
@@ -254,7 +439,7 @@ class Llama(nn.Module):
         the new keys/values are stored and the cache advances by T. ``last_only`` returns only
         the last position's logits (B, 1, V): generation needs nothing else. ``hidden_only``
         stops before the output projection and returns the normed hidden states (B, T, C), for a
-        loss that applies ``self.output`` itself (ggtorch.training.loss.output_cross_entropy).
+        loss that applies the head itself (see :attr:`plain_head`).
 
         Packed training rows (several records in one row) pass ``positions`` (B, T), each
         record's own rope positions from 0, and ``segments`` (B, T), a record id per token: a
@@ -269,18 +454,15 @@ class Llama(nn.Module):
             if start_pos + T > cache.max_len:
                 raise ValueError(f"KV cache holds {cache.max_len} positions; {start_pos} + {T} do not fit")
         x = self.tok_embd(tokens)  # (B, T, C)
-        c = self.config
-        if positions is None:
-            cos, sin = rope_angles(start_pos, T, c.n_rot, c.rope_freq_base, c.rope_freq_scale, x.device,
-                                   self.rope_freqs)
-        else:
-            cos, sin = rope_angles_at(positions, c.n_rot, c.rope_freq_base, c.rope_freq_scale,
-                                      self.rope_freqs)  # (B, T, n_rot/2)
+        if self.config.family.embedding_scale:
+            x = x * torch.tensor(self.config.n_embd, dtype=torch.float32).sqrt()  # ggml_scale by sqrtf(n_embd)
+        rope, rope_swa = self._ropes(start_pos, T, x.device, positions)
         mask = None if segments is None else segment_mask(segments)
         with recompute_outputs() if torch.is_grad_enabled() else nullcontext():
             for i, block in enumerate(self.layers):
                 kv = (cache.k[i], cache.v[i]) if cache is not None else None
-                x = block(x, cos, sin, kv, start_pos, mask)  # (B, T, C)
+                layer_rope = rope_swa if block.sliding and rope_swa is not None else rope
+                x = block(x, layer_rope, kv, start_pos, mask, positions)  # (B, T, C)
         if cache is not None:
             cache.length += T
         x = self.output_norm(x)
@@ -288,7 +470,11 @@ class Llama(nn.Module):
             x = x[:, -1:]
         if hidden_only:
             return x  # (B, T, C)
-        return self.output(x).float()  # (B, T, V)
+        return self.head(x)  # (B, T, V)
+
+
+Llama = Transformer
+"""The name the model had when ggtorch ran llama alone; kept for the public API."""
 
 
 def segment_mask(segments: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
-"""GGUF tensor names <-> module paths of ggtorch's Llama, as plain dicts.
+"""GGUF tensor names <-> module paths of ggtorch's Transformer, as plain dicts.
 
-``{bid}`` is the layer placeholder. The GGUF side follows gguf-py's ``TENSOR_NAMES`` for
-``MODEL_ARCH.LLAMA`` (checked in the tests), with the ``.weight`` suffix.
+``{bid}`` is the layer placeholder. The GGUF side follows gguf-py's ``TENSOR_NAMES`` (checked in
+the tests), with the ``.weight`` or ``.bias`` suffix. One map serves every family: a family's file
+holds the subset its row in models/families.py allows. A bias is a parameter next to its matrix
+(``layers.{bid}.attn.q_bias``), so the matrix stays a bias-free Linear that LoRA and the quantized
+products handle alike.
 """
 
 from __future__ import annotations
@@ -22,20 +25,48 @@ TENSOR_KINDS: dict[str, tuple[str, str]] = {
     "ffn_gate": ("blk.{bid}.ffn_gate.weight", "layers.{bid}.ffn.gate"),
     "ffn_down": ("blk.{bid}.ffn_down.weight", "layers.{bid}.ffn.down"),
     "ffn_up": ("blk.{bid}.ffn_up.weight", "layers.{bid}.ffn.up"),
+    "attn_qkv": ("blk.{bid}.attn_qkv.weight", "layers.{bid}.attn.qkv"),
+    "attn_q_norm": ("blk.{bid}.attn_q_norm.weight", "layers.{bid}.attn.q_norm"),
+    "attn_k_norm": ("blk.{bid}.attn_k_norm.weight", "layers.{bid}.attn.k_norm"),
+    "attn_post_norm": ("blk.{bid}.post_attention_norm.weight", "layers.{bid}.attn_post_norm"),
+    "ffn_post_norm": ("blk.{bid}.post_ffw_norm.weight", "layers.{bid}.ffn_post_norm"),
+    "output_bias": ("output.bias", "output_bias"),
+    "attn_q_bias": ("blk.{bid}.attn_q.bias", "layers.{bid}.attn.q_bias"),
+    "attn_k_bias": ("blk.{bid}.attn_k.bias", "layers.{bid}.attn.k_bias"),
+    "attn_v_bias": ("blk.{bid}.attn_v.bias", "layers.{bid}.attn.v_bias"),
+    "attn_qkv_bias": ("blk.{bid}.attn_qkv.bias", "layers.{bid}.attn.qkv_bias"),
+    "attn_output_bias": ("blk.{bid}.attn_output.bias", "layers.{bid}.attn.o_bias"),
+    "ffn_gate_bias": ("blk.{bid}.ffn_gate.bias", "layers.{bid}.ffn.gate_bias"),
+    "ffn_up_bias": ("blk.{bid}.ffn_up.bias", "layers.{bid}.ffn.up_bias"),
+    "ffn_down_bias": ("blk.{bid}.ffn_down.bias", "layers.{bid}.ffn.down_bias"),
 }
 
 ROPE_FREQS = "rope_freqs.weight"
 """Optional rope frequency factors (Llama 3.1+): a buffer ``rope_freqs`` of the model, not a
 trainable kind, so it is not in TENSOR_KINDS."""
+ROPE_FACTORS_LONG = "rope_factors_long.weight"
+ROPE_FACTORS_SHORT = "rope_factors_short.weight"
+"""LongRoPE's divisors (phi3) for contexts above / up to the original context: buffers too."""
+ROPE_BUFFERS: dict[str, str] = {ROPE_FREQS: "rope_freqs", ROPE_FACTORS_LONG: "rope_factors_long",
+                                ROPE_FACTORS_SHORT: "rope_factors_short"}
+"""GGUF name -> buffer of the model, for the rope tensors that are data, not weights."""
 
 GGUF_TO_MODULE: dict[str, str] = {gguf: module for gguf, module in TENSOR_KINDS.values()}
 MODULE_TO_GGUF: dict[str, str] = {module: gguf for gguf, module in TENSOR_KINDS.values()}
 
 LAYER_KINDS: tuple[str, ...] = tuple(k for k, (g, _) in TENSOR_KINDS.items() if "{bid}" in g)
 """Kinds that occur once per block."""
-NORM_KINDS: tuple[str, ...] = ("attn_norm", "ffn_norm", "output_norm")
-"""1-D tensors: always kept in float."""
-MATRIX_KINDS: tuple[str, ...] = tuple(k for k in TENSOR_KINDS if k not in NORM_KINDS)
+NORM_KINDS: tuple[str, ...] = ("attn_norm", "ffn_norm", "output_norm", "attn_q_norm", "attn_k_norm",
+                               "attn_post_norm", "ffn_post_norm")
+"""RMS norm gains: 1-D, always kept in float."""
+BIAS_KINDS: tuple[str, ...] = tuple(k for k in TENSOR_KINDS if k.endswith("_bias"))
+"""Biases: 1-D, always kept in float; ``bias_of("attn_q") == "attn_q_bias"``."""
+MATRIX_KINDS: tuple[str, ...] = tuple(k for k in TENSOR_KINDS if k not in NORM_KINDS + BIAS_KINDS)
+
+
+def bias_of(kind: str) -> str:
+    """The bias kind of a matrix kind (``attn_q`` -> ``attn_q_bias``)."""
+    return f"{kind}_bias"
 
 
 def gguf_name(kind: str, bid: int | None = None) -> str:

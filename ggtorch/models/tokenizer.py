@@ -1,23 +1,28 @@
 """GGUF vocabularies as tokenizers that tokenize and detokenize exactly like llama.cpp.
 
-Two vocabulary kinds are supported, the two a llama GGUF carries:
+Two vocabulary kinds are supported:
 
-- ``tokenizer.ggml.model = llama`` (sentencepiece BPE, LLaMA 1/2, TinyStories): a sentencepiece
-  ``ModelProto`` is built from the GGUF's tokens, scores and types and does the merging.
-- ``tokenizer.ggml.model = gpt2`` with ``tokenizer.ggml.pre = llama-bpe`` (Llama 3): a
-  ``tokenizers`` byte-level BPE from the GGUF's tokens and merges, behind the pre-tokenizer
-  regex llama.cpp uses for that ``pre``.
+- ``tokenizer.ggml.model = llama`` (sentencepiece BPE: LLaMA 1/2, Mistral 7B, Phi-3, Gemma 2/3):
+  a sentencepiece ``ModelProto`` is built from the GGUF's tokens, scores and types and does
+  the merging. ``tokenizer.ggml.add_space_prefix`` (false in Gemma files) decides the
+  leading space; ``tokenizer.ggml.remove_extra_whitespaces`` is read by llama.cpp but used
+  only by its T5 tokenizer, so it changes nothing here.
+- ``tokenizer.ggml.model = gpt2`` (byte-level BPE: Llama 3, Qwen2/2.5/3, SmolLM, Phi-4-mini): a
+  ``tokenizers`` BPE from the GGUF's tokens and merges, behind the pre-tokenizer regexes
+  llama.cpp uses for that ``tokenizer.ggml.pre`` (``BPE_PRE_TOKENIZERS``).
 
 Everything around the merging mirrors ``src/llama-vocab.cpp`` rather than the libraries'
-own conventions: special tokens are split out first (``tokenizer_st_partition``), the
-sentencepiece path escapes spaces and adds the space prefix itself (``llama_escape_whitespace``,
-no NFKC, no extra-whitespace removal), every token text is mergeable as in llama.cpp's
-``text_to_token``, and decoding goes through a per-token piece table built like llama.cpp's
-``token_to_piece`` (byte tokens become raw bytes, control tokens render empty).
+own conventions: special tokens are split out first (``tokenizer_st_partition``, with the
+whitespace stripping llama.cpp gives Phi-3's special tokens), the sentencepiece path escapes
+spaces and adds the space prefix itself (``llama_escape_whitespace``, no NFKC, no
+extra-whitespace removal), every token text is mergeable as in llama.cpp's ``text_to_token``,
+and decoding goes through a per-token piece table built like llama.cpp's ``token_to_piece``
+(byte tokens become raw bytes, control tokens render empty).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Iterable, Sequence
 
@@ -39,8 +44,60 @@ LLAMA3_PRE_REGEX = (
 )
 """llama.cpp's regex for LLAMA_VOCAB_PRE_TYPE_LLAMA3 (the tokenizer.json one with ASCII-only case folding)."""
 
-LLAMA3_PRE_NAMES = frozenset({"llama3", "llama-v3", "llama-bpe"})
-"""``tokenizer.ggml.pre`` values llama.cpp maps to LLAMA_VOCAB_PRE_TYPE_LLAMA3 for llama vocabularies."""
+QWEN2_PRE_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+"""llama.cpp's regex for LLAMA_VOCAB_PRE_TYPE_QWEN2: Llama 3's with single digits."""
+
+GPT2_PRE_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+"""GPT-2's regex; LLAMA_VOCAB_PRE_TYPE_SMOLLM runs it after splitting off single digits."""
+
+GPT4O_PRE_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+    r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+"""llama.cpp's regex for LLAMA_VOCAB_PRE_TYPE_GPT4O (Phi-4-mini): the case classes spelled as lookaheads."""
+
+TEKKEN_PRE_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+    r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+"""llama.cpp's regex for LLAMA_VOCAB_PRE_TYPE_TEKKEN (Mistral Nemo and later)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PreTokenizer:
+    """What one LLAMA_VOCAB_PRE_TYPE sets in llama.cpp: its regexes (``llm_tokenizer_bpe``) and vocab flags."""
+
+    regexes: tuple[str, ...]
+    """Applied in order, each splitting the pieces the previous one made (``unicode_regex_split``)."""
+    add_bos: bool = False
+    """Whether a BOS is added when the GGUF has no ``tokenizer.ggml.add_bos_token``."""
+    clean_spaces: bool = True
+    """Whether detokenizing joins " ," and " 's" (``clean_up_tokenization_spaces``)."""
+    ignore_merges: bool = False
+    """Whether a pre-tokenized word that is a token is taken whole, before any merge."""
+
+
+_LLAMA3 = PreTokenizer((LLAMA3_PRE_REGEX,), add_bos=True, ignore_merges=True)
+_QWEN2 = PreTokenizer((QWEN2_PRE_REGEX,), clean_spaces=False)
+_GPT4O = PreTokenizer((GPT4O_PRE_REGEX,), clean_spaces=False)
+
+BPE_PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano"), _LLAMA3),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"), _QWEN2),
+    "megrez": dataclasses.replace(_QWEN2, clean_spaces=True),
+    "smollm": PreTokenizer((r"\p{N}", GPT2_PRE_REGEX), clean_spaces=False),
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie"), _GPT4O),
+    "tekken": PreTokenizer((TEKKEN_PRE_REGEX,), add_bos=True, clean_spaces=False, ignore_merges=True),
+}
+"""``tokenizer.ggml.pre`` values ggtorch tokenizes, as llama-vocab.cpp maps them to their pre-tokenizer types."""
 
 CONTROL_LOOKING_TEXTS = frozenset({
     "</s>", "<EOT>", "<MID>", "<PAD>", "<PRE>", "<REPO>", "<SUF>", "<end_of_turn>", "<end_of_utterance>",
@@ -63,6 +120,13 @@ EOG_TEXTS = frozenset({
     "<REPO>", "<reponame>", "<|file_sep|>",
 })
 """Texts whose tokens llama.cpp treats as end of generation (``llama_vocab_is_eog``)."""
+
+USER_DEFINED_TEXTS = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
+"""gpt-oss's markers, which llama.cpp makes user-defined whatever their GGUF type."""
+
+
+_C_SPACES = frozenset(" \t\n\v\f\r")
+"""The characters C's ``isspace`` accepts, which llama.cpp strips after a stripping special token."""
 
 
 class Attr:
@@ -113,6 +177,27 @@ def _read_token_attrs(f: GGUFFile, tokens: Sequence[str]) -> list[int]:
         if text in CONTROL_LOOKING_TEXTS:
             attrs[i] |= Attr.CONTROL
     return attrs
+
+
+def _apply_marker_fixes(tokens: Sequence[str], attrs: list[int], eog: set[int]) -> None:
+    """The fixes by token text llama.cpp's vocab loader makes last, in place on ``attrs`` and ``eog``.
+
+    gpt-oss's channel markers become user-defined, so they always render. When ``<|return|>``
+    and ``<|call|>`` (o200k_harmony) or ``<|calls|>`` and ``<|flush|>`` (solar-open) end
+    generation, ``<|end|>`` does not and becomes user-defined. When ``<|tool_response>`` (Gemma 4)
+    or ``<|plamo:eos|>`` ends generation, ``</s>`` is a normal token, even if it is the EOS.
+    """
+    for i, text in enumerate(tokens):
+        if text in USER_DEFINED_TEXTS:
+            attrs[i] = Attr.USER_DEFINED
+    eog_texts = {tokens[i]: i for i in eog}
+    has_call = "<|call|>" in eog_texts or "<|calls|>" in eog_texts
+    if "<|end|>" in eog_texts and has_call and ("<|return|>" in eog_texts or "<|flush|>" in eog_texts):
+        eog.discard(eog_texts["<|end|>"])
+        attrs[eog_texts["<|end|>"]] = Attr.USER_DEFINED
+    if "</s>" in eog_texts and ("<|tool_response>" in eog_texts or "<|plamo:eos|>" in eog_texts):
+        eog.discard(eog_texts["</s>"])
+        attrs[eog_texts["</s>"]] = Attr.NORMAL
 
 
 def _special_id(f: GGUFFile, key: str, default: int | None, n_vocab: int) -> int | None:
@@ -180,19 +265,22 @@ class Tokenizer:
     def __init__(self, f: GGUFFile) -> None:
         self.model = str(f.require(Keys.Tokenizer.MODEL))
         self.pre = str(f.get(Keys.Tokenizer.PRE, "") or "")
+        pre_tokenizer = None
         if self.model == "llama":
             default_ids = (1, 2, 0)
             self.add_bos, self.add_eos, self.add_space_prefix, self.clean_spaces = True, False, True, False
         elif self.model == "gpt2":
-            if self.pre not in LLAMA3_PRE_NAMES:
-                raise Unsupported(f"{f.path}: BPE pre-tokenizer '{self.pre or '(none)'}' is not supported; ggtorch "
-                                  f"tokenizes tokenizer.ggml.model=gpt2 only with tokenizer.ggml.pre in "
-                                  f"{sorted(LLAMA3_PRE_NAMES)} (Llama 3)")
+            pre_tokenizer = BPE_PRE_TOKENIZERS.get(self.pre)
+            if pre_tokenizer is None:
+                raise Unsupported(f"{f.path}: BPE pre-tokenizer '{self.pre or '(none)'}' "
+                                  f"(tokenizer.ggml.pre) is not supported; ggtorch tokenizes "
+                                  f"tokenizer.ggml.model=gpt2 with pre {', '.join(sorted(BPE_PRE_TOKENIZERS))}")
             default_ids = (None, None, None)
-            self.add_bos, self.add_eos, self.add_space_prefix, self.clean_spaces = True, False, False, True
+            self.add_bos, self.add_eos, self.add_space_prefix = pre_tokenizer.add_bos, False, False
+            self.clean_spaces = pre_tokenizer.clean_spaces
         else:
             raise Unsupported(f"{f.path}: tokenizer.ggml.model '{self.model}' is not supported; ggtorch handles "
-                              "'llama' (sentencepiece) and 'gpt2' with pre 'llama-bpe' (Llama 3)")
+                              "'llama' (sentencepiece) and 'gpt2' (byte-level BPE)")
         self.add_space_prefix = bool(f.get(Keys.Tokenizer.ADD_PREFIX, self.add_space_prefix))
 
         tokens = list(f.require(Keys.Tokenizer.LIST))
@@ -227,6 +315,7 @@ class Tokenizer:
         eog |= {i for i, text in enumerate(tokens) if text in EOG_TEXTS}
         if eos is not None:
             eog.add(eos)
+        _apply_marker_fixes(tokens, self.attrs, eog)
         self.eog_ids: frozenset[int] = frozenset(eog)
         """Tokens that end generation (``llama_vocab_is_eog``): EOS, EOT/EOM, and end-of-turn texts."""
 
@@ -241,10 +330,11 @@ class Tokenizer:
         self._special_pieces = list(self._pieces)
         for i in special:
             self._special_pieces[i] = self._piece(i, special=True)
-        if self.model == "llama":
+        self._rstrip = self._phi3_rstrip(f, special)
+        if pre_tokenizer is None:
             self._sp = self._build_sentencepiece()
         else:
-            self._hf = self._build_byte_level_bpe(f)
+            self._hf = self._build_byte_level_bpe(f, pre_tokenizer)
 
     # --- building -------------------------------------------------------------------------
 
@@ -258,6 +348,21 @@ class Tokenizer:
         _CACHE[id(f)] = (weakref.ref(f), tok)
         weakref.finalize(f, _CACHE.pop, id(f), None)
         return tok
+
+    def _phi3_rstrip(self, f: GGUFFile, special: list[int]) -> frozenset[int]:
+        """Special tokens that swallow the whitespace after them, as llama.cpp sets them for Phi-3.
+
+        llama.cpp decides by ``general.name`` (containing "phi-3" or "phi3", any case): every
+        special token strips, as does ``</s>``, except ``<unk>``, ``<s>`` and ``<|endoftext|>``.
+        """
+        name = str(f.get(Keys.General.NAME, "") or "").lower()
+        if "phi-3" not in name and "phi3" not in name:
+            return frozenset()
+        ids = {self.tokens[i]: i for i in special}
+        ids.update((t, i) for i, t in enumerate(self.tokens) if t == "</s>")
+        for text in ("<unk>", "<s>", "<|endoftext|>"):
+            ids.pop(text, None)
+        return frozenset(ids.values())
 
     def _piece(self, token: int, special: bool) -> bytes:
         """llama.cpp's ``token_to_piece(token, lstrip=0, special)`` for this vocabulary, as bytes."""
@@ -339,8 +444,12 @@ class Tokenizer:
                           "re-download or re-convert the model") from None
         return sp
 
-    def _build_byte_level_bpe(self, f: GGUFFile) -> HFTokenizer:
-        """A ``tokenizers`` byte-level BPE that merges like llama.cpp's ``llm_tokenizer_bpe`` for llama-bpe."""
+    def _build_byte_level_bpe(self, f: GGUFFile, pre_tokenizer: PreTokenizer) -> HFTokenizer:
+        """A ``tokenizers`` byte-level BPE that merges like llama.cpp's ``llm_tokenizer_bpe``.
+
+        Each regex isolates its matches and leaves the text between them as pieces of their
+        own, as llama.cpp's ``unicode_regex_split`` does; the next regex splits those pieces.
+        """
         merges = []
         for m in f.require(Keys.Tokenizer.MERGES):
             pos = m.find(" ", 1)  # llama.cpp splits a merge at the first space after its first character
@@ -349,12 +458,12 @@ class Tokenizer:
             merges.append((m[:pos], m[pos + 1:]))
         vocab = {text: i for i, text in enumerate(self.tokens)}
         try:
-            bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=True)
+            bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre_tokenizer.ignore_merges)
         except Exception as e:  # tokenizers raises its own exception types for inconsistent merges
             raise BadGGUF(f"{f.path}: the BPE merges do not fit the vocabulary ({e}); re-convert the model") from None
         hf = HFTokenizer(bpe)
         hf.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(LLAMA3_PRE_REGEX), behavior="isolated", invert=False),
+            *(pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in pre_tokenizer.regexes),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ])
         return hf
@@ -365,21 +474,29 @@ class Tokenizer:
         """``tokenizer_st_partition``: split out special token texts, longest first, into token ids.
 
         User-defined tokens are always split out; control and unknown ones only with ``parse_special``.
+        After a token that strips (Phi-3's), the whitespace that follows it is dropped.
         """
         fragments: list[str | int] = [text]
         for tok_text, tok_id in (self._parse_split if parse_special else self._always_split):
             if tok_text not in text:
                 continue
+            strip = tok_id in self._rstrip
             split: list[str | int] = []
             for frag in fragments:
                 if isinstance(frag, int) or tok_text not in frag:
                     split.append(frag)
                     continue
-                for k, part in enumerate(frag.split(tok_text)):
-                    if k:
-                        split.append(tok_id)
-                    if part:
-                        split.append(part)
+                start = 0
+                while (match := frag.find(tok_text, start)) >= 0:
+                    if match > start:
+                        split.append(frag[start:match])
+                    split.append(tok_id)
+                    start = match + len(tok_text)
+                    if strip:
+                        while start < len(frag) and frag[start] in _C_SPACES:
+                            start += 1
+                if start < len(frag):
+                    split.append(frag[start:])
             fragments = split
         return fragments
 

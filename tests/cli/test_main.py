@@ -125,7 +125,8 @@ def test_real_process_reports_error_without_traceback(bad_files: dict[str, Path]
                           timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        f"error: {bad_files['gpt2']}: unsupported architecture 'gpt2'; ggtorch supports only 'llama'"]
+        f"error: {bad_files['gpt2']}: unsupported architecture 'gpt2'; ggtorch supports "
+        "llama, qwen2, qwen3, gemma2, gemma3, phi3"]
     assert proc.stdout == ""
 
 

@@ -8,13 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import MODEL_ARCH, MODEL_TENSOR, TENSOR_NAMES
+from gguf import MODEL_ARCH, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 
 from ggtorch.errors import BadGGUF, Unsupported
 from ggtorch.io.gguf import read_gguf
 from ggtorch.lora import LoraConfig, attach_lora, merge_lora
 from ggtorch.models import names
 from ggtorch.models.config import LlamaConfig
+from ggtorch.models.families import FAMILIES
 from ggtorch.models.loader import build_llama, load_llama
 from ggtorch.models.model import Llama
 from ggtorch.quant import dequantize
@@ -22,17 +23,23 @@ from tests.llama_models import RandomLlamaShape, rewrite_gguf
 
 
 def test_tensor_kinds_follow_gguf_py_names() -> None:
+    T = MODEL_TENSOR
     gguf_py = {
-        "token_embd": MODEL_TENSOR.TOKEN_EMBD, "output_norm": MODEL_TENSOR.OUTPUT_NORM,
-        "output": MODEL_TENSOR.OUTPUT, "attn_norm": MODEL_TENSOR.ATTN_NORM, "attn_q": MODEL_TENSOR.ATTN_Q,
-        "attn_k": MODEL_TENSOR.ATTN_K, "attn_v": MODEL_TENSOR.ATTN_V, "attn_output": MODEL_TENSOR.ATTN_OUT,
-        "ffn_norm": MODEL_TENSOR.FFN_NORM, "ffn_gate": MODEL_TENSOR.FFN_GATE, "ffn_down": MODEL_TENSOR.FFN_DOWN,
-        "ffn_up": MODEL_TENSOR.FFN_UP,
+        "token_embd": T.TOKEN_EMBD, "output_norm": T.OUTPUT_NORM, "output": T.OUTPUT, "attn_norm": T.ATTN_NORM,
+        "attn_q": T.ATTN_Q, "attn_k": T.ATTN_K, "attn_v": T.ATTN_V, "attn_output": T.ATTN_OUT,
+        "ffn_norm": T.FFN_NORM, "ffn_gate": T.FFN_GATE, "ffn_down": T.FFN_DOWN, "ffn_up": T.FFN_UP,
+        "attn_qkv": T.ATTN_QKV, "attn_q_norm": T.ATTN_Q_NORM, "attn_k_norm": T.ATTN_K_NORM,
+        "attn_post_norm": T.ATTN_POST_NORM, "ffn_post_norm": T.FFN_POST_NORM,
     }
-    assert set(names.TENSOR_KINDS) == set(gguf_py)
+    biases = {f"{kind}_bias": gguf_py[kind] for kind in
+              ("output", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    assert set(names.TENSOR_KINDS) == set(gguf_py) | set(biases)
+    family_tensors = set().union(*(MODEL_TENSORS[getattr(MODEL_ARCH, arch.upper())] for arch in FAMILIES))
     for kind, tensor in gguf_py.items():
         assert names.TENSOR_KINDS[kind][0] == TENSOR_NAMES[tensor] + ".weight"
-        assert tensor in __import__("gguf").MODEL_TENSORS[MODEL_ARCH.LLAMA]
+        assert tensor in family_tensors
+    for kind, tensor in biases.items():
+        assert names.TENSOR_KINDS[kind][0] == TENSOR_NAMES[tensor] + ".bias"
 
 
 def test_every_model_weight_has_one_gguf_name() -> None:
@@ -138,8 +145,10 @@ def test_missing_tensor_is_named(broken: Callable[..., Path]) -> None:
 
 
 def test_unexpected_tensor_is_named(broken: Callable[..., Path]) -> None:
-    with pytest.raises(Unsupported, match=r"'blk\.0\.attn_output\.bias'"):
-        load_llama(broken("extra", add_tensors={"blk.0.attn_output.bias": np.ones(64, np.float32)}))
+    with pytest.raises(Unsupported, match=r"'blk\.0\.attn_q_norm\.weight'"):  # a qwen3/gemma3 tensor
+        load_llama(broken("extra", add_tensors={"blk.0.attn_q_norm.weight": np.ones(8, np.float32)}))
+    with pytest.raises(Unsupported, match=r"'output\.bias' is not part of a llama model"):  # qwen2's only
+        load_llama(broken("bias", add_tensors={"output.bias": np.ones(512, np.float32)}))
 
 
 def test_wrong_shape_is_named(broken: Callable[..., Path]) -> None:

@@ -16,12 +16,18 @@ from pathlib import Path
 
 import llama_cpp
 import pytest
+from gguf import TokenType
 
 from ggtorch.errors import Unsupported
 from ggtorch.io.gguf import GGUFFile, read_gguf, write_gguf
-from ggtorch.models.tokenizer import Tokenizer
+from ggtorch.models.tokenizer import BPE_PRE_TOKENIZERS, Tokenizer
 
-VOCAB_NAMES = ("llama-spm", "llama-bpe")
+VOCAB_NAMES = ("llama-spm", "llama-bpe", "qwen2", "phi-3")
+"""The vocabularies of ../shared/vocab, each with llama.cpp's .inp/.out test vectors."""
+GEMMA_NAMES = ("gemma3-like", "gemma2-like")
+"""llama-spm's vocabulary rewritten as Gemma files carry theirs (see ``write_gemma_like_vocab``)."""
+LLAMA_CPP_NAMES = ("stories260K", *VOCAB_NAMES, *GEMMA_NAMES)
+"""Every vocabulary compared with llama.cpp itself."""
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
@@ -54,14 +60,65 @@ class LlamaCppVocab:
         return buf.raw[:n].decode("utf-8", errors="replace")
 
 
-@pytest.fixture(scope="module")
-def vocab_paths(shared: Path, stories260k: Path) -> dict[str, Path]:
-    return {"stories260K": stories260k, **{n: shared / "vocab" / f"ggml-vocab-{n}.gguf" for n in VOCAB_NAMES}}
+GEMMA_ADDED = [
+    ("<pad>", TokenType.CONTROL), ("<mask>", TokenType.CONTROL), ("[multimodal]", TokenType.USER_DEFINED),
+    *((f"<unused{i}>", TokenType.CONTROL) for i in range(8)),
+    ("<start_of_turn>", None), ("<end_of_turn>", None),
+    *((text, TokenType.USER_DEFINED) for text in ("\n\n", "\n\n\n", "  ", "   ", "    ", "\t\t", "<table>", "<tr>",
+                                                  "</td>")),
+    ("<start_of_image>", TokenType.CONTROL), ("<end_of_image>", TokenType.CONTROL),
+]
+"""Tokens a Gemma GGUF has beside its sentencepiece pieces (``None``: the turn markers' type, per variant)."""
+
+GEMMA_VOCAB_SIZE = 262_144
+"""Gemma 3's vocabulary size; the rewritten vocabulary is padded to it with unused ``[PADn]`` tokens."""
 
 
-@pytest.fixture(scope="module")
+def write_gemma_like_vocab(path: Path, spm: GGUFFile, turn_type: TokenType) -> Path:
+    """llama-spm's vocabulary with what a Gemma 2/3 GGUF carries: the converter's keys and special tokens.
+
+    ``<eos>``/``<bos>`` at ids 1/2, no space prefix, the control tokens, user-defined whitespace
+    runs and HTML tags (the converter takes those from tokenizer_config.json), the turn markers
+    CONTROL (Gemma 3) or USER_DEFINED (Gemma 2 marks them non-special), no EOT key (llama.cpp
+    finds ``<end_of_turn>`` by its text), and remove_extra_whitespaces set, which llama.cpp reads
+    and ignores for sentencepiece vocabularies.
+    """
+    metadata = dict(spm.metadata)
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    scores = list(metadata["tokenizer.ggml.scores"])
+    types = list(metadata["tokenizer.ggml.token_type"])
+    tokens[1], tokens[2] = "<eos>", "<bos>"
+    for text, token_type in GEMMA_ADDED:
+        tokens.append(text)
+        scores.append(-1000.0)
+        types.append(int(turn_type if token_type is None else token_type))
+    pad = GEMMA_VOCAB_SIZE - len(tokens)
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), GEMMA_VOCAB_SIZE)]
+    scores += [-1000.0] * pad
+    types += [int(TokenType.UNUSED)] * pad
+    metadata.update({
+        "general.name": "gemma-like", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types, "tokenizer.ggml.add_space_prefix": False,
+        "tokenizer.ggml.remove_extra_whitespaces": True, "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_eos_token": False, "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.padding_token_id": tokens.index("<pad>"),
+    })
+    write_gguf(path, "gemma3", metadata, [], spm.value_types)
+    return path
+
+
+@pytest.fixture(scope="session")
+def vocab_paths(shared: Path, stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    paths = {"stories260K": stories260k, **{n: shared / "vocab" / f"ggml-vocab-{n}.gguf" for n in VOCAB_NAMES}}
+    root, spm = tmp_path_factory.mktemp("gemma-vocab"), read_gguf(paths["llama-spm"])
+    for name, turn_type in zip(GEMMA_NAMES, (TokenType.CONTROL, TokenType.USER_DEFINED), strict=True):
+        paths[name] = write_gemma_like_vocab(root / f"{name}.gguf", spm, turn_type)
+    return paths
+
+
+@pytest.fixture(scope="session")
 def gguf(vocab_paths: dict[str, Path]) -> Callable[[str], GGUFFile]:
-    """Each GGUF read once per module (reading the 128k-token BPE vocabulary is slow in gguf-py)."""
+    """Each GGUF read once per session (reading the 150k-token BPE vocabularies is slow in gguf-py)."""
     files: dict[str, GGUFFile] = {}
 
     def get(name: str) -> GGUFFile:
@@ -72,12 +129,12 @@ def gguf(vocab_paths: dict[str, Path]) -> Callable[[str], GGUFFile]:
     return get
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ours(gguf: Callable[[str], GGUFFile]) -> Callable[[str], Tokenizer]:
     return lambda name: Tokenizer.from_gguf(gguf(name))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ref(vocab_paths: dict[str, Path]) -> Callable[[str], LlamaCppVocab]:
     refs: dict[str, LlamaCppVocab] = {}
 
@@ -115,13 +172,16 @@ def read_vectors(path: Path) -> list[tuple[str, list[int]]]:
 
 @pytest.mark.parametrize("name", VOCAB_NAMES)
 def test_every_llama_cpp_test_vector(name: str, vocab_paths: dict[str, Path],
-                                     ours: Callable[[str], Tokenizer]) -> None:
+                                     ours: Callable[[str], Tokenizer], ref: Callable[[str], LlamaCppVocab]) -> None:
+    """Each line's ids, and each line's ids detokenized as llama_detokenize does."""
     vectors = read_vectors(vocab_paths[name])
     assert len(vectors) == 46
-    tok = ours(name)
+    tok, llama = ours(name), ref(name)
     wrong = [(text, tok.encode(text, add_special=False), ids) for text, ids in vectors
              if tok.encode(text, add_special=False) != ids]
     assert not wrong, f"{len(wrong)}/{len(vectors)} lines differ, first: {wrong[0]!r}"
+    for text, ids in vectors:
+        assert tok.decode(ids, remove_special=False) == llama.detokenize(ids, False, False), text
 
 
 def test_stories260k_once_upon_a_time(ours: Callable[[str], Tokenizer]) -> None:
@@ -138,12 +198,16 @@ HANDPICKED = [
     "Once upon a time, there was a little girl named Lily.", "I'm sure you'll've DON'T", "3333333 12.5%",
     "🦙 llamas 😶‍🌫️ 日本語のテキスト", "Äpfel ½ månad naïve", "\u2581already escaped\u2581", "tab\tand\rreturn\r\n",
     "<s>Hello</s> <unk>", "<|begin_of_text|>Hi<|eot_id|>", "a<s>b", "<s>", " </s> ", "text with \x00 nul",
+    "<|user|>\nHi there <|end|>\n<|assistant|>\n\t Hello!<|end|>  \n<|endoftext|> \n",
+    "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n  Hi<|im_end|>\n<|im_start|>assistant\n",
+    "<bos><start_of_turn>user\nHi  there\n\n<end_of_turn>\n<start_of_turn>model\n<table><tr>x</td>\t\tq<end_of_turn>",
+    "<pad><mask>[multimodal]<unused3><start_of_image>",
 ]
 
 PARSE_MODES = [(True, False), (False, False), (True, True), (False, True)]
 
 
-@pytest.mark.parametrize("name", ["stories260K", *VOCAB_NAMES])
+@pytest.mark.parametrize("name", LLAMA_CPP_NAMES)
 def test_encode_equals_llama_cpp(name: str, ours: Callable[[str], Tokenizer], ref: Callable[[str], LlamaCppVocab],
                                  shakespeare: str) -> None:
     """Hand-picked edge cases and tinyshakespeare lines, in every add_special/parse_special mode."""
@@ -155,12 +219,14 @@ def test_encode_equals_llama_cpp(name: str, ours: Callable[[str], Tokenizer], re
                 (text, add_special, parse_special)
 
 
-FUZZ_ALPHABET = [*"abcXYZ 019'\"\n\t\r.,!?-_<>|", "  ", "'s", "'LL", "<s>", "</s>", "<unk>", "<|eot_id|>",
+FUZZ_ALPHABET = [*"abcXYZ 019'\"\n\t\r.,!?-_<>|/", "  ", "'s", "'LL", "<s>", "</s>", "<unk>", "<|eot_id|>",
+                 "<|user|>", "<|end|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>", "\n\n", "Hello", "HTTPServer",
+                 "CamelCase", "ǅ", "ſ", "K", "12345", "\u0301",
                  "é", "ñ", "ß", "日本", "🦙", "😶‍🌫️", "\u00a0", "\u2581", "\u3000", "\u0085", "\u200b", "\ufeff",
                  "½", "²", "٣", "ـ", "ี"]
 
 
-@pytest.mark.parametrize("name", ["stories260K", *VOCAB_NAMES])
+@pytest.mark.parametrize("name", LLAMA_CPP_NAMES)
 def test_encode_equals_llama_cpp_on_random_strings(name: str, ours: Callable[[str], Tokenizer],
                                                    ref: Callable[[str], LlamaCppVocab]) -> None:
     tok, llama, rng = ours(name), ref(name), random.Random(1234)
@@ -183,7 +249,7 @@ def test_whole_tinyshakespeare_equals_llama_cpp_in_seconds(ours: Callable[[str],
     assert tok.decode(ids) == shakespeare
 
 
-@pytest.mark.parametrize("name", ["stories260K", *VOCAB_NAMES])
+@pytest.mark.parametrize("name", LLAMA_CPP_NAMES)
 def test_every_piece_equals_llama_cpp(name: str, ours: Callable[[str], Tokenizer],
                                       ref: Callable[[str], LlamaCppVocab]) -> None:
     tok, llama = ours(name), ref(name)
@@ -194,7 +260,7 @@ def test_every_piece_equals_llama_cpp(name: str, ours: Callable[[str], Tokenizer
     assert tok.token_to_piece(tok.n_vocab - 1) == llama.piece(tok.n_vocab - 1, False).decode("utf-8", "replace")
 
 
-@pytest.mark.parametrize("name", ["stories260K", *VOCAB_NAMES])
+@pytest.mark.parametrize("name", LLAMA_CPP_NAMES)
 def test_end_of_generation_tokens_equal_llama_cpp(name: str, ours: Callable[[str], Tokenizer],
                                                   ref: Callable[[str], LlamaCppVocab]) -> None:
     tok = ours(name)
@@ -202,7 +268,7 @@ def test_end_of_generation_tokens_equal_llama_cpp(name: str, ours: Callable[[str
     assert tok.eos_id in tok.eog_ids
 
 
-@pytest.mark.parametrize("name", ["stories260K", *VOCAB_NAMES])
+@pytest.mark.parametrize("name", LLAMA_CPP_NAMES)
 def test_decode_equals_llama_detokenize(name: str, ours: Callable[[str], Tokenizer],
                                         ref: Callable[[str], LlamaCppVocab]) -> None:
     """decode is llama_detokenize, except that the space prefix is also dropped after a BOS (as llama_cpp does).
@@ -226,7 +292,7 @@ def test_decode_equals_llama_detokenize(name: str, ours: Callable[[str], Tokeniz
             assert tok.decode(with_bos) == llama.detokenize(with_bos, True, False), text
 
 
-@pytest.mark.parametrize("name", ["stories260K", *VOCAB_NAMES])
+@pytest.mark.parametrize("name", LLAMA_CPP_NAMES)
 def test_decode_encode_round_trips(name: str, ours: Callable[[str], Tokenizer], shakespeare: str) -> None:
     tok = ours(name)
     texts = ["Once upon a time", " leading space", "two  spaces\nand lines\n\n", "🦙 Äpfel 日本語", "x",
@@ -239,7 +305,7 @@ def test_decode_encode_round_trips(name: str, ours: Callable[[str], Tokenizer], 
         assert tok.decode(tok.encode(text, add_special=False)) == text
 
 
-@pytest.mark.parametrize("name", ["stories260K", *VOCAB_NAMES])
+@pytest.mark.parametrize("name", LLAMA_CPP_NAMES)
 def test_decode_after_a_prompt_keeps_the_continuation_space(name: str, ours: Callable[[str], Tokenizer]) -> None:
     tok = ours(name)
     prompt, whole = tok.encode("Once upon a time"), tok.encode("Once upon a time there was 🦙")
@@ -253,6 +319,100 @@ def test_bos_eos_flags_follow_the_gguf(gguf: Callable[[str], GGUFFile], ours: Ca
     assert "tokenizer.ggml.add_bos_token" not in gguf("llama-bpe").metadata
     assert (bpe.add_bos, bpe.add_eos, bpe.bos_id, bpe.eos_id) == (True, False, 128000, 128001)
     assert bpe.encode("Hi")[0] == 128000 and bpe.encode("Hi", add_special=False)[0] != 128000
+    qwen = ours("qwen2")  # no add_bos_token key either: llama.cpp's qwen2 default adds no BOS
+    assert "tokenizer.ggml.add_bos_token" not in gguf("qwen2").metadata
+    assert (qwen.add_bos, qwen.add_eos, qwen.bos_id, qwen.clean_spaces) == (False, False, 151643, False)
+    assert qwen.encode("Hi") == qwen.encode("Hi", add_special=False) == [13048]
+
+
+GEMMA_CHATS = [
+    "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n4<end_of_turn>\n",
+    "<bos><start_of_turn>user\n  Indented\n\n\ttext <table><tr>x</td><end_of_turn>\n<start_of_turn>model\n",
+    " <start_of_turn> model\t\t<end_of_turn><eos>", "<start_of_turn><end_of_turn>", "<pad><mask>[multimodal]<unused3>",
+]
+
+
+@pytest.mark.parametrize("name", GEMMA_NAMES)
+def test_gemma_like_vocab_equals_llama_cpp_on_the_llama_spm_vector_texts(
+        name: str, vocab_paths: dict[str, Path], ours: Callable[[str], Tokenizer],
+        ref: Callable[[str], LlamaCppVocab]) -> None:
+    """The .inp texts of llama-spm's vectors and Gemma chat texts: ids and detokenized text, in every mode."""
+    tok, llama = ours(name), ref(name)
+    texts = [text for text, _ in read_vectors(vocab_paths["llama-spm"])] + GEMMA_CHATS
+    for text in texts:
+        for add_special, parse_special in PARSE_MODES:
+            ids = tok.encode(text, add_special, parse_special)
+            assert ids == llama.tokenize(text, add_special, parse_special), (text, add_special, parse_special)
+            for remove_special, unparse_special in PARSE_MODES:
+                assert tok.decode(ids, remove_special, unparse_special) == \
+                    llama.detokenize(ids, remove_special, unparse_special), (text, remove_special, unparse_special)
+
+
+@pytest.mark.parametrize("name", GEMMA_NAMES)
+def test_gemma_vocabularies_take_no_space_prefix_and_split_their_markers(
+        name: str, ours: Callable[[str], Tokenizer], ref: Callable[[str], LlamaCppVocab]) -> None:
+    """The Gemma settings at work: no "▁" before the first word, the turn markers and whitespace runs split out."""
+    tok, llama = ours(name), ref(name)
+    assert (tok.n_vocab, tok.add_space_prefix, tok.bos_id, tok.eos_id) == (GEMMA_VOCAB_SIZE, False, 2, 1)
+    start, end, two_spaces = (tok.tokens.index(t) for t in ("<start_of_turn>", "<end_of_turn>", "  "))
+    text = "<start_of_turn>user\nHi  there<end_of_turn>\n"
+    ids = tok.encode(text, parse_special=True)
+    assert ids == llama.tokenize(text, True, True)
+    assert ids[:3] == [2, start, tok.tokens.index("user")] and two_spaces in ids and end in ids
+    assert end in tok.eog_ids and start not in tok.eog_ids
+    assert tok.decode(ids, unparse_special=True) == text
+    # Gemma 2 marks its turn markers non-special: user-defined, split out even without parse_special
+    assert (start in tok.encode(text)) == (name == "gemma2-like")
+
+
+PHI3_CHAT = "<|user|>\nHi<|end|>\n<|assistant|>  \t\nHello</s> x<|endoftext|> y"
+PHI3_PIECES = {
+    "Phi3": ["<s>", "<|user|>", "▁Hi", "<|end|>", "<|assistant|>", "▁Hello", "</s>", "▁x", "<|endoftext|>", "▁", "▁y"],
+    "Phi 3.5 Mini Instruct": ["<s>", "<|user|>", "▁", "<0x0A>", "Hi", "<|end|>", "▁", "<0x0A>", "<|assistant|>", "▁▁▁",
+                              "<0x09>", "<0x0A>", "Hello", "</s>", "▁", "▁x", "<|endoftext|>", "▁", "▁y"],
+}
+"""PHI3_CHAT's tokens by general.name: only a name with "phi3"/"phi-3" makes special tokens eat the whitespace after
+them (``</s>`` too, ``<|endoftext|>`` never); the space prefix then lands on the next word."""
+
+
+@pytest.mark.parametrize("name", PHI3_PIECES)
+def test_phi3_special_tokens_swallow_the_whitespace_after_them_by_model_name(
+        name: str, gguf: Callable[[str], GGUFFile], tmp_path: Path) -> None:
+    f = gguf("phi-3")
+    path = tmp_path / "phi.gguf"
+    write_gguf(path, "phi3", {**f.metadata, "general.name": name}, [], f.value_types)
+    tok = Tokenizer(read_gguf(path))
+    ids = tok.encode(PHI3_CHAT, parse_special=True)
+    assert ids == LlamaCppVocab(path).tokenize(PHI3_CHAT, True, True)
+    assert [tok.tokens[i] for i in ids] == PHI3_PIECES[name]
+
+
+VARIANT_PRES = ("qwen2", "megrez", "smollm", "gpt-4o", "tekken")
+"""One ``tokenizer.ggml.pre`` per pre-tokenizer besides llama-bpe's; qwen2 too, as Qwen2's own vocabulary has no
+multi-digit tokens and so cannot tell its single-digit regex from Llama 3's."""
+
+
+def test_every_supported_pre_tokenizer_is_tested() -> None:
+    tested = {BPE_PRE_TOKENIZERS[pre] for pre in (*VARIANT_PRES, "llama-bpe")}
+    assert tested == set(BPE_PRE_TOKENIZERS.values())
+
+
+@pytest.mark.parametrize("pre", VARIANT_PRES)
+def test_pre_tokenizers_equal_llama_cpp(pre: str, gguf: Callable[[str], GGUFFile], tmp_path: Path,
+                                        shakespeare: str) -> None:
+    """Llama 3's vocabulary under another tokenizer.ggml.pre: llama.cpp's regexes and flags for that pre."""
+    f = gguf("llama-bpe")
+    path = tmp_path / f"{pre}.gguf"
+    write_gguf(path, "llama", {**f.metadata, "tokenizer.ggml.pre": pre}, [], f.value_types)
+    tok, llama, rng = Tokenizer(read_gguf(path)), LlamaCppVocab(path), random.Random(99)
+    texts = [*HANDPICKED, "I'M SURE you'VE 1234567 don'T ǅungla HTTPServer naïve", "Hello , world ! it 's he 'll",
+             *shakespeare.split("\n")[:100]]
+    texts += ["".join(rng.choice(FUZZ_ALPHABET) for _ in range(rng.randint(1, 30))) for _ in range(300)]
+    for text in texts:
+        for add_special, parse_special in ((True, False), (False, True)):
+            ids = tok.encode(text, add_special, parse_special)
+            assert ids == llama.tokenize(text, add_special, parse_special), (pre, text, add_special, parse_special)
+            assert tok.decode(ids, False, False) == llama.detokenize(ids, False, False), (pre, text)
 
 
 @pytest.mark.parametrize(("changes", "label"), [
@@ -260,6 +420,9 @@ def test_bos_eos_flags_follow_the_gguf(gguf: Callable[[str], GGUFFile], ours: Ca
     ({"tokenizer.ggml.add_space_prefix": False}, "no space prefix"),
     ({"tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": True}, "EOS, no BOS"),
     ({"control": ["<|im_end|>"], "user_defined": ["<|im_start|>"]}, "chat markers"),
+    ({"control": ["<|return|>", "<|call|>", "<|end|>", "<|channel|>", "<|message|>"]}, "harmony markers"),
+    ({"control": ["<|calls|>", "<|flush|>", "<|end|>"]}, "solar-open markers"),
+    ({"control": ["<|tool_response>", "<turn|>"]}, "gemma4 markers, a normal </s>"),
 ])
 def test_vocab_variants_equal_llama_cpp(changes: dict, label: str, gguf: Callable[[str], GGUFFile],
                                         tmp_path: Path) -> None:
@@ -281,7 +444,8 @@ def test_vocab_variants_equal_llama_cpp(changes: dict, label: str, gguf: Callabl
     tok, llama = Tokenizer.from_gguf(read_gguf(path)), LlamaCppVocab(path)
     assert tok.eog_ids == llama.eog_ids(tok.n_vocab)
     texts = ["Once upon a time there was an ant", "\u2581time and time again", "banana time", " time", "time",
-             "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant", "<s>a</s>", ""]
+             "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant", "<s>a</s>", "",
+             "<|channel|>final<|message|>Hi<|end|><|return|> <|call|>", "<|tool_response>x</s><turn|>"]
     for text in texts:
         for add_special, parse_special in PARSE_MODES:
             ids = tok.encode(text, add_special, parse_special)
@@ -291,13 +455,27 @@ def test_vocab_variants_equal_llama_cpp(changes: dict, label: str, gguf: Callabl
 
 def test_unsupported_vocabularies_name_the_problem(gguf: Callable[[str], GGUFFile]) -> None:
     f = gguf("stories260K")
-    for model, pre, needle in (("gpt2", "qwen2", "qwen2"), ("gpt2", None, "(none)"), ("bert", None, "bert")):
+    for model, pre, needle in (("gpt2", "no-such-pre", "'no-such-pre'"), ("gpt2", None, "(none)"),
+                               ("bert", None, "bert")):
         metadata = {**f.metadata, "tokenizer.ggml.model": model}
         if pre is not None:
             metadata["tokenizer.ggml.pre"] = pre
         with pytest.raises(Unsupported, match=r"not supported") as err:
             Tokenizer(dataclasses.replace(f, metadata=metadata))
         assert needle in str(err.value)
+        if model == "gpt2":  # the message lists what is supported
+            assert all(name in str(err.value) for name in BPE_PRE_TOKENIZERS)
+
+
+def test_a_pre_tokenizer_llama_cpp_does_not_know_is_refused_by_both(gguf: Callable[[str], GGUFFile],
+                                                                     tmp_path: Path) -> None:
+    f = gguf("qwen2")
+    path = tmp_path / "unknown-pre.gguf"
+    write_gguf(path, "qwen2", {**f.metadata, "tokenizer.ggml.pre": "qwen2-unknown"}, [], f.value_types)
+    with pytest.raises(Unsupported, match=r"pre-tokenizer 'qwen2-unknown' \(tokenizer.ggml.pre\) is not supported"):
+        Tokenizer(read_gguf(path))
+    with pytest.raises(ValueError):  # llama.cpp: "unknown pre-tokenizer type: 'qwen2-unknown'"
+        LlamaCppVocab(path)
 
 
 def test_building_is_fast_and_cached_per_file(gguf: Callable[[str], GGUFFile]) -> None:

@@ -1,0 +1,86 @@
+r"""What each GGUF architecture changes in the one transformer of models/model.py: a row per family.
+
+Each row is read from llama.cpp's own graph and loader for that architecture
+(``src/models/<family>.cpp``, ``src/llama-model.cpp``): which rope layout it uses, which optional
+parts its blocks have, and the defaults llama.cpp takes when a key is missing. ModelConfig.from_gguf
+turns a row plus the file's metadata and tensors into the numbers the model runs with.
+
+| family | rope | q/k norm | post norms | embd scale   | FFN    | attn cap | final cap | sliding window               |
+|--------|------|----------|------------|--------------|--------|----------|-----------|------------------------------|
+| llama  | norm | -        | -          | -            | SwiGLU | -        | -         | - (a window key is ignored)  |
+| qwen2  | neox | -        | -          | -            | SwiGLU | -        | -         | -                            |
+| qwen3  | neox | yes      | -          | -            | SwiGLU | -        | -         | -                            |
+| gemma2 | neox | -        | yes        | sqrt(n_embd) | GeGLU  | 50       | 30        | 1 layer in 2 global, 4096    |
+| gemma3 | neox | yes      | yes        | sqrt(n_embd) | GeGLU  | -        | if keyed  | 1 in 6 global, own rope base |
+| phi3   | neox | -        | -          | -            | SwiGLU*| -        | -         | - (a window key is ignored)  |
+
+\* over one fused ``ffn_up``. Defaults apply when the file has no key for them.
+
+Every family takes q, k and v as separate tensors or as one fused ``attn_qkv`` (llama.cpp's
+``create_tensor_qkv``), each with optional biases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture's switches and llama.cpp's defaults for it."""
+
+    rope: Literal["norm", "neox"]
+    """ggml's rope layout: ``norm`` rotates adjacent pairs, ``neox`` the two halves of each head."""
+    qk_norm: bool = False
+    """Per-head RMS norms ``attn_q_norm``/``attn_k_norm`` on q and k before rope."""
+    post_norms: bool = False
+    """RMS norms on the attention and FFN outputs before each residual add (``post_attention_norm``,
+    ``post_ffw_norm``)."""
+    embedding_scale: bool = False
+    """Token embeddings multiplied by sqrt(n_embd)."""
+    activation: Literal["silu", "gelu"] = "silu"
+    """The gated FFN's activation: SwiGLU or GeGLU (GELU's tanh approximation)."""
+    fused_up: bool = False
+    """One ``ffn_up`` of 2·n_ff rows: the gate is its first half, the up projection its second."""
+    attn_softcap: float = 0.0
+    """Default of ``attn_logit_softcapping`` (0: no attention soft-capping)."""
+    final_softcap: float = 0.0
+    """Default of ``final_logit_softcapping`` (0: none)."""
+    swa_period: int = 0
+    """Default ``sliding_window_pattern``: every period-th layer is global, the others slide (0: no
+    sliding-window layers)."""
+    swa_window: int = 0
+    """Default ``sliding_window`` when the file has none (0: no sliding window without the key)."""
+    swa_rope_base: Literal["global", "default"] | None = None
+    """Rope base of sliding layers when ``rope.freq_base_swa`` is missing: the global one (gemma2) or
+    llama.cpp's 10000 (gemma3)."""
+    query_prescale: bool = False
+    """Queries multiplied by the attention scale after rope, then a product with scale 1, as llama.cpp
+    computes gemma and phi3 (the others scale the product)."""
+    tied_always: bool = False
+    """The output projection is always token_embd, even if the file had ``output.weight`` (gemma2)."""
+    rope_factors: Literal["freqs", "long_short"] = "freqs"
+    """Per-pair rope divisors: ``rope_freqs`` (Llama 3.1) or LongRoPE's ``rope_factors_long/short``."""
+    layer_biases: tuple[str, ...] = ("attn_q", "attn_k", "attn_v", "attn_qkv")
+    """Per-layer matrices whose ``.bias`` the loader accepts (llama.cpp's optional biases)."""
+    output_bias: bool = False
+    """An optional ``output.bias`` (qwen2)."""
+    large_layer_counts: tuple[int, ...] = ()
+    """Layer counts of gemma's 27B models, whose attention scale llama.cpp takes as 1/sqrt(n_embd/n_head)
+    instead of 1/sqrt(head_dim) (gemma_pytorch's ``query_pre_attn_scalar``)."""
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(rope="norm", layer_biases=("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output",
+                                               "ffn_gate", "ffn_up", "ffn_down")),
+    "qwen2": Family(rope="neox", output_bias=True),
+    "qwen3": Family(rope="neox", qk_norm=True),
+    "gemma2": Family(rope="neox", post_norms=True, embedding_scale=True, activation="gelu", attn_softcap=50.0,
+                     final_softcap=30.0, swa_period=2, swa_window=4096, swa_rope_base="global",
+                     query_prescale=True, tied_always=True, large_layer_counts=(46,)),
+    "gemma3": Family(rope="neox", qk_norm=True, post_norms=True, embedding_scale=True, activation="gelu",
+                     swa_period=6, swa_rope_base="default", query_prescale=True, large_layer_counts=(62,)),
+    "phi3": Family(rope="neox", fused_up=True, query_prescale=True, rope_factors="long_short"),
+}
+"""``general.architecture`` -> its row. Architectures not listed are refused by name."""

@@ -1,0 +1,292 @@
+"""Random-weight models of every supported family, written with gguf-py around a real vocabulary.
+
+Nothing here uses ggtorch: each file is written by gguf-py's ``GGUFWriter`` with the metadata and
+tensors llama.cpp's loader expects for that architecture (src/models/<family>.cpp), so it is an
+independent input for comparing ggtorch with llama.cpp. FAMILY_PRESETS holds one model per family and
+per quirk worth a test (biases, tied outputs, q/k norms, head size != n_embd / n_head, soft-caps, sliding
+windows crossing a 48-token sequence, gemma3's own rope base for local layers, phi3's fused matrices,
+partial rope and LongRoPE factors, Llama 3's rope_freqs).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Shape and options of a random model. Fields a family does not use are ignored."""
+
+    n_embd: int = 64
+    n_ff: int = 160
+    n_layer: int = 2
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int | None = None
+    """Written as ``attention.key_length``/``value_length`` when set (None: n_embd // n_head, no key)."""
+    n_rot: int | None = None
+    """``rope.dimension_count`` (None: head size)."""
+    n_ctx: int = 512
+    rms_eps: float = 1e-6
+    rope_freq_base: float | None = 10000.0
+    """None: no ``rope.freq_base`` key (llama.cpp then uses 10000)."""
+    tied_output: bool = False
+    logit_scale: float = 4.0
+    # llama / qwen2 extras
+    qkv_bias: bool = False
+    output_bias: bool = False
+    rope_freqs: bool = False
+    """llama: a ``rope_freqs.weight`` (Llama 3.1 style per-pair frequency divisors)."""
+    # phi3
+    fused_qkv: bool = False
+    longrope: bool = False
+    """phi3: ``rope_factors_long/short.weight`` and ``rope.scaling.attn_factor``."""
+    n_ctx_orig: int | None = None
+    """``rope.scaling.original_context_length`` (None: not written)."""
+    # gemma
+    sliding_window: int | None = None
+    """``attention.sliding_window`` (None: key absent)."""
+    swa_pattern: int | None = None
+    """``attention.sliding_window_pattern`` as a u32 period (None: key absent)."""
+    rope_freq_base_swa: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    rope_scaling_linear: float | None = None
+    """``rope.scaling.type = linear`` and ``rope.scaling.factor`` (gemma3 4B+ style global layers)."""
+    extra_kv: dict = field(default_factory=dict)
+    """More metadata written as-is (key -> python value; ints become u32, floats f32)."""
+
+
+# name -> (GGUF architecture, vocabulary name, Shape)
+FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
+    # Qwen2/2.5: q/k/v biases, NEOX rope, base 1e6; untied (7B style) and tied (0.5B-3B style)
+    "qwen2": ("qwen2", "qwen2", Shape(qkv_bias=True, rope_freq_base=1e6)),
+    "qwen2_tied": ("qwen2", "qwen2", Shape(qkv_bias=True, rope_freq_base=1e6, tied_output=True)),
+    # Qwen3: q/k RMS norms per head, key_length (32) != n_embd / n_head (16), tied
+    "qwen3": ("qwen3", "qwen2", Shape(head_dim=32, rope_freq_base=1e6, tied_output=True)),
+    # Gemma2: explicit small soft-caps so they matter, window 16 < 48 tokens, key_length != n_embd/n_head
+    "gemma2": ("gemma2", "llama-spm", Shape(n_layer=4, head_dim=32, n_ff=128, sliding_window=16,
+                                              attn_softcap=2.0, final_softcap=10.0)),
+    # Gemma2 with every optional key absent: window 4096, caps 50/30, swa rope base = rope base
+    "gemma2_defaults": ("gemma2", "llama-spm", Shape(n_layer=2, head_dim=32, n_ff=128, rope_freq_base=None)),
+    # Gemma3: 6 layers, default pattern (layers 0-4 local, 5 global), global rope 1e6 with linear
+    # scaling 8, local rope base from the struct default 10000 (key absent), no final soft-cap
+    "gemma3": ("gemma3", "llama-spm", Shape(n_layer=6, head_dim=32, n_ff=128, sliding_window=16,
+                                              rope_freq_base=1e6, rope_scaling_linear=8.0, tied_output=True)),
+    # Gemma3 with an explicit pattern 2 (layers 0, 2 local; 1, 3 global), explicit local base,
+    # a final soft-cap key, an output.weight (optional for gemma3)
+    "gemma3_pattern": ("gemma3", "llama-spm", Shape(n_layer=4, head_dim=32, n_ff=128, sliding_window=16,
+                                                      swa_pattern=2, rope_freq_base=1e6, rope_freq_base_swa=5000.0,
+                                                      final_softcap=10.0)),
+    # Phi3: fused qkv (GQA), fused gate|up, partial rope (16 of 24 dims), LongRoPE factors;
+    # original context 4096 >= n_ctx_seq (256) -> short factors; sliding_window key present (ignored)
+    "phi3": ("phi3", "phi-3", Shape(n_embd=96, n_ff=128, n_head=4, n_head_kv=2, n_rot=16, fused_qkv=True,
+                                    longrope=True, n_ctx=8192, n_ctx_orig=4096, sliding_window=16)),
+    # Phi3 whose original context (128) < n_ctx_seq (256): long factors + attn_factor
+    "phi3_long": ("phi3", "phi-3", Shape(n_embd=96, n_ff=128, n_head=4, n_head_kv=2, n_rot=16, fused_qkv=True,
+                                         longrope=True, n_ctx=4096, n_ctx_orig=128)),
+    # Phi3 with separate q/k/v and no rope factors (allowed by the loader), tied output
+    "phi3_sep": ("phi3", "phi-3", Shape(n_embd=96, n_ff=128, n_head=4, n_head_kv=4, tied_output=True)),
+    # Llama 3.x: rope_freqs, base 500000, BPE vocab; and the tied (3.2 1B/3B) variant
+    "llama3_rope_freqs": ("llama", "llama-spm", Shape(rope_freqs=True, rope_freq_base=500000.0, rms_eps=1e-5)),
+    "llama3_tied": ("llama", "llama-spm", Shape(rope_freqs=True, rope_freq_base=500000.0, rms_eps=1e-5,
+                                                tied_output=True)),
+    # Mistral-style llama: SPM vocab, GQA 4:1, base 1e6, head_dim 32 != n_embd/n_head (Nemo style)
+    "mistral_headdim": ("llama", "llama-spm", Shape(n_head=4, n_head_kv=1, head_dim=32, rope_freq_base=1e6,
+                                                    rms_eps=1e-5)),
+}
+
+
+@functools.cache
+def _vocab_keys(vocab_gguf: Path) -> list[tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
+    """(key, value, type, array element type) of every tokenizer.* key of a vocabulary GGUF."""
+    r = gguf.GGUFReader(str(vocab_gguf))
+    out = []
+    for key, f in r.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        out.append((key, f.contents(), vtype, sub))
+    return out
+
+
+def _add(w: gguf.GGUFWriter, key: str, value) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, (list, tuple)):
+        w.add_array(key, list(value))
+    else:
+        raise TypeError(f"{key}: {value!r}")
+
+
+def llama3_rope_factors(head_dim: int, base: float, factor: float = 8.0, low: float = 1.0, high: float = 4.0,
+                        old_ctx: int = 64) -> np.ndarray:
+    """The converter's llama3 rope_freqs formula (conversion/llama.py), with a tiny old context so
+    the tiny model's few frequencies fall in all three bands."""
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    lo_wl, hi_wl = old_ctx / low, old_ctx / high
+    out = []
+    for f in freqs:
+        wl = 2 * math.pi / f
+        if wl < hi_wl:
+            out.append(1.0)
+        elif wl > lo_wl:
+            out.append(factor)
+        else:
+            s = (old_ctx / wl - low) / (high - low)
+            out.append(1 / ((1 - s) / factor + s))
+    return np.array(out, dtype=np.float32)
+
+
+def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shape: Shape | None = None,
+                       seed: int = 0) -> Path:
+    """Write an F32 GGUF of ``arch`` (llama, qwen2, qwen3, gemma2, gemma3, phi3) with random
+    weights and ``vocab_gguf``'s tokenizer. Returns the path."""
+    s = shape or Shape()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    vkeys = _vocab_keys(Path(vocab_gguf))
+    n_vocab = len(next(v for k, v, _, _ in vkeys if k == "tokenizer.ggml.tokens"))
+    hd = s.head_dim or s.n_embd // s.n_head
+    n_rot = s.n_rot or hd
+    nq, nkv = s.n_head * hd, s.n_head_kv * hd
+    rng = np.random.default_rng(seed)
+
+    def lin(n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((n_out, n_in)) * (gain / math.sqrt(n_in))).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def vec(n: int, scale: float) -> np.ndarray:
+        return (scale * rng.standard_normal(n)).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), arch)
+    a = arch
+    w.add_string("general.name", f"tiny-random-{arch}")
+    w.add_uint32("general.file_type", 0)
+    w.add_uint32(f"{a}.context_length", s.n_ctx)
+    w.add_uint32(f"{a}.embedding_length", s.n_embd)
+    w.add_uint32(f"{a}.feed_forward_length", s.n_ff)
+    w.add_uint32(f"{a}.block_count", s.n_layer)
+    w.add_uint32(f"{a}.attention.head_count", s.n_head)
+    w.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", s.rms_eps)
+    if s.head_dim is not None:
+        w.add_uint32(f"{a}.attention.key_length", hd)
+        w.add_uint32(f"{a}.attention.value_length", hd)
+    if s.n_rot is not None or arch in ("llama", "phi3"):
+        w.add_uint32(f"{a}.rope.dimension_count", n_rot)
+    if s.rope_freq_base is not None:
+        w.add_float32(f"{a}.rope.freq_base", s.rope_freq_base)
+    if arch == "llama":
+        w.add_uint32(f"{a}.vocab_size", n_vocab)
+    if s.n_ctx_orig is not None:
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", s.n_ctx_orig)
+    if s.sliding_window is not None:
+        w.add_uint32(f"{a}.attention.sliding_window", s.sliding_window)
+    if s.swa_pattern is not None:
+        w.add_uint32(f"{a}.attention.sliding_window_pattern", s.swa_pattern)
+    if s.rope_freq_base_swa is not None:
+        w.add_float32(f"{a}.rope.freq_base_swa", s.rope_freq_base_swa)
+    if s.attn_softcap is not None:
+        w.add_float32(f"{a}.attn_logit_softcapping", s.attn_softcap)
+    if s.final_softcap is not None:
+        w.add_float32(f"{a}.final_logit_softcapping", s.final_softcap)
+    if s.rope_scaling_linear is not None:
+        w.add_string(f"{a}.rope.scaling.type", "linear")
+        w.add_float32(f"{a}.rope.scaling.factor", s.rope_scaling_linear)
+    longrope_attn = None
+    if arch == "phi3" and s.longrope:
+        scale = s.n_ctx / s.n_ctx_orig
+        longrope_attn = math.sqrt(1 + math.log(scale) / math.log(s.n_ctx_orig)) if scale > 1.0 else 1.0
+        w.add_float32(f"{a}.rope.scaling.attn_factor", longrope_attn)
+    for k, v in s.extra_kv.items():
+        _add(w, k, v)
+    for key, value, vtype, sub in vkeys:
+        w.add_key_value(key, value, vtype, sub)
+
+    t: dict[str, np.ndarray] = {}
+    emb_std = 1.0 if not s.tied_output else s.logit_scale / math.sqrt(s.n_embd)
+    t["token_embd.weight"] = (emb_std * rng.standard_normal((n_vocab, s.n_embd))).astype(np.float32)
+    t["output_norm.weight"] = norm(s.n_embd)
+    if not s.tied_output and arch != "gemma2":  # gemma2 never reads output.weight (an extra tensor fails the load)
+        t["output.weight"] = lin(n_vocab, s.n_embd, s.logit_scale)
+    if s.output_bias:
+        t["output.bias"] = vec(n_vocab, 0.5)
+    if s.rope_freqs:
+        t["rope_freqs.weight"] = llama3_rope_factors(n_rot, s.rope_freq_base or 10000.0)
+    if arch == "phi3" and s.longrope:
+        t["rope_factors_long.weight"] = rng.uniform(1.0, 4.0, n_rot // 2).astype(np.float32)
+        t["rope_factors_short.weight"] = rng.uniform(1.0, 1.5, n_rot // 2).astype(np.float32)
+
+    gemma = arch in ("gemma2", "gemma3")
+    for i in range(s.n_layer):
+        p = f"blk.{i}."
+        t[p + "attn_norm.weight"] = norm(s.n_embd)
+        if s.fused_qkv:
+            t[p + "attn_qkv.weight"] = np.concatenate([lin(nq, s.n_embd), lin(nkv, s.n_embd), lin(nkv, s.n_embd)])
+        else:
+            t[p + "attn_q.weight"] = lin(nq, s.n_embd)
+            t[p + "attn_k.weight"] = lin(nkv, s.n_embd)
+            t[p + "attn_v.weight"] = lin(nkv, s.n_embd)
+        if s.qkv_bias:
+            t[p + "attn_q.bias"] = vec(nq, 0.3)
+            t[p + "attn_k.bias"] = vec(nkv, 0.3)
+            t[p + "attn_v.bias"] = vec(nkv, 0.3)
+        if arch in ("qwen3", "gemma3"):
+            t[p + "attn_q_norm.weight"] = norm(hd)
+            t[p + "attn_k_norm.weight"] = norm(hd)
+        t[p + "attn_output.weight"] = lin(s.n_embd, nq, 0.5)
+        if gemma:
+            t[p + "post_attention_norm.weight"] = norm(s.n_embd)
+        t[p + "ffn_norm.weight"] = norm(s.n_embd)
+        if arch == "phi3":
+            t[p + "ffn_up.weight"] = np.concatenate([lin(s.n_ff, s.n_embd), lin(s.n_ff, s.n_embd)])  # gate | up
+            t[p + "ffn_down.weight"] = lin(s.n_embd, s.n_ff, 0.5)
+        else:
+            t[p + "ffn_gate.weight"] = lin(s.n_ff, s.n_embd)
+            t[p + "ffn_up.weight"] = lin(s.n_ff, s.n_embd)
+            t[p + "ffn_down.weight"] = lin(s.n_embd, s.n_ff, 0.5)
+        if gemma:
+            t[p + "post_ffw_norm.weight"] = norm(s.n_embd)
+
+    for name, arr in t.items():
+        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+
+
+VOCABULARIES = {"qwen2": "ggml-vocab-qwen2.gguf", "phi-3": "ggml-vocab-phi-3.gguf",
+                "llama-spm": "ggml-vocab-llama-spm.gguf"}
+"""Vocabulary name of a preset -> its file in ../shared/vocab (gemma's own is not there: its presets use
+the llama sentencepiece vocabulary)."""
+
+
+def write_preset(name: str, out_dir: Path, vocab_dir: Path, seed: int = 0) -> Path:
+    """Write FAMILY_PRESETS[name] as ``out_dir/name-f32.gguf``."""
+    arch, vocab, shape = FAMILY_PRESETS[name]
+    return write_random_model(out_dir / f"{name}-f32.gguf", arch, vocab_dir / VOCABULARIES[vocab], shape, seed)
+
+
+def eval_tokens(n_vocab: int, n: int = 48, seed: int = 1234) -> list[int]:
+    """Random token ids below n_vocab: what the parity tests evaluate (48 crosses every sliding window)."""
+    return [int(x) for x in np.random.default_rng(seed).integers(0, n_vocab, n)]

@@ -1,0 +1,272 @@
+"""Every family's forward against llama.cpp and against an independent float64 forward.
+
+The models are tests/families.py's presets: random weights around a real vocabulary, written by
+gguf-py, quantized by llama.cpp. 48 tokens cross every preset's sliding window. llama.cpp runs with an
+F32 KV cache and without flash attention (which would round K and V to f16); its context of 64 is
+padded to 256, which is the context that picks phi3's long or short rope factors, so ggtorch's model
+is told the same context.
+
+gemma's GELU: ggml's CPU backend reads GELU from a table indexed by the input rounded to fp16
+(GGML_GELU_FP16), its GPU backends and transformers compute the formula. ggtorch computes the formula
+(the gradient of a table is zero almost everywhere), so gemma's logits are compared with the float64
+forward to 1e-4 and with llama.cpp's CPU to the table's rounding, which a second test shows is the
+whole difference.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ggtorch.errors import BadGGUF, Unsupported
+from ggtorch.io.gguf import read_gguf
+from ggtorch.models.config import ModelConfig
+from ggtorch.models.loader import build_llama
+from ggtorch.models.model import Transformer
+from tests import reference_forward
+from tests.families import FAMILY_PRESETS, eval_tokens
+from tests.llama_models import llama_cpp_logits, open_llama_cpp, rewrite_gguf
+from tests.models.test_model import TOLERANCE, assert_top1_agrees
+
+LLAMA_CPP_CONTEXT = 256
+"""llama.cpp's per-sequence context for n_ctx=64 (it pads contexts to 256)."""
+PRESETS = list(FAMILY_PRESETS)
+GEMMA = [name for name, (arch, _, _) in FAMILY_PRESETS.items() if arch.startswith("gemma")]
+ONE_PER_FAMILY = ["llama3_rope_freqs", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
+GELU_TABLE_TOLERANCE = 0.02
+"""ggml-cpu's fp16 GELU table against the formula, through a few layers (measured up to ~5e-3)."""
+
+
+def load(path: Path, keep_quantized: bool = True) -> Transformer:
+    f = read_gguf(path)
+    model = build_llama(f, ModelConfig.from_gguf(f), keep_quantized=keep_quantized)
+    model.n_ctx = LLAMA_CPP_CONTEXT
+    return model
+
+
+def ggtorch_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return load(path)(torch.tensor([tokens]))[0].numpy()
+
+
+def tokens_for(path: Path) -> list[int]:
+    return eval_tokens(ModelConfig.from_gguf(read_gguf(path)).n_vocab)
+
+
+@functools.cache
+def float64_model(path: Path) -> reference_forward.Model:
+    """The float64 forward's weights, read once per file (gguf-py's reader is slow on large vocabularies)."""
+    return reference_forward.load(path)
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_f32(family_model: Callable[..., Path]) -> Callable[[str], np.ndarray]:
+    cache: dict[str, np.ndarray] = {}
+
+    def logits(name: str) -> np.ndarray:
+        if name not in cache:
+            path = family_model(name)
+            cache[name] = llama_cpp_logits(open_llama_cpp(path, 64), tokens_for(path))
+        return cache[name]
+
+    return logits
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_f32_logits_equal_llama_cpp(family_model: Callable[..., Path], llama_cpp_f32: Callable[[str], np.ndarray],
+                                    name: str) -> None:
+    path = family_model(name)
+    ours, ref = ggtorch_logits(path, tokens_for(path)), llama_cpp_f32(name)
+    tol = GELU_TABLE_TOLERANCE if name in GEMMA else TOLERANCE["F32"]
+    assert np.abs(ours - ref).max() <= tol, f"{name}: max |diff| {np.abs(ours - ref).max():.3g} > {tol}"
+    assert_top1_agrees(ours, ref, tol, min_fraction=1.0 if name not in GEMMA else 0.95)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_f32_logits_equal_float64_forward(family_model: Callable[..., Path], name: str) -> None:
+    path = family_model(name)
+    tokens = tokens_for(path)
+    ref = reference_forward.forward(float64_model(path), tokens, n_ctx_seq=LLAMA_CPP_CONTEXT,
+                                    gelu_mode="tanh")
+    np.testing.assert_allclose(ggtorch_logits(path, tokens), ref, rtol=0, atol=TOLERANCE["F32"])
+
+
+@pytest.mark.parametrize("name", GEMMA)
+def test_gemma_difference_from_llama_cpp_is_its_gelu_table(family_model: Callable[..., Path],
+                                                           llama_cpp_f32: Callable[[str], np.ndarray],
+                                                           name: str) -> None:
+    """The float64 forward with ggml-cpu's fp16 GELU table lands far closer to llama.cpp than with the
+    formula: what separates ggtorch from llama.cpp's CPU on gemma is that table, nothing else."""
+    path = family_model(name)
+    model = float64_model(path)
+    ref = llama_cpp_f32(name)
+    tokens = tokens_for(path)
+    table = np.abs(reference_forward.forward(model, tokens, gelu_mode="ggml") - ref).max()
+    formula = np.abs(reference_forward.forward(model, tokens, gelu_mode="tanh") - ref).max()
+    assert table < formula / 2, f"{name}: table {table:.3g}, formula {formula:.3g}"
+
+
+@pytest.mark.parametrize("ftype", ["Q8_0", "Q4_K_M", "Q5_0"])
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_quantized_logits_equal_llama_cpp(family_model: Callable[..., Path], name: str, ftype: str) -> None:
+    path = family_model(name, ftype)
+    tokens = tokens_for(path)
+    ref = llama_cpp_logits(open_llama_cpp(path, 64), tokens)
+    ours = ggtorch_logits(path, tokens)
+    tol = TOLERANCE["Q8_0"]
+    assert np.abs(ours - ref).max() <= tol, f"{name} {ftype}: max |diff| {np.abs(ours - ref).max():.3g} > {tol}"
+    assert_top1_agrees(ours, ref, tol)
+    assert any(t.ggml_type.name != "F32" for t in read_gguf(path).tensors.values() if len(t.shape) == 2)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "qwen3"])
+def test_kv_cache_equals_full_forward(family_model: Callable[..., Path], name: str) -> None:
+    """Generation through the cache (sliding windows, per-layer rope, q/k norms) computes the full forward."""
+    model = load(family_model(name))
+    tokens = torch.tensor([tokens_for(family_model(name))[:40]])
+    with torch.no_grad():
+        full = model(tokens)[0]
+        cache = model.new_cache(1, 40)
+        steps = [model(tokens[:, :7], cache=cache)[0], model(tokens[:, 7:12], cache=cache)[0]]
+        steps += [model(tokens[:, i:i + 1], cache=cache)[0] for i in range(12, 40)]
+    torch.testing.assert_close(torch.cat(steps), full, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_pattern"])
+def test_packed_rows_equal_separate_forwards(family_model: Callable[..., Path], name: str) -> None:
+    """Two records packed in one row, positions restarting: each computes as if alone (sliding windows too)."""
+    model = load(family_model(name))
+    tokens = tokens_for(family_model(name))
+    a, b = tokens[:30], tokens[30:48]
+    row = torch.tensor([a + b])
+    positions = torch.tensor([list(range(30)) + list(range(18))])
+    segments = torch.tensor([[0] * 30 + [1] * 18])
+    with torch.no_grad():
+        packed = model(row, positions=positions, segments=segments)[0]
+        alone = torch.cat([model(torch.tensor([a]))[0], model(torch.tensor([b]))[0]])
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-4)
+
+
+def test_sliding_window_changes_what_a_layer_sees(family_model: Callable[..., Path], tmp_path: Path) -> None:
+    """The window matters: the same file with a window wider than the sequence computes other logits
+    after the window's end, and the same ones before it."""
+    path = family_model("gemma2")
+    wide = rewrite_gguf(path, tmp_path / "wide.gguf", set_keys={"gemma2.attention.sliding_window": 4096})
+    tokens = tokens_for(path)
+    narrow_logits, wide_logits = ggtorch_logits(path, tokens), ggtorch_logits(wide, tokens)
+    window = ModelConfig.from_gguf(read_gguf(path)).sliding_window
+    np.testing.assert_allclose(narrow_logits[:window], wide_logits[:window], rtol=0, atol=1e-5)
+    assert np.abs(narrow_logits[window:] - wide_logits[window:]).max() > 0.1
+
+
+EXPECTED_CONFIG = {
+    "qwen2": dict(arch="qwen2", tied_output=False, biases=("attn_q", "attn_k", "attn_v"), fused_qkv=False),
+    "qwen3": dict(arch="qwen3", tied_output=True, head_dim=32, n_embd_q=128),
+    "gemma2": dict(arch="gemma2", tied_output=True, sliding_window=16, swa_layers=(True, False, True, False),
+                   attn_softcap=2.0, final_softcap=10.0, attention_scale=32 ** -0.5),
+    "gemma2_defaults": dict(sliding_window=4096, swa_layers=(True, False), attn_softcap=50.0, final_softcap=30.0,
+                            rope_freq_base=10000.0, rope_freq_base_swa=10000.0),
+    "gemma3": dict(swa_layers=(True,) * 5 + (False,), rope_freq_base=1e6, rope_freq_scale=1 / 8,
+                   rope_freq_base_swa=10000.0, rope_freq_scale_swa=1.0, final_softcap=0.0),
+    "gemma3_pattern": dict(swa_layers=(True, False, True, False), rope_freq_base_swa=5000.0, tied_output=False),
+    "phi3": dict(fused_qkv=True, n_rot=16, rope_long_short=True, n_ctx_orig=4096, sliding_window=0),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_CONFIG))
+def test_config_reads_llama_cpps_keys_and_defaults(family_model: Callable[..., Path], name: str) -> None:
+    config = ModelConfig.from_gguf(read_gguf(family_model(name)))
+    for field, value in EXPECTED_CONFIG[name].items():
+        assert getattr(config, field) == pytest.approx(value), field
+
+
+BROKEN = {
+    # family preset, change, error type, what the message must name
+    "qwen2 bias of the wrong length": ("qwen2", dict(add_tensors={"blk.1.attn_k.bias": np.zeros(7, np.float32)}),
+                                       BadGGUF, r"'blk\.1\.attn_k\.bias' has shape \(7,\)"),
+    "qwen3 without a k norm": ("qwen3", dict(drop_tensors=("blk.0.attn_k_norm.weight",)), BadGGUF,
+                               r"'blk\.0\.attn_k_norm\.weight' is missing"),
+    "gemma2 without a post-FFN norm": ("gemma2", dict(drop_tensors=("blk.3.post_ffw_norm.weight",)), BadGGUF,
+                                       r"'blk\.3\.post_ffw_norm\.weight' is missing"),
+    "gemma2 with an output matrix": ("gemma2", dict(add_tensors={"output.weight": np.zeros((32000, 64), np.float32)}),
+                                     Unsupported, r"'output\.weight' is not part of a gemma2 model"),
+    "gemma3 with a key_length the q norm does not fit": (
+        "gemma3", dict(set_keys={"gemma3.attention.key_length": 16, "gemma3.attention.value_length": 16}),
+        BadGGUF, r"'blk\.0\.attn_\w+\.weight' has shape"),
+    "phi3 fused up of the wrong width": ("phi3", dict(add_tensors={"blk.0.ffn_up.weight": np.zeros((128, 96),
+                                                                                                    np.float32)}),
+                                         BadGGUF, r"'blk\.0\.ffn_up\.weight' has shape \(128, 96\), "
+                                                  r"expected \(256, 96\)"),
+    "phi3 with a bias llama.cpp does not read": ("phi3", dict(add_tensors={"blk.0.ffn_down.bias": np.zeros(96,
+                                                                                                           np.float32)}),
+                                                 Unsupported, r"'blk\.0\.ffn_down\.bias' is not part of a phi3 model"),
+    "gemma2 sliding window pattern too short": ("gemma2", dict(set_keys={"gemma2.attention.sliding_window_pattern":
+                                                                         [True, False]}),
+                                                BadGGUF, r"sliding_window_pattern' has 2 entries for 4 layers"),
+    "qwen2 without a head count": ("qwen2", dict(drop_keys=("qwen2.attention.head_count",)), BadGGUF,
+                                   r"qwen2\.attention\.head_count"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_family_file_names_the_tensor_or_key(family_model: Callable[..., Path], tmp_path: Path,
+                                                    case: str) -> None:
+    name, changes, error, message = BROKEN[case]
+    path = rewrite_gguf(family_model(name), tmp_path / "broken.gguf", **changes)
+    with pytest.raises(error, match=message):
+        f = read_gguf(path)
+        build_llama(f, ModelConfig.from_gguf(f))
+
+
+def transformers_overrides(name: str, model: reference_forward.Model) -> dict:
+    """Config values transformers' GGUF loader (5.x) drops for a family, passed back by hand.
+
+    Its loader maps too few keys: qwen3's head size, gemma's query scale, soft-caps, layer pattern and
+    local rope, phi3's partial rope and LongRoPE factors, Llama 3's rope_freqs schedule. Its modeling
+    code computes these families correctly once told, which makes it a second, independent forward.
+    """
+    c = model.config
+    if name == "qwen3":
+        return {"head_dim": c.head_dim_k}
+    if name.startswith("gemma2"):
+        return {"query_pre_attn_scalar": c.head_dim_k, "attn_logit_softcapping": c.attn_softcap,
+                "final_logit_softcapping": c.final_softcap}
+    if name.startswith("gemma3"):
+        full = {"rope_type": "default", "rope_theta": c.rope_freq_base}
+        if c.rope_freq_scale != 1.0:
+            full = {"rope_type": "linear", "factor": 1.0 / c.rope_freq_scale, "rope_theta": c.rope_freq_base}
+        return {"query_pre_attn_scalar": c.head_dim_k, "final_logit_softcapping": c.final_softcap or None,
+                "layer_types": ["sliding_attention" if s else "full_attention" for s in c.is_swa],
+                "rope_parameters": {"full_attention": full,
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_freq_base_swa}}}
+    if name == "phi3":
+        return {"rope_parameters": {"rope_type": "longrope", "rope_theta": c.rope_freq_base,
+                                    "partial_rotary_factor": c.n_rot / c.head_dim_k,
+                                    "short_factor": model.w["rope_factors_short.weight"].tolist(),
+                                    "long_factor": model.w["rope_factors_long.weight"].tolist(),
+                                    "original_max_position_embeddings": c.n_ctx_orig},
+                "original_max_position_embeddings": c.n_ctx_orig}
+    if name.startswith("llama3"):  # tests/families.py's rope_freqs: the converter's llama3 schedule
+        return {"rope_parameters": {"rope_type": "llama3", "rope_theta": c.rope_freq_base, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 64}}
+    return {}
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma2", "gemma3", "phi3", "llama3_rope_freqs",
+                                  "mistral_headdim"])
+def test_logits_equal_transformers_on_the_same_gguf(family_model: Callable[..., Path], name: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = family_model(name)
+    tokens = tokens_for(path)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                              **transformers_overrides(name, float64_model(path))).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor([tokens])).logits[0].numpy()
+    np.testing.assert_allclose(ggtorch_logits(path, tokens), theirs, rtol=0, atol=TOLERANCE["F32"])

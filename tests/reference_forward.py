@@ -1,0 +1,338 @@
+"""An independent float64 forward of every supported family: the second reference beside llama.cpp.
+
+Written with numpy from llama.cpp's graphs (src/models/<family>.cpp) and its hyperparameter rules,
+sharing no code with ggtorch; weights come from gguf-py's reader and its numpy dequantizers. Rope
+angles are built as ggml builds them (an f32 running product, ggml_rope_cache_init); everything else
+is float64. GELU is the exact tanh formula (``gelu="tanh"``) or ggml-cpu's fp16 table (``"ggml"``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import gguf
+import numpy as np
+
+NEOX_ARCHS = {"qwen2", "qwen3", "gemma2", "gemma3", "phi3"}
+NORM_ARCHS = {"llama"}
+SUPPORTED = NEOX_ARCHS | NORM_ARCHS
+
+
+@dataclass
+class Config:
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_ctx_train: int
+    head_dim_k: int
+    head_dim_v: int
+    n_rot: int
+    rms_eps: float
+    rope_neox: bool
+    rope_freq_base: float
+    rope_freq_scale: float
+    rope_attn_factor: float
+    n_ctx_orig: int
+    # per layer
+    is_swa: list[bool] = field(default_factory=list)
+    n_swa: int = 0
+    rope_freq_base_swa: float = 10000.0
+    rope_freq_scale_swa: float = 1.0
+    # attention
+    q_prescale: float | None = None
+    """gemma/phi3: Q multiplied by this before QK^T (then kq_scale = 1)."""
+    kq_scale: float = 1.0
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    embd_scale: float = 1.0
+
+
+@dataclass
+class Model:
+    config: Config
+    w: dict[str, np.ndarray]
+    meta: dict
+
+
+def _meta(reader: gguf.GGUFReader) -> dict:
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def _tensors(reader: gguf.GGUFReader) -> dict[str, np.ndarray]:
+    out = {}
+    for t in reader.tensors:
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            a = np.array(t.data, dtype=np.float64)
+        else:
+            a = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
+        shape = tuple(int(x) for x in reversed(t.shape))  # torch/numpy order: ne reversed
+        out[t.name] = a.reshape(shape)
+    return out
+
+
+def _scalar(v):
+    if isinstance(v, list):
+        if any(x != v[0] for x in v):
+            raise NotImplementedError(f"per-layer hparam array {v[:4]}...")
+        return v[0]
+    return v
+
+
+def make_config(meta: dict, tensors: dict[str, np.ndarray]) -> Config:
+    """Hyperparameters with llama.cpp's keys, defaults and per-arch rules (families.md §1, §2)."""
+    arch = meta["general.architecture"]
+    if arch not in SUPPORTED:
+        raise NotImplementedError(arch)
+
+    def g(key, default=None, required=False):
+        k = key.format(a=arch)
+        if k in meta:
+            return _scalar(meta[k])
+        if required:
+            raise KeyError(k)
+        return default
+
+    n_embd = int(g("{a}.embedding_length", required=True))
+    n_head = int(g("{a}.attention.head_count", required=True))
+    n_head_kv = int(g("{a}.attention.head_count_kv", n_head))
+    hdk = int(g("{a}.attention.key_length", n_embd // n_head))
+    hdv = int(g("{a}.attention.value_length", n_embd // n_head))
+    n_rot = int(g("{a}.rope.dimension_count", hdk))
+    n_ctx_train = int(g("{a}.context_length", required=True))
+    scaling_type = g("{a}.rope.scaling.type", "linear")
+    if scaling_type == "yarn":
+        raise NotImplementedError("YaRN rope scaling is not modelled by this reference")
+    factor = g("{a}.rope.scaling.factor", None)
+    if factor is None:
+        factor = g("{a}.rope.scale_linear", 0.0)
+    freq_scale = 1.0 if float(factor) == 0.0 else 1.0 / float(factor)
+    if scaling_type == "none":
+        freq_scale = 1.0
+    n_layer = int(g("{a}.block_count", required=True))
+    n_vocab = g("{a}.vocab_size", None) if arch == "llama" else None
+    if n_vocab is None:
+        n_vocab = len(meta["tokenizer.ggml.tokens"])
+    c = Config(
+        arch=arch, n_vocab=int(n_vocab), n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
+        n_ff=int(g("{a}.feed_forward_length", 0)), n_ctx_train=n_ctx_train, head_dim_k=hdk, head_dim_v=hdv,
+        n_rot=n_rot, rms_eps=float(g("{a}.attention.layer_norm_rms_epsilon", required=True)),
+        rope_neox=arch in NEOX_ARCHS, rope_freq_base=float(g("{a}.rope.freq_base", 10000.0)),
+        rope_freq_scale=freq_scale, rope_attn_factor=float(g("{a}.rope.scaling.attn_factor", 1.0)),
+        n_ctx_orig=int(g("{a}.rope.scaling.original_context_length", n_ctx_train)),
+        is_swa=[False] * n_layer,
+    )
+    c.kq_scale = 1.0 / math.sqrt(hdk)
+
+    def swa_pattern(default_period: int) -> list[bool]:
+        pat = meta.get(f"{arch}.attention.sliding_window_pattern")
+        if isinstance(pat, list):  # per-layer bool array
+            return [bool(x) for x in pat[:n_layer]]
+        period = int(pat) if pat is not None else default_period
+        return [period == 0 or (il % period < period - 1) for il in range(n_layer)]
+
+    if arch == "llama":
+        if n_rot != hdk:
+            raise ValueError(f"invalid n_rot: {n_rot}, expected {hdk}")
+    elif arch == "gemma2":
+        c.n_swa = int(g("{a}.attention.sliding_window", 4096))
+        c.is_swa = swa_pattern(2)
+        c.rope_freq_base_swa = float(g("{a}.rope.freq_base_swa", c.rope_freq_base))
+        c.rope_freq_scale_swa = c.rope_freq_scale
+        c.attn_softcap = float(g("{a}.attn_logit_softcapping", 50.0))
+        c.final_softcap = float(g("{a}.final_logit_softcapping", 30.0))
+        c.q_prescale = 1.0 / math.sqrt(n_embd // n_head) if n_layer == 46 else 1.0 / math.sqrt(hdk)
+        c.kq_scale = 1.0
+        c.embd_scale = math.sqrt(n_embd)
+    elif arch == "gemma3":
+        n_swa = int(g("{a}.attention.sliding_window", 0))
+        if n_swa > 0:
+            c.n_swa = n_swa
+            c.is_swa = swa_pattern(6)
+            c.rope_freq_base_swa = float(g("{a}.rope.freq_base_swa", 10000.0))
+        c.rope_freq_scale_swa = 1.0
+        c.final_softcap = float(g("{a}.final_logit_softcapping", 0.0))
+        c.q_prescale = 1.0 / math.sqrt(n_embd // n_head) if n_layer == 62 else 1.0 / math.sqrt(hdk)
+        c.kq_scale = 1.0
+        c.embd_scale = math.sqrt(n_embd)
+    elif arch == "phi3":
+        c.q_prescale = 1.0 / math.sqrt(hdk)
+        c.kq_scale = 1.0
+        # phi3 ignores attention.sliding_window (llama.cpp disables SWA for it)
+    return c
+
+
+def load(path: str) -> Model:
+    reader = gguf.GGUFReader(str(path))
+    meta = _meta(reader)
+    w = _tensors(reader)
+    return Model(make_config(meta, w), w, meta)
+
+
+# ---------------------------------------------------------------- ops
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y * weight if weight is not None else y
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+_SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
+_GELU_A = np.float32(0.044715)
+
+
+def gelu(x: np.ndarray, mode: str = "ggml") -> np.ndarray:
+    """tanh-approximation GELU. mode="ggml": ggml-cpu's f32 path (GGML_GELU_FP16): x <= -10 -> 0,
+    x >= 10 -> x, else fp16(gelu_f32(fp16(x)))."""
+    if mode == "tanh":
+        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2 / math.pi) * x * (1.0 + 0.044715 * x * x)))
+    x32 = x.astype(np.float32)
+    h = x32.astype(np.float16).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        inner = _SQRT_2_OVER_PI * h * (np.float32(1.0) + _GELU_A * h * h)
+        g = (np.float32(0.5) * h * (np.float32(1.0) + np.tanh(inner))).astype(np.float32)
+    g = g.astype(np.float16).astype(np.float64)
+    return np.where(x32 <= -10.0, 0.0, np.where(x32 >= 10.0, x, g))
+
+
+def rope_cos_sin(n_tokens: int, n_rot: int, base: float, freq_scale: float, factors: np.ndarray | None,
+                 mscale: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin (T, n_rot/2) like ggml_rope_cache_init (ext_factor 0): theta_i = p * base^(-2i/n_rot)
+    as an f32 running product, divided by factors[i], times freq_scale; cos/sin times mscale."""
+    theta_scale = np.float32(base) ** (np.float32(-2.0) / np.float32(n_rot))
+    ths = np.empty((n_tokens, n_rot // 2), dtype=np.float32)
+    for p in range(n_tokens):
+        th = np.float32(p)
+        for i in range(n_rot // 2):
+            ff = np.float32(factors[i]) if factors is not None else np.float32(1.0)
+            ths[p, i] = np.float32(freq_scale) * (th / ff)
+            th = np.float32(th * theta_scale)
+    t = ths.astype(np.float64)
+    return np.cos(t) * mscale, np.sin(t) * mscale
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox: bool) -> np.ndarray:
+    """x (T, H, D): rotate the first n_rot dims; NORM pairs (2i, 2i+1), NEOX pairs (i, i + n_rot/2).
+    Dims from n_rot on pass through unchanged (partial rope)."""
+    out = x.copy()
+    c, s = cos[:, None, :], sin[:, None, :]
+    if neox:
+        half = n_rot // 2
+        x0, x1 = x[..., :half], x[..., half:n_rot]
+        out[..., :half] = x0 * c - x1 * s
+        out[..., half:n_rot] = x0 * s + x1 * c
+    else:
+        x0, x1 = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+        out[..., 0:n_rot:2] = x0 * c - x1 * s
+        out[..., 1:n_rot:2] = x0 * s + x1 * c
+    return out
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+# ---------------------------------------------------------------- forward
+
+def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: str = "ggml") -> np.ndarray:
+    """Logits (T, n_vocab) float64 of ``tokens`` at positions 0..T-1.
+
+    ``n_ctx_seq``: llama.cpp's per-sequence context size, which picks phi3's long/short rope
+    factors. llama.cpp pads n_ctx up to a multiple of 256, so n_ctx=64 gives 256.
+    """
+    c, w = model.config, model.w
+    T = len(tokens)
+    x = w["token_embd.weight"][np.asarray(tokens)] * c.embd_scale  # (T, C)
+    H, Hkv, Dk, Dv = c.n_head, c.n_head_kv, c.head_dim_k, c.head_dim_v
+    group = H // Hkv
+
+    def rope_factors():
+        if "rope_freqs.weight" in w:
+            return w["rope_freqs.weight"]
+        if n_ctx_seq > c.n_ctx_orig:
+            return w.get("rope_factors_long.weight")
+        return w.get("rope_factors_short.weight")
+
+    factors = rope_factors()
+    if c.arch in ("qwen2", "qwen3", "gemma2", "gemma3"):
+        factors = None  # these graphs pass no freq factors to ggml_rope_ext
+    pos = np.arange(T)
+    causal = pos[None, :] <= pos[:, None]  # [query i, key j]
+
+    for il in range(c.n_layer):
+        p = f"blk.{il}."
+        swa = c.is_swa[il]
+        base = c.rope_freq_base_swa if swa else c.rope_freq_base
+        fscale = c.rope_freq_scale_swa if swa else c.rope_freq_scale
+        cos, sin = rope_cos_sin(T, c.n_rot, base, fscale, factors, c.rope_attn_factor)
+
+        h = rms_norm(x, w[p + "attn_norm.weight"], c.rms_eps)
+        nq, nk = H * Dk, Hkv * Dk
+        if p + "attn_qkv.weight" in w:
+            qkv = h @ w[p + "attn_qkv.weight"].T
+            if p + "attn_qkv.bias" in w:
+                qkv = qkv + w[p + "attn_qkv.bias"]
+            q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
+        else:
+            q, k, v = (h @ w[p + f"attn_{n}.weight"].T for n in "qkv")
+        if p + "attn_q.bias" in w:
+            q = q + w[p + "attn_q.bias"]
+            k = k + w[p + "attn_k.bias"]
+            v = v + w[p + "attn_v.bias"]
+        q, k, v = q.reshape(T, H, Dk), k.reshape(T, Hkv, Dk), v.reshape(T, Hkv, Dv)
+        if p + "attn_q_norm.weight" in w:
+            q = rms_norm(q, w[p + "attn_q_norm.weight"], c.rms_eps)
+            k = rms_norm(k, w[p + "attn_k_norm.weight"], c.rms_eps)
+        q = apply_rope(q, cos, sin, c.n_rot, c.rope_neox)
+        k = apply_rope(k, cos, sin, c.n_rot, c.rope_neox)
+        if c.q_prescale is not None:
+            q = q * c.q_prescale
+        kk = np.repeat(k, group, axis=1)  # query head h reads kv head h // group
+        vv = np.repeat(v, group, axis=1)
+        scores = np.einsum("ihd,jhd->hij", q, kk)
+        if c.attn_softcap:
+            scores = c.attn_softcap * np.tanh(scores / c.attn_softcap)
+        allowed = causal & ((pos[:, None] - pos[None, :] < c.n_swa) if swa else True)
+        scores = scores * c.kq_scale + np.where(allowed, 0.0, -np.inf)[None]
+        probs = softmax(scores, axis=-1)
+        att = np.einsum("hij,jhd->ihd", probs, vv).reshape(T, H * Dv)
+        att = att @ w[p + "attn_output.weight"].T
+        if p + "attn_output.bias" in w:
+            att = att + w[p + "attn_output.bias"]
+        if p + "post_attention_norm.weight" in w:
+            att = rms_norm(att, w[p + "post_attention_norm.weight"], c.rms_eps)
+        x = x + att
+
+        h = rms_norm(x, w[p + "ffn_norm.weight"], c.rms_eps)
+        if c.arch == "phi3":
+            y = h @ w[p + "ffn_up.weight"].T
+            nff = y.shape[-1] // 2
+            f = (silu(y[:, :nff]) * y[:, nff:]) @ w[p + "ffn_down.weight"].T
+        else:
+            gt = h @ w[p + "ffn_gate.weight"].T + w.get(p + "ffn_gate.bias", 0.0)
+            up = h @ w[p + "ffn_up.weight"].T + w.get(p + "ffn_up.bias", 0.0)
+            act = gelu(gt, gelu_mode) if c.arch in ("gemma2", "gemma3") else silu(gt)
+            f = (act * up) @ w[p + "ffn_down.weight"].T + w.get(p + "ffn_down.bias", 0.0)
+        if p + "post_ffw_norm.weight" in w:
+            f = rms_norm(f, w[p + "post_ffw_norm.weight"], c.rms_eps)
+        x = x + f
+
+    x = rms_norm(x, w["output_norm.weight"], c.rms_eps)
+    out_w = w.get("output.weight", w["token_embd.weight"])
+    if c.arch == "gemma2":
+        out_w = w["token_embd.weight"]  # gemma2 always ties (an output.weight would fail the load)
+    logits = x @ out_w.T
+    if "output.bias" in w and c.arch in ("qwen2", "phi3"):
+        logits = logits + w["output.bias"]
+    if c.final_softcap:
+        logits = c.final_softcap * np.tanh(logits / c.final_softcap)
+    return logits
