@@ -308,7 +308,8 @@ def child_peer(spec: dict[str, Any]) -> dict[str, Any]:
                         options=DataOptions.from_finetune(config), seed=config.seed)
     step_s, cpu_s, losses = [], [], []
     for _ in range(spec["warmup"] + spec["steps"]):
-        inputs, targets = data.next_batch(config.batch)
+        batch = data.next_batch(config.batch)
+        inputs, targets = batch.inputs, batch.targets
         t, c = time.perf_counter(), time.process_time()
         optimizer.zero_grad(set_to_none=True)
         logits = model(input_ids=inputs).logits

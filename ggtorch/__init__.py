@@ -29,6 +29,7 @@ from ggtorch.api import (
 )
 from ggtorch.errors import BadData, BadFlag, BadGGUF, GGTorchError, Unsupported
 from ggtorch.io.checkpoint import Checkpoint, load_checkpoint
+from ggtorch.io.encode import quantize
 from ggtorch.io.gguf import GGUFFile, read_gguf
 from ggtorch.lora import LoraConfig
 from ggtorch.lora.adapter_file import LoraAdapter, read_adapter, write_adapter
@@ -36,7 +37,6 @@ from ggtorch.models.config import LlamaConfig
 from ggtorch.models.model import Llama
 from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.quant import dequantize
-from ggtorch.quant.quantize import quantize
 from ggtorch.training.config import FinetuneConfig, TrainConfig
 from ggtorch.training.trainer import Callback, StepResult, Trainer
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -49,9 +49,10 @@ from ggtorch.models.init import init_tensors, new_config, new_metadata
 from ggtorch.models.loader import load_llama
 from ggtorch.models.model import Llama
 from ggtorch.models.tokenizer import Tokenizer
-from ggtorch.training.config import FinetuneConfig, TrainConfig
+from ggtorch.ops.dtypes import DTYPES
+from ggtorch.training.config import FinetuneConfig, RunConfig, TrainConfig
 from ggtorch.training.log import draw_losses, plot_loss
-from ggtorch.training.trainer import DTYPES, Callback, StepResult, Trainer, resolve_device
+from ggtorch.training.trainer import Callback, StepResult, Trainer, resolve_device
 
 __all__ = ["Checkpoint", "GGUFModel", "LoraAdapter", "ProgressBar", "export_peft", "finetune", "import_peft",
            "load_checkpoint", "load_model", "merge_adapters", "new_model", "plot_losses", "read_adapter", "train",
@@ -172,7 +173,7 @@ def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "cp
     return GGUFModel(loaded.model, loaded.tokenizer, loaded.config, loaded.gguf)
 
 
-class ProgressBar:
+class ProgressBar(Callback):
     """A tqdm progress bar over the run's iterations (a widget in Jupyter, text in a terminal).
 
     The bar shows the loss, throughput and the latest validation loss; pass it in ``callbacks``
@@ -208,7 +209,18 @@ class ProgressBar:
             self.bar = None
 
 
-def _run(config: FinetuneConfig, callbacks: Sequence[Callback], progress: bool, run: bool,
+C = TypeVar("C", bound=RunConfig)
+
+
+def _config(config_cls: type[C], config: C | None, options: Mapping[str, Any]) -> C:
+    """``config`` (or the defaults) with ``options`` applied; an unknown option names the closest one."""
+    config_cls.check_names(options, f"ggtorch.{config_cls.command}()")
+    if config is None:
+        return config_cls(**options)
+    return replace(config, **options) if options else config
+
+
+def _run(config: RunConfig, callbacks: Sequence[Callback], progress: bool, run: bool,
          records: Sequence[Mapping[str, Any]] | None = None,
          val_records: Sequence[Mapping[str, Any]] | None = None) -> Trainer:
     bar = ProgressBar() if progress else None
@@ -227,31 +239,28 @@ def _run(config: FinetuneConfig, callbacks: Sequence[Callback], progress: bool, 
 def finetune(config: FinetuneConfig | None = None, *, callbacks: Sequence[Callback] = (), progress: bool = True,
              run: bool = True, records: Sequence[Mapping[str, Any]] | None = None,
              val_records: Sequence[Mapping[str, Any]] | None = None, **options: Any) -> Trainer:
-    """A LoRA finetune, configured as ``ggtorch finetune`` is (field names = long flag names).
+    """A LoRA finetune, configured as ``ggtorch finetune`` is: ``options`` are FinetuneConfig's fields.
 
-    ``options`` override ``config`` (or FinetuneConfig's defaults, llama.cpp's old ones). With
+    ``options`` override ``config`` (or FinetuneConfig's defaults, llama.cpp's old ones); an
+    unknown one is an error naming the closest option. With
     ``run=False`` the Trainer is returned before training, to call ``train(n)`` step by step.
     Training again with the same Trainer continues where it stopped; the log is reopened.
     ``records`` (and ``val_records``) train on a list of dicts instead of ``train_data``: chat
     (``{"messages": [...]}``) or prompt/response records, as in docs/chat-data.md.
     """
-    if config is None:
-        config = FinetuneConfig(**options)
-    elif options:
-        config = config.replace(**options)
+    config = _config(FinetuneConfig, config, options)
     if not config.model_base:
-        raise BadFlag("model_base is required: the GGUF model to finetune")
+        raise BadFlag("model_base (--model-base) is required: the GGUF model to finetune")
     return _run(config, callbacks, progress, run, records, val_records)
 
 
 def train(config: TrainConfig | None = None, *, callbacks: Sequence[Callback] = (), progress: bool = True,
           run: bool = True, **options: Any) -> Trainer:
-    """Train every weight, as ``ggtorch train`` does: a new model (``vocab_model=``) or a full finetune."""
-    if config is None:
-        config = TrainConfig(**options)
-    elif options:
-        config = config.replace(**options)
-    return _run(config, callbacks, progress, run)
+    """Train every weight, as ``ggtorch train`` does: a new model (``vocab_model=``) or a full finetune.
+
+    ``options`` are TrainConfig's fields and override ``config``, as in :func:`finetune`.
+    """
+    return _run(_config(TrainConfig, config, options), callbacks, progress, run)
 
 
 def new_model(vocab: str | os.PathLike[str], out: str | os.PathLike[str], *, embd: int = 256, ff: int = 768,

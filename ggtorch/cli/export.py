@@ -12,8 +12,9 @@ import time
 import click
 import torch
 
+from ggtorch.api import merge_adapters
 from ggtorch.errors import BadFlag
-from ggtorch.export.merge import OUTTYPES, MergeSource, merge_to_gguf, read_source
+from ggtorch.export.merge import OUTTYPES
 from ggtorch.export.old_formats import convert_old
 from ggtorch.io.gguf import read_gguf
 from ggtorch.lora.adapter_file import ADAPTER_DTYPES, validate_against_base, write_adapter
@@ -93,9 +94,8 @@ def export_lora(model_path: str, out_path: str, lora_plain: tuple[str, ...], lor
     specs = [_file_scale(s) for s in lora_scaled]
     if not specs:
         raise BadFlag("no adapter given; pass --lora FILE or --lora-scaled FILE:SCALE")
-    sources: list[MergeSource] = [read_source(path, scale) for path, scale in specs]
     start = time.perf_counter()
-    plan = merge_to_gguf(model_path, sources, out_path, outtype)
+    plan = merge_adapters(model_path, specs, out_path, outtype)
     for (before, after), n in sorted(plan.fallbacks().items()):
         click.echo(f"note: {n} merged {before.name} tensor(s) written as {after.name}"
                    + (" (ggtorch has no llama.cpp-exact quantizer for that type)" if outtype == "same" else ""),

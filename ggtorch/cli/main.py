@@ -28,8 +28,8 @@ from ggtorch.errors import BadData, GGTorchError
 from ggtorch.io.gguf import read_gguf
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.generate import SamplingParams, iter_tokens
+from ggtorch.ops.dtypes import DTYPES
 from ggtorch.training.distributed import env_rank, env_world_size
-from ggtorch.training.trainer import DTYPES
 
 
 class _Group(click.Group):

@@ -8,13 +8,11 @@ no Hugging Face model folder is needed.
 from __future__ import annotations
 
 import click
-import torch
 
 from ggtorch.export.peft import export_peft, import_peft
 from ggtorch.io.gguf import read_gguf
 from ggtorch.lora.adapter_file import ADAPTER_DTYPES, read_adapter, write_adapter
-
-PEFT_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+from ggtorch.ops.dtypes import DTYPES
 
 
 @click.command(name="convert-lora")
@@ -40,12 +38,12 @@ def convert_lora(peft_dir: str, base_path: str, outfile: str, outtype: str) -> N
 @click.option("--outdir", "-o", required=True, help="Folder to write adapter_config.json and the weights into.")
 @click.option("--base-model-id", default=None,
               help="base_model_name_or_path for the config (default: taken from the base GGUF).")
-@click.option("--outtype", type=click.Choice(list(PEFT_DTYPES)), default="f32", show_default=True,
+@click.option("--outtype", type=click.Choice(list(DTYPES)), default="f32", show_default=True,
               help="Type of the safetensors weights.")
 def export_peft_cmd(adapter_path: str, base_path: str, outdir: str, base_model_id: str | None, outtype: str) -> None:
     """Write a GGUF LoRA adapter as a PEFT folder with Hugging Face llama module names."""
     base = read_gguf(base_path)
     adapter = read_adapter(adapter_path)
-    out = export_peft(adapter, base, outdir, base_model_id, PEFT_DTYPES[outtype])
+    out = export_peft(adapter, base, outdir, base_model_id, DTYPES[outtype])
     click.echo(f"[{len(adapter.pairs)} tensors, alpha {adapter.alpha:g}, {outtype}]", err=True)
     click.echo(str(out))

@@ -12,19 +12,18 @@ line of the old program sees the same samples in the same order:
   or filled with the following samples.
 
 Instruction and chat datasets (JSONL/Parquet records, chat templates, answer-only loss,
-packing) live in ``records``, ``chat`` and ``packing``; :class:`RecordData` offers the same
-stream surface as :class:`TrainingData`.
+packing) live in ``records``, ``chat`` and ``packing``. Both kinds implement :class:`DataStream`
+and yield :class:`Batch` objects (module ``batch``), so the trainer never asks which one it has.
 
 Targets are class ids (the trainer computes ggml's cross-entropy from them) instead of the
 old dense one-hot tensor. Everything here runs once per batch on the host; the tensors it
 returns are moved to the device by the trainer.
 """
 
+from ggtorch.data.batch import IGNORE_INDEX, Batch, DataStream, HeldOutSource
 from ggtorch.data.batches import Shuffled, build_batch, shuffle_samples
 from ggtorch.data.chat import PROMPT_TEMPLATE, PROMPT_TEMPLATE_WITH_INPUT, ChatTemplate, Encoded, RecordEncoder
 from ggtorch.data.packing import (
-    IGNORE_INDEX,
-    RecordBatch,
     RecordData,
     RecordOptions,
     collate,
@@ -51,14 +50,13 @@ from ggtorch.data.samples import (
     samples_hash,
     stream_samples,
 )
-from ggtorch.data.stream import Batch, DataState, TrainingData, eval_batches, eval_windows
+from ggtorch.data.stream import DataState, TrainingData, eval_batches, eval_windows
 from ggtorch.data.text import check_utf8, process_escapes, read_text_file
 
-__all__ = ["FORMATS", "IGNORE_INDEX", "PROMPT_TEMPLATE", "PROMPT_TEMPLATE_WITH_INPUT", "ChatTemplate", "Encoded",
-           "Example", "Record", "RecordBatch", "RecordData", "RecordEncoder", "RecordOptions", "collate",
-           "detect_format", "fit_to_context", "group_rows", "is_record_source", "load_records", "read_records",
-           "records_from_dicts",
-           "Batch", "DataOptions", "DataState", "Samples", "Shuffled", "TokenizerLike", "TrainingData", "Vocab",
-           "build_batch", "check_utf8", "eval_batches", "eval_windows", "make_samples", "process_escapes",
-           "read_text_file", "resolve_seed", "samples_hash", "shuffle_samples",
+__all__ = ["FORMATS", "IGNORE_INDEX", "PROMPT_TEMPLATE", "PROMPT_TEMPLATE_WITH_INPUT", "Batch", "ChatTemplate",
+           "DataOptions", "DataState", "DataStream", "Encoded", "Example", "HeldOutSource", "Record", "RecordData",
+           "RecordEncoder", "RecordOptions", "Samples", "Shuffled", "TokenizerLike", "TrainingData", "Vocab",
+           "build_batch", "check_utf8", "collate", "detect_format", "eval_batches", "eval_windows", "fit_to_context",
+           "group_rows", "is_record_source", "load_records", "make_samples", "process_escapes", "read_records",
+           "read_text_file", "records_from_dicts", "resolve_seed", "samples_hash", "shuffle_samples",
            "stream_samples"]

@@ -23,25 +23,28 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
+from ggtorch.data.batch import IGNORE_INDEX, Batch, HeldOutSource
 from ggtorch.data.chat import Encoded, RecordEncoder
 from ggtorch.data.records import Example, Record, detect_format, read_records, records_from_dicts, to_example
 from ggtorch.data.samples import TokenizerLike, resolve_seed
 from ggtorch.errors import BadData, BadFlag
 
-IGNORE_INDEX = -100
-"""A target that does not count in the loss (torch's ``ignore_index``)."""
-BATCHING = ("pack", "pad")
-LONG_RECORDS = ("truncate", "split")
+Batching = Literal["pack", "pad"]
+LongRecords = Literal["truncate", "split"]
 
 
 @dataclass
 class RecordOptions:
-    """How records become batches; defaults are FinetuneConfig's."""
+    """How records become batches.
+
+    A run config's record options take their defaults from here under the same names, and
+    check their values (choices from the annotations) before this class is built.
+    """
 
     data_format: str = "auto"
     """auto (from the first record's keys), text, chat or prompt-response."""
@@ -49,30 +52,15 @@ class RecordOptions:
     """A jinja chat template file used instead of the GGUF's ``tokenizer.chat_template``."""
     train_on_prompt: bool = False
     """Train on every token (prompts too), not only on the answers."""
-    batching: str = "pack"
+    batching: Batching = "pack"
     """pack: several records per row, attention kept within each; pad: one record per row."""
-    long_records: str = "truncate"
+    long_records: LongRecords = "truncate"
     """Records longer than the context: truncate (keep the start) or split into several pieces."""
-
-    def __post_init__(self) -> None:
-        if self.batching not in BATCHING:
-            raise BadFlag(f"--batching must be pack or pad, got '{self.batching}'")
-        if self.long_records not in LONG_RECORDS:
-            raise BadFlag(f"--long-records must be truncate or split, got '{self.long_records}'")
 
     @classmethod
     def from_finetune(cls, config: Any) -> RecordOptions:
         names = [f for f in cls.__dataclass_fields__ if hasattr(config, f)]
         return cls(**{f: getattr(config, f) for f in names})
-
-
-class RecordBatch(NamedTuple):
-    """``(inputs, targets, positions, segments)``, each (n_batch, n_ctx); the last two None when padded."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor
-    positions: torch.Tensor | None
-    segments: torch.Tensor | None
 
 
 @dataclass
@@ -111,8 +99,10 @@ def fit_to_context(encoded: Sequence[Encoded], n_ctx: int, long_records: str) ->
     return pieces, counts
 
 
-def collate(rows: Sequence[Sequence[Encoded]], n_ctx: int, pad_id: int, pack: bool) -> RecordBatch:
-    """Rows of pieces -> a batch; padding positions get target -100 (and their own segment)."""
+def collate(rows: Sequence[Sequence[Encoded]], n_ctx: int, pad_id: int, pack: bool) -> Batch:
+    """Rows of pieces -> a batch; padding positions get target -100 (and their own segment).
+
+    Packed rows carry positions and segments; padded rows (one piece each) need neither."""
     n = len(rows)
     inputs = np.full((n, n_ctx), pad_id, dtype=np.int64)
     targets = np.full((n, n_ctx), IGNORE_INDEX, dtype=np.int64)
@@ -129,9 +119,9 @@ def collate(rows: Sequence[Sequence[Encoded]], n_ctx: int, pad_id: int, pack: bo
             at += m
         positions[r, at:] = np.arange(n_ctx - at)
     if not pack:
-        return RecordBatch(torch.from_numpy(inputs), torch.from_numpy(targets), None, None)
-    return RecordBatch(torch.from_numpy(inputs), torch.from_numpy(targets), torch.from_numpy(positions),
-                       torch.from_numpy(segments))
+        return Batch(torch.from_numpy(inputs), torch.from_numpy(targets))
+    return Batch(torch.from_numpy(inputs), torch.from_numpy(targets), torch.from_numpy(positions),
+                 torch.from_numpy(segments))
 
 
 def group_rows(pieces: Sequence[Encoded], n_ctx: int, pack: bool) -> list[list[Encoded]]:
@@ -182,10 +172,10 @@ def read_template_file(path: str | os.PathLike[str]) -> str:
 
 
 class RecordData:
-    """A record dataset as the trainer's data stream (the same surface as :class:`TrainingData`).
+    """A record dataset as the trainer's :class:`~ggtorch.data.batch.DataStream`.
 
-    ``next_batch`` returns :class:`RecordBatch`; ``state_dict``/``load_state_dict`` resume the
-    order exactly; ``split_validation`` and ``eval_batches_from`` give held-out batches.
+    ``state_dict``/``load_state_dict`` resume the order exactly; ``split_validation`` and
+    ``held_out_batches`` give held-out batches.
     """
 
     def __init__(self, records: Sequence[Record], tokenizer: TokenizerLike, n_ctx: int,
@@ -239,7 +229,7 @@ class RecordData:
             notes.append(f"{c.dropped} records (or pieces) have no answer token within the context and were dropped")
         return notes
 
-    # --- the surface the trainer uses ------------------------------------------------------
+    # --- the DataStream surface ------------------------------------------------------------
     @property
     def n_samples(self) -> int:
         return len(self.pieces)
@@ -280,7 +270,7 @@ class RecordData:
             self.state["next_sample"] = 0
             self._order = epoch_order(self.seed, self.state["epoch"], len(self.pieces))
 
-    def next_batch(self, n_batch: int) -> RecordBatch:
+    def next_batch(self, n_batch: int) -> Batch:
         """The next ``n_batch`` rows; an epoch ending inside a batch continues with the next epoch's order."""
         pack = self.options.batching == "pack"
         rows: list[list[Encoded]] = []
@@ -326,13 +316,13 @@ class RecordData:
         return notes
 
     # --- held-out data -----------------------------------------------------------------------
-    def eval_batches(self, pieces: Sequence[Encoded], n_batch: int) -> list[RecordBatch]:
+    def eval_batches(self, pieces: Sequence[Encoded], n_batch: int) -> list[Batch]:
         """Every piece once, in order, grouped into rows as training groups them."""
         pack = self.options.batching == "pack"
         rows = group_rows(pieces, self.n_ctx, pack)
         return [collate(rows[i:i + n_batch], self.n_ctx, self.pad_id, pack) for i in range(0, len(rows), n_batch)]
 
-    def split_validation(self, fraction: float, n_batch: int) -> list[RecordBatch]:
+    def split_validation(self, fraction: float, n_batch: int) -> list[Batch]:
         """``--val-split``: hold out the last ``fraction`` of the records (file order); train on the rest."""
         if not 0.0 < fraction < 1.0:
             raise BadFlag(f"--val-split must be in (0, 1), got {fraction}")
@@ -348,8 +338,10 @@ class RecordData:
             raise BadData(f"{self.name}: the held-out records have no answer token within the context")
         return self.eval_batches(held, n_batch)
 
-    def eval_batches_from(self, records: Sequence[Record], n_batch: int, name: str = "--val-data") -> list[RecordBatch]:
-        """``--val-data``: held-out batches of other records, in this dataset's format and template."""
+    def held_out_batches(self, source: HeldOutSource, n_batch: int, name: str = "--val-data") -> list[Batch]:
+        """``--val-data`` / ``val_records``: held-out batches of other records, in this dataset's format
+        and template."""
+        records = load_records(source, name)
         held = fit_to_context(self._encode(records, name), self.n_ctx, self.options.long_records)[0]
         if not held:
             raise BadData(f"{name}: no record has an answer token within the context of {self.n_ctx}")

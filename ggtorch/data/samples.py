@@ -6,17 +6,24 @@ import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from ggtorch.data.text import process_escapes
-from ggtorch.errors import BadData, BadFlag
+from ggtorch.errors import BadData
+
+UTF8Errors = Literal["strict", "replace"]
+"""How invalid UTF-8 in training text is handled: an error naming the byte, or U+FFFD."""
 
 
 @dataclass
 class DataOptions:
-    """The old finetune's sample flags, with its defaults."""
+    """The old finetune's sample options, with its defaults.
+
+    A run config's sample options take their defaults from here under the same names, and
+    check their values (choices from the annotations) before this class is built.
+    """
 
     sample_start: str = ""
     """Samples start at each occurrence of this string; empty: at every token position."""
@@ -38,12 +45,8 @@ class DataOptions:
     """On resume, ignore the checkpoint's shuffle state and start a fresh permutation."""
     seed: int = -1
     """Shuffle seed (taken mod 2**32 as ``std::mt19937(unsigned)``); -1: the current time."""
-    utf8_errors: str = "strict"
+    utf8_errors: UTF8Errors = "strict"
     """'strict': invalid UTF-8 is an error naming the byte; 'replace': use U+FFFD."""
-
-    def __post_init__(self) -> None:
-        if self.utf8_errors not in ("strict", "replace"):
-            raise BadFlag(f"utf8_errors must be 'strict' or 'replace', got '{self.utf8_errors}'")
 
     def sample_start_bytes(self) -> bytes:
         """The pattern as the old program searched for it: UTF-8 bytes, escapes processed with --escape."""
@@ -51,7 +54,7 @@ class DataOptions:
 
     @classmethod
     def from_finetune(cls, config: Any) -> DataOptions:
-        """The data options of a FinetuneConfig (or anything with the same attribute names)."""
+        """The data options of a run config (or anything with the same attribute names)."""
         names = [f for f in cls.__dataclass_fields__ if hasattr(config, f)]
         return cls(**{f: getattr(config, f) for f in names})
 

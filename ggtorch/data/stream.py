@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
+from ggtorch.data.batch import Batch, HeldOutSource
 from ggtorch.data.batches import Shuffled, build_batch, shuffle_samples
+from ggtorch.data.records import is_record_source
 from ggtorch.data.samples import (
     DataOptions,
     Samples,
@@ -19,12 +21,9 @@ from ggtorch.data.samples import (
     samples_hash,
     stream_samples,
 )
-from ggtorch.data.text import check_utf8
+from ggtorch.data.text import check_utf8, read_text_file
 from ggtorch.errors import BadData, BadFlag
 from ggtorch.rng import MT19937
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-"""``(inputs, targets)``: two LongTensors of shape ``(n_batch, n_ctx)``."""
 
 
 @dataclass
@@ -49,7 +48,8 @@ class DataState:
 
 
 class TrainingData:
-    """The old finetune's sample stream: ``next_batch`` advances it; ``state_dict`` resumes it exactly."""
+    """The old finetune's sample stream, a :class:`~ggtorch.data.batch.DataStream`: ``next_batch``
+    advances it; ``state_dict`` resumes it exactly."""
 
     def __init__(self, data: bytes | str, tokenizer: TokenizerLike | Vocab, n_ctx: int,
                  options: DataOptions | None = None, seed: int | None = None, name: str = "the training text"):
@@ -99,8 +99,11 @@ class TrainingData:
     def next_sample(self) -> int:
         return self.state.next_sample
 
+    def summary(self) -> str:
+        return f"{self.n_tokens:,} tokens, {self.n_samples:,} samples of ctx {self.n_ctx}"
+
     def next_batch(self, n_batch: int) -> Batch:
-        """The next ``(inputs, targets)`` (LongTensors ``(n_batch, n_ctx)``); reshuffles at an epoch end."""
+        """The next ``n_batch`` rows of ``n_ctx`` tokens; reshuffles at an epoch end."""
         inputs, targets, used = build_batch(self.samples.tokens, self.shuffled, self.state.next_sample,
                                             n_batch, self.n_ctx, self.vocab, self.options)
         self.last_used = used
@@ -112,7 +115,7 @@ class TrainingData:
             self.state.rng_state = self._rng_next
             self.state.next_sample = 0
             self._reshuffle()
-        return inputs, targets
+        return Batch(inputs, targets)
 
     def state_dict(self) -> dict[str, Any]:
         return self.state.to_dict()
@@ -143,8 +146,6 @@ class TrainingData:
         self._reshuffle()
         self.warnings += notes
         return notes
-
-
 
     # --- held-out data -----------------------------------------------------------------------
 
@@ -178,6 +179,16 @@ class TrainingData:
         self._set_samples(kept)
         return eval_batches(val, n_batch, self.n_ctx, self.vocab, self.options)
 
+    def held_out_batches(self, source: HeldOutSource, n_batch: int, name: str = "--val-data") -> list[Batch]:
+        """``--val-data``: batches of a separate text file; records are refused (train on records too)."""
+        if not isinstance(source, str | os.PathLike):
+            raise BadFlag("validation records need record training data (a .jsonl/.parquet file, a folder "
+                          "or records=[...]); pass a text file with --val-data")
+        if is_record_source(source):
+            raise BadFlag(f"{name} {source} holds records but --train-data is plain text; "
+                          "pass a text file (or train on records too)")
+        return self.eval_batches_from_text(read_text_file(source, name), n_batch, name)
+
     def eval_batches_from_text(self, data: bytes | str, n_batch: int, name: str = "--val-data") -> list[Batch]:
         """``--val-data``: eval batches of a separate text, split with this run's sample options."""
         raw = data.encode("utf-8") if isinstance(data, str) else check_utf8(data, name, self.options.utf8_errors)
@@ -207,5 +218,5 @@ def eval_batches(samples: Samples, n_batch: int, n_ctx: int, vocab: Vocab, optio
     for start in range(0, samples.count, n_batch):
         rows = min(n_batch, samples.count - start)
         inputs, targets, _ = build_batch(samples.tokens, order, start, rows, n_ctx, vocab, plain)
-        batches.append((inputs, targets))
+        batches.append(Batch(inputs, targets))
     return batches

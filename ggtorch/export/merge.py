@@ -27,20 +27,18 @@ from gguf import GGMLQuantizationType
 from ggtorch.errors import BadGGUF, GGTorchError, Unsupported
 from ggtorch.export.old_formats import OLD_CHECKPOINT_TYPE, LoraWithNorms, is_ggla, read_old
 from ggtorch.io.checkpoint import CHECKPOINT_TYPE, load_checkpoint
+from ggtorch.io.encode import fallback_type, quantize
 from ggtorch.io.gguf import GGUFFile, read_gguf, write_gguf_streaming
+from ggtorch.io.model_file import FILE_TYPES
+from ggtorch.io.model_file import OUTTYPES as MODEL_OUTTYPES
 from ggtorch.lora.adapter_file import NORM_SUFFIX, LoraAdapter, LoraPair, read_adapter, validate_against_base
 from ggtorch.quant import dequantize
-from ggtorch.quant.quantize import fallback_type, quantize
 
 T = GGMLQuantizationType
 
-OUTTYPES: dict[str, GGMLQuantizationType | None] = {
-    "same": None, "f32": T.F32, "f16": T.F16, "bf16": T.BF16,
-    "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q5_0": T.Q5_0, "q5_1": T.Q5_1,
-}
+OUTTYPES: dict[str, GGMLQuantizationType | None] = {"same": None, **MODEL_OUTTYPES}
+"""--outtype -> the type of every merged matrix (``same``: each its base's, see plan_merge)."""
 _FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-# llama_ftype of a file whose big tensors are mostly of one type
-_FILE_TYPES = {T.F32: 0, T.F16: 1, T.Q4_0: 2, T.Q4_1: 3, T.Q8_0: 7, T.Q5_0: 8, T.Q5_1: 9, T.BF16: 32}
 
 
 @dataclass
@@ -153,9 +151,9 @@ def _file_type(base: GGUFFile, merged: dict[str, tuple[GGMLQuantizationType, GGM
     before = dominant({})
     after = dominant({n: out for n, (_, out) in merged.items()})
     current = base.get("general.file_type")
-    if after == before or after not in _FILE_TYPES:
+    if after == before or after not in FILE_TYPES:
         return current
-    return _FILE_TYPES[after]
+    return int(FILE_TYPES[after])
 
 
 def merged_weight(base: GGUFFile, name: str, sources: list[MergeSource]) -> torch.Tensor:

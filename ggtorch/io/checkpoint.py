@@ -26,26 +26,13 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ggtorch.errors import BadGGUF, GGTorchError
+from ggtorch.io.encode import STORAGE_TYPES, encode
 from ggtorch.io.gguf import GGUFFile, TensorOut, read_gguf, write_gguf
 
 CHECKPOINT_TYPE = "ggtorch.finetune_lora"
 """``training.type`` of ggtorch's checkpoints (the old llama.cpp finetune wrote ``finetune_lora``)."""
 FILE_VERSION = 1
 STATE_PREFIX = "state."
-
-# torch dtype -> (ggml type used to store it, numpy dtype of the stored bytes)
-_STORE: dict[torch.dtype, tuple[GGMLQuantizationType, type]] = {
-    torch.float32: (GGMLQuantizationType.F32, np.float32),
-    torch.float16: (GGMLQuantizationType.F16, np.float16),
-    torch.float64: (GGMLQuantizationType.F64, np.float64),
-    torch.int64: (GGMLQuantizationType.I64, np.int64),
-    torch.int32: (GGMLQuantizationType.I32, np.int32),
-    torch.int16: (GGMLQuantizationType.I16, np.int16),
-    torch.int8: (GGMLQuantizationType.I8, np.int8),
-    torch.uint8: (GGMLQuantizationType.I8, np.uint8),  # bytes (RNG states), stored as I8
-    torch.bfloat16: (GGMLQuantizationType.BF16, np.uint16),
-}
-
 
 def base_identity(base: GGUFFile) -> dict[str, Any]:
     """What identifies a base model for resuming: architecture, name and a hash of its tensors.
@@ -62,18 +49,6 @@ def base_identity(base: GGUFFile) -> dict[str, Any]:
         "training.base.name": str(base.get("general.name", base.path.stem)),
         "training.base.tensor_hash": h.hexdigest(),
     }
-
-
-def _to_numpy(t: torch.Tensor) -> tuple[np.ndarray, GGMLQuantizationType]:
-    if t.dtype not in _STORE:
-        raise TypeError(f"cannot store a {t.dtype} tensor in a checkpoint")
-    ggml_type, np_dtype = _STORE[t.dtype]
-    t = t.detach().to("cpu").contiguous()
-    if t.dtype == torch.bfloat16:
-        arr = t.view(torch.int16).numpy().view(np.uint16)
-    else:
-        arr = t.numpy().astype(np_dtype, copy=False)
-    return arr, ggml_type
 
 
 def _pack(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -148,20 +123,18 @@ def save_checkpoint(path: str | os.PathLike[str], base: GGUFFile, metadata: dict
     }
     outs = []
     for name, t in {**tensors, **state_tensors}.items():
-        arr, ggml_type = _to_numpy(t)
-        shape = tuple(t.shape) if t.dim() > 0 else (1,)
-        outs.append(TensorOut(name, ggml_type, shape, arr.reshape(shape)))
+        ggml_type, data = encode(t, name=name)  # the dtype as it is: resuming continues bit for bit
+        outs.append(TensorOut(name, ggml_type, tuple(t.shape) if t.dim() > 0 else (1,), data))
     write_gguf(path, base.architecture, meta, outs)
 
 
-def _from_numpy(data: np.ndarray, ggml_type: GGMLQuantizationType, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _from_bytes(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of torch dtype ``dtype`` (``"float32"``) from the bytes ``encode`` stored it as;
+    a copy, so the checkpoint's file mapping is not kept alive."""
     torch_dtype = getattr(torch, dtype)
-    _, np_dtype = _STORE[torch_dtype]
-    arr = np.frombuffer(data.tobytes(), dtype=np_dtype).copy()
-    t = torch.from_numpy(arr)
-    if torch_dtype == torch.bfloat16:
-        t = t.view(torch.int16).view(torch.bfloat16)
-    return t.reshape(shape)
+    if torch_dtype not in STORAGE_TYPES:
+        raise ValueError(f"a checkpoint does not store {dtype} tensors")
+    return torch.from_numpy(np.array(data, dtype=np.uint8)).view(torch_dtype).reshape(shape)
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
@@ -193,11 +166,11 @@ def _decode(f: GGUFFile, packed: Any) -> Checkpoint:
     for name, info in f.tensors.items():
         if name.startswith(STATE_PREFIX):
             dtype, shape = dtypes.get(name, ("float32", info.shape))
-            state_tensors[name] = _from_numpy(info.data, info.ggml_type, dtype, tuple(shape) or (1,))
+            state_tensors[name] = _from_bytes(info.data, dtype, tuple(shape) or (1,))
         else:
             if info.ggml_type != GGMLQuantizationType.F32:
                 raise BadGGUF(f"{f.path}: trained tensor '{name}' is {info.ggml_type.name}, expected F32")
-            tensors[name] = _from_numpy(info.data, info.ggml_type, "float32", info.shape)
+            tensors[name] = _from_bytes(info.data, "float32", info.shape)
     missing = set(dtypes) - set(state_tensors)
     if missing:
         raise BadGGUF(f"{f.path}: checkpoint is missing state tensors {sorted(missing)[:3]}; it is corrupt")

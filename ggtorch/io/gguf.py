@@ -1,7 +1,7 @@
 """GGUF files in and out: the bottom layer of ggtorch.
 
 Reading walks the header once with bounds checks (``_HeaderReader``: gguf-py's GGUFReader
-trusts what a file claims and takes 15 s over a Llama-3 vocabulary; the walk's results are
+trusts what a file claims and is slow over a large vocabulary; the walk's results are
 tested equal to its) and maps the data copy-on-write, so opening a multi-GB model costs no
 copy: a tensor's raw bytes are a view into the file until a consumer (dequantization,
 ``.to(device)``) reads them. gguf-py supplies the format's constants and block sizes, and
@@ -136,7 +136,7 @@ class _HeaderReader:
 
     gguf-py's GGUFReader trusts counts and lengths (a lying header makes it allocate huge
     arrays, loop for hours or fail deep inside numpy) and builds a numpy view per array
-    element (15 s to open a Llama-3 model for its 128k tokens and 280k merges). This walk
+    element, which makes opening a model with a large vocabulary slow. This walk
     checks every count against the bytes left before using it, never allocates in proportion
     to a count the file merely claims, decodes arrays in one pass (numbers with one numpy
     view), and raises BadGGUF naming what is wrong. Its results equal GGUFReader's (tested).
@@ -267,7 +267,7 @@ class _HeaderReader:
             raw_type = self.u32(f"type of tensor '{name}'")
             try:
                 ggml_type = GGMLQuantizationType(raw_type)
-                block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+                block_size = GGML_QUANT_SIZES[ggml_type][0]
             except (ValueError, KeyError):
                 raise self.fail(f"tensor '{name}' has unknown ggml type {raw_type}") from None
             offset = self.u64(f"data offset of tensor '{name}'")
@@ -276,13 +276,14 @@ class _HeaderReader:
                 n *= d
                 if n > _INT64_MAX or d > _INT64_MAX:
                     raise self.fail(f"tensor '{name}' has shape {list(dims)} whose size overflows int64")
-            if dims[0] % block_size:
+            shape = tuple(reversed(dims))
+            if not whole_blocks(ggml_type, shape):
                 raise self.fail(f"tensor '{name}' has a row of {dims[0]} elements, not a multiple of "
                                 f"the {ggml_type.name} block size {block_size}")
             if offset % alignment:
                 raise self.fail(f"tensor '{name}' starts at offset {offset}, not a multiple of the "
                                 f"alignment {alignment}")
-            infos.append((name, ggml_type, tuple(reversed(dims)), offset, n // block_size * type_size))
+            infos.append((name, ggml_type, shape, offset, raw_nbytes(ggml_type, shape)))
 
         data_start = -(-self.offs // alignment) * alignment
         data_size = self.size - data_start
@@ -319,11 +320,34 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     return GGUFFile(path, header.metadata, header.value_types, tensors)
 
 
+def whole_blocks(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> bool:
+    """Whether rows of this torch-order shape split into whole blocks of ``ggml_type`` (ggml
+    stores no partial block, so other shapes have no bytes in that type)."""
+    return not shape or shape[-1] % GGML_QUANT_SIZES[ggml_type][0] == 0
+
+
 def raw_nbytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
-    """Bytes a tensor of this type and torch-order shape occupies in a GGUF file."""
+    """Bytes a tensor of this type and torch-order shape occupies (rows of whole blocks)."""
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     n = int(np.prod(shape, dtype=np.int64))
     return n // block_size * type_size
+
+
+def check_raw(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, ...],
+              name: str | None = None) -> None:
+    """Raise unless ``raw`` is uint8 holding exactly the bytes of a ``ggml_type`` tensor of ``shape``
+    (whole blocks per row): what every reader of raw blocks checks before it decodes or views them."""
+    qtype = GGMLQuantizationType(ggml_type)
+    label = f"tensor '{name}'" if name else "a tensor"
+    if raw.dtype != torch.uint8:
+        raise TypeError(f"{label}: raw ggml data must be a uint8 tensor, got {raw.dtype}")
+    if not whole_blocks(qtype, shape):
+        raise BadGGUF(f"{label}: rows of {shape[-1]} values are not a whole number of "
+                      f"{qtype.name} blocks of {GGML_QUANT_SIZES[qtype][0]}; the tensor's shape or type is wrong")
+    expected = raw_nbytes(qtype, shape)
+    if raw.numel() != expected:
+        raise BadGGUF(f"{label}: {raw.numel()} bytes of data, but {qtype.name} {shape} takes "
+                      f"{expected}; the file is truncated or the shape/type is wrong")
 
 
 @dataclass(frozen=True)
@@ -413,8 +437,7 @@ def write_gguf(path: str | os.PathLike[str], arch: str, metadata: dict[str, Any]
 
 def _byte_shape(t: TensorOut) -> tuple[int, ...]:
     """Torch-order shape with the last axis in bytes, as GGUFWriter takes raw tensors."""
-    block_size, type_size = GGML_QUANT_SIZES[t.ggml_type]
-    return (*t.shape[:-1], t.shape[-1] // block_size * type_size)
+    return (*t.shape[:-1], raw_nbytes(t.ggml_type, t.shape[-1:]))
 
 
 def write_gguf_streaming(path: str | os.PathLike[str], arch: str, metadata: dict[str, Any],

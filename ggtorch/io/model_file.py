@@ -11,45 +11,29 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, Keys, LlamaFileType
-from gguf import quants as gguf_quants
+from gguf import GGMLQuantizationType, Keys, LlamaFileType
 
 from ggtorch.errors import BadFlag
+from ggtorch.io.encode import encode
 from ggtorch.io.gguf import TensorOut, write_gguf
 
 Q = GGMLQuantizationType
-OUTTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
-    "f32": (Q.F32, LlamaFileType.ALL_F32),
-    "f16": (Q.F16, LlamaFileType.MOSTLY_F16),
-    "bf16": (Q.BF16, LlamaFileType.MOSTLY_BF16),
-    "q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
-    "q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
-    "q4_1": (Q.Q4_1, LlamaFileType.MOSTLY_Q4_1),
-    "q5_0": (Q.Q5_0, LlamaFileType.MOSTLY_Q5_0),
-    "q5_1": (Q.Q5_1, LlamaFileType.MOSTLY_Q5_1),
+FILE_TYPES: dict[GGMLQuantizationType, LlamaFileType] = {
+    Q.F32: LlamaFileType.ALL_F32,
+    Q.F16: LlamaFileType.MOSTLY_F16,
+    Q.BF16: LlamaFileType.MOSTLY_BF16,
+    Q.Q8_0: LlamaFileType.MOSTLY_Q8_0,
+    Q.Q4_0: LlamaFileType.MOSTLY_Q4_0,
+    Q.Q4_1: LlamaFileType.MOSTLY_Q4_1,
+    Q.Q5_0: LlamaFileType.MOSTLY_Q5_0,
+    Q.Q5_1: LlamaFileType.MOSTLY_Q5_1,
 }
-"""--outtype -> (ggml type of the matrices, general.file_type)."""
+"""Matrix type -> ``general.file_type`` of a model whose matrices are of that type, for the types
+a whole model is written in (in --outtype's order)."""
 
-
-def _encode(t: torch.Tensor, ggml_type: GGMLQuantizationType) -> np.ndarray:
-    """Raw GGUF bytes (or an f32/f16 array) of ``t`` as ``ggml_type``."""
-    arr = t.detach().to("cpu", torch.float32).contiguous().numpy()
-    if ggml_type == Q.F32:
-        return arr
-    if ggml_type == Q.F16:
-        return arr.astype(np.float16)
-    return gguf_quants.quantize(arr, ggml_type)
-
-
-def tensor_type(name: str, shape: tuple[int, ...], outtype: str) -> GGMLQuantizationType:
-    """Type a tensor is written as: norms F32, matrices ``outtype`` (F16 if rows do not block)."""
-    wanted = OUTTYPES[outtype][0]
-    if len(shape) < 2:
-        return Q.F32
-    block = GGML_QUANT_SIZES[wanted][0]
-    return wanted if shape[-1] % block == 0 else Q.F16
+OUTTYPES: dict[str, GGMLQuantizationType] = {t.name.lower(): t for t in FILE_TYPES}
+"""--outtype -> ggml type of the matrices."""
 
 
 def write_model(path: str | os.PathLike[str], metadata: dict[str, Any], value_types: dict[str, Any],
@@ -61,12 +45,13 @@ def write_model(path: str | os.PathLike[str], metadata: dict[str, Any], value_ty
     if outtype not in OUTTYPES:
         raise BadFlag(f"--outtype must be one of {', '.join(OUTTYPES)}, got '{outtype}'")
     meta = dict(metadata)
-    meta[Keys.General.FILE_TYPE] = int(OUTTYPES[outtype][1])
+    meta[Keys.General.FILE_TYPE] = int(FILE_TYPES[OUTTYPES[outtype]])
     types = {k: v for k, v in value_types.items() if k != Keys.General.FILE_TYPE}
     outs = []
     for name, t in tensors.items():
-        ggml_type = tensor_type(name, tuple(t.shape), outtype)
-        outs.append(TensorOut(name, ggml_type, tuple(t.shape), _encode(t, ggml_type)))
+        wanted = OUTTYPES[outtype] if t.dim() >= 2 else Q.F32
+        ggml_type, data = encode(t, wanted, name=name, fallback=True)
+        outs.append(TensorOut(name, ggml_type, tuple(t.shape), data))
     write_gguf(path, str(metadata[Keys.General.ARCHITECTURE]), meta, outs, value_types=types)
     return Path(path)
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from gguf import GGMLQuantizationType, quants
+from gguf import GGMLQuantizationType
 
 from ggtorch.errors import BadGGUF, GGTorchError, Unsupported
+from ggtorch.io.encode import encode
 from ggtorch.io.gguf import GGUFFile, TensorOut, read_gguf, write_gguf
 from ggtorch.lora.attach import lora_modules, lora_pairs
 from ggtorch.lora.layers import LoRAEmbedding, LoRALinear, LoRANorm
@@ -34,13 +34,13 @@ from ggtorch.quant import dequantize
 TOKEN_EMBD = "token_embd.weight"
 NORM_SUFFIX = "_norm.weight"
 
-# dtype names accepted for writing -> ggml type
 ADAPTER_DTYPES: dict[str, GGMLQuantizationType] = {
     "f32": GGMLQuantizationType.F32,
     "f16": GGMLQuantizationType.F16,
     "bf16": GGMLQuantizationType.BF16,
     "q8_0": GGMLQuantizationType.Q8_0,
 }
+"""dtype names accepted for writing -> ggml type (Q8_0 falls back to F16 for rows not a multiple of 32)."""
 
 
 @dataclass
@@ -119,18 +119,6 @@ def validate_against_base(adapter: LoraAdapter, base: GGUFFile, source: str = "a
                                "the adapter was made for another model")
 
 
-def _encode(t: torch.Tensor, ggml_type: GGMLQuantizationType) -> tuple[GGMLQuantizationType, np.ndarray]:
-    """Raw bytes of ``t`` in ``ggml_type``; Q8_0 falls back to F16 for rows not a multiple of 32."""
-    arr = t.detach().to("cpu", torch.float32).contiguous().numpy()
-    if ggml_type == GGMLQuantizationType.Q8_0 and arr.shape[-1] % 32 != 0:
-        ggml_type = GGMLQuantizationType.F16
-    if ggml_type == GGMLQuantizationType.F32:
-        return ggml_type, arr
-    if ggml_type == GGMLQuantizationType.F16:
-        return ggml_type, arr.astype(np.float16)
-    return ggml_type, quants.quantize(arr, ggml_type)
-
-
 def write_adapter(path: str | os.PathLike[str], adapter: LoraAdapter, dtype: str = "f32") -> Path:
     """Write ``adapter`` as a GGUF LoRA llama.cpp loads (``--lora FILE``), atomically."""
     if dtype not in ADAPTER_DTYPES:
@@ -150,7 +138,7 @@ def write_adapter(path: str | os.PathLike[str], adapter: LoraAdapter, dtype: str
     tensors = []
     for name, pair in adapter.pairs.items():
         for suffix, t in (("lora_a", pair.a), ("lora_b", pair.b)):
-            ggml_type, data = _encode(t, ADAPTER_DTYPES[dtype])
+            ggml_type, data = encode(t, ADAPTER_DTYPES[dtype], name=f"{name}.{suffix}", fallback=True)
             tensors.append(TensorOut(f"{name}.{suffix}", ggml_type, tuple(t.shape), data))
     path = Path(path)
     write_gguf(path, adapter.architecture, metadata, tensors)

@@ -6,8 +6,9 @@ the old program drew its init values and wrote its checkpoints in.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -23,13 +24,22 @@ LAYER_ORDER: tuple[str, ...] = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn
                                 "ffn_gate", "ffn_down", "ffn_up")
 """The old finetune's tensor order (randomize_lora, checkpoints): globals, then per layer."""
 
-# FinetuneConfig field -> tensor kind, for the old --rank-* flags.
+LoraInit = Literal["ggml", "torch"]
+
 FINETUNE_RANK_FIELDS: dict[str, str] = {
     "rank_tok_embd": "token_embd", "rank_out": "output", "rank_wq": "attn_q", "rank_wk": "attn_k",
     "rank_wv": "attn_v", "rank_wo": "attn_output", "rank_ffn_gate": "ffn_gate", "rank_ffn_down": "ffn_down",
     "rank_ffn_up": "ffn_up", "rank_att_norm": "attn_norm", "rank_ffn_norm": "ffn_norm",
     "rank_out_norm": "output_norm",
 }
+"""Run option (FinetuneConfig field, the old --rank-* flag) -> the tensor kind whose rank it sets."""
+
+OPTION_NAMES: dict[str, str] = {"rank": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout"}
+"""LoraConfig field -> the run option that sets it; messages name that option's flag."""
+
+
+def _flag(option: str) -> str:
+    return "--" + option.replace("_", "-")
 
 
 @dataclass
@@ -37,7 +47,7 @@ class LoraConfig:
     """Which tensors get an adapter, of which rank, and how it is scaled and initialized."""
 
     rank: int = 4
-    """Rank of every adapted matrix without an override (llama.cpp's ``--lora-r``)."""
+    """Rank of every adapted matrix without an override."""
     alpha: float | None = None
     """Scale numerator: each adapter is scaled by alpha / its rank (default: alpha = rank)."""
     ranks: dict[str, int] = field(default_factory=dict)
@@ -45,25 +55,26 @@ class LoraConfig:
     (attn_norm, ffn_norm, output_norm) are trained only when given a rank here."""
     dropout: float = 0.0
     """Dropout probability on the LoRA input of linear layers (not on the embedding's ids)."""
-    init: Literal["ggml", "torch"] = "ggml"
+    init: LoraInit = "ggml"
     """``ggml``: bit-exact old finetune init (libstdc++ mt19937 + normal); ``torch``: same
     distribution from ``torch.Generator``."""
 
     def __post_init__(self) -> None:
+        """The one check of the LoRA options (the CLI, config files and the API all end here)."""
         if self.rank < 1:
-            raise BadFlag(f"LoRA rank must be at least 1, got {self.rank}")
+            raise BadFlag(f"{_flag(OPTION_NAMES['rank'])} must be at least 1, got {self.rank}")
         unknown = sorted(set(self.ranks) - set(ALL_KINDS))
         if unknown:
             raise BadFlag(f"unknown LoRA tensor kind '{unknown[0]}'; kinds are {', '.join(ALL_KINDS)}")
-        for kind, r in self.ranks.items():
-            if r < 0:
-                raise BadFlag(f"LoRA rank of {kind} must be >= 0, got {r}")
-        if self.alpha is not None and not self.alpha > 0:
-            raise BadFlag(f"LoRA alpha must be positive, got {self.alpha}")
+        for option, kind in FINETUNE_RANK_FIELDS.items():
+            if self.ranks.get(kind, 0) < 0:
+                raise BadFlag(f"{_flag(option)} must be >= 0, got {self.ranks[kind]} (the LoRA rank of {kind})")
+        if self.alpha is not None and not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise BadFlag(f"{_flag(OPTION_NAMES['alpha'])} must be a positive number, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
-            raise BadFlag(f"LoRA dropout must be in [0, 1), got {self.dropout}")
-        if self.init not in ("ggml", "torch"):
-            raise BadFlag(f"LoRA init must be 'ggml' or 'torch', got '{self.init}'")
+            raise BadFlag(f"{_flag(OPTION_NAMES['dropout'])} must be in [0, 1), got {self.dropout}")
+        if self.init not in get_args(LoraInit):
+            raise BadFlag(f"LoRA init must be one of {', '.join(get_args(LoraInit))}, got '{self.init}'")
 
     @property
     def lora_alpha(self) -> float:
@@ -81,10 +92,10 @@ class LoraConfig:
 
     @classmethod
     def from_finetune(cls, c: Any) -> LoraConfig:
-        """From a FinetuneConfig: ``lora_r``, ``lora_alpha``, ``lora_dropout`` and the ``rank_*`` flags."""
-        ranks = {kind: getattr(c, fname) for fname, kind in FINETUNE_RANK_FIELDS.items()
-                 if getattr(c, fname, None) is not None}
-        return cls(rank=c.lora_r, alpha=c.lora_alpha, ranks=ranks, dropout=getattr(c, "lora_dropout", 0.0))
+        """From a FinetuneConfig: the options of OPTION_NAMES and FINETUNE_RANK_FIELDS (None: not given)."""
+        ranks = {kind: getattr(c, option) for option, kind in FINETUNE_RANK_FIELDS.items()
+                 if getattr(c, option) is not None}
+        return cls(**{name: getattr(c, option) for name, option in OPTION_NAMES.items()}, ranks=ranks)
 
     def metadata(self) -> dict[str, int | float]:
         """``training.lora.rank.<kind>`` for every kind (as the old checkpoints) and ``training.lora.alpha``."""

@@ -26,14 +26,18 @@ EMBEDDING_BASES = (nn.Embedding, QuantEmbedding)
 class _LoRA(nn.Module):
     """Shared state of the wrappers: base, pair, scale, merged flag."""
 
-    lora_a: nn.Parameter
-    lora_b: nn.Parameter
-
-    def __init__(self, base: nn.Module, rank: int, scale: float) -> None:
+    def __init__(self, base: nn.Module, rank: int, alpha: float | None, a_shape: tuple[int, int],
+                 b_shape: tuple[int, int]) -> None:
+        """A zero pair of the given shapes on the base's device, scaled by alpha / rank (default 1)."""
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be at least 1, got {rank}")
         super().__init__()
         self.base = base
         self.rank = rank
-        self.scale = scale
+        self.scale = (alpha if alpha is not None else rank) / rank
+        device = _device_of(base)
+        self.lora_a = nn.Parameter(torch.zeros(*a_shape, device=device))
+        self.lora_b = nn.Parameter(torch.zeros(*b_shape, device=device))
         self.merged = False
         self.gguf_name: str | None = None
         """The base tensor's GGUF name (``blk.0.attn_q.weight``), set by attach_lora."""
@@ -92,13 +96,8 @@ class LoRALinear(_LoRA):
 
     def __init__(self, base: nn.Module, rank: int, alpha: float | None = None, dropout: float = 0.0) -> None:
         _supported(base, LINEAR_BASES, "LoRALinear")
-        if rank < 1:
-            raise ValueError(f"LoRA rank must be at least 1, got {rank}")
-        super().__init__(base, rank, (alpha if alpha is not None else rank) / rank)
         n_out, n_in = _linear_shape(base)
-        device = _device_of(base)
-        self.lora_a = nn.Parameter(torch.zeros(rank, n_in, device=device))
-        self.lora_b = nn.Parameter(torch.zeros(n_out, rank, device=device))
+        super().__init__(base, rank, alpha, (rank, n_in), (n_out, rank))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,6 +118,14 @@ class LoRALinear(_LoRA):
     def dropout_p(self) -> float:
         return self.dropout.p if isinstance(self.dropout, nn.Dropout) else 0.0
 
+    def linear_parts(self) -> tuple[nn.Module, nn.Parameter, nn.Parameter, float] | None:
+        """``(base, lora_a, lora_b, scale)`` for code that computes ``base(x) + scale·(x @ A.T) @ B.T``
+        itself (the fused output loss); None when this layer's forward is not that: merged, or with
+        dropout on its input."""
+        if self.merged or self.dropout_p > 0:
+            return None
+        return self.base, self.lora_a, self.lora_b, float(self.scale)
+
     def delta_weight(self) -> torch.Tensor:
         return (self.lora_b.float() @ self.lora_a.float()) * self.scale  # (out, in)
 
@@ -128,13 +135,8 @@ class LoRAEmbedding(_LoRA):
 
     def __init__(self, base: nn.Module, rank: int, alpha: float | None = None) -> None:
         _supported(base, EMBEDDING_BASES, "LoRAEmbedding")
-        if rank < 1:
-            raise ValueError(f"LoRA rank must be at least 1, got {rank}")
-        super().__init__(base, rank, (alpha if alpha is not None else rank) / rank)
         n_vocab, n_embd = _linear_shape(base)
-        device = _device_of(base)
-        self.lora_a = nn.Parameter(torch.zeros(n_vocab, rank, device=device))
-        self.lora_b = nn.Parameter(torch.zeros(n_embd, rank, device=device))
+        super().__init__(base, rank, alpha, (n_vocab, rank), (n_embd, rank))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         y = self.base(ids)
@@ -152,13 +154,8 @@ class LoRANorm(_LoRA):
 
     def __init__(self, base: nn.Module, rank: int) -> None:
         _supported(base, (RMSNorm,), "LoRANorm")
-        if rank < 1:
-            raise ValueError(f"LoRA rank must be at least 1, got {rank}")
-        super().__init__(base, rank, 1.0)
         n_embd = base.weight.shape[0]
-        device = base.weight.device
-        self.lora_a = nn.Parameter(torch.zeros(rank, n_embd, device=device))
-        self.lora_b = nn.Parameter(torch.zeros(1, rank, device=device))
+        super().__init__(base, rank, None, (rank, n_embd), (1, rank))  # scale 1, as the old finetune trained
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:

@@ -44,12 +44,11 @@ class _LoRAProduct(torch.autograd.Function):
     """``base(x) + s·(x @ A.T) @ B.T`` for a frozen base, as one autograd node.
 
     As two nodes, ``y + delta`` copies the base's output once more and backward sums two input
-    gradients of x (the base's and the delta's): ~0.1 s, 3%, of an f32 step of a 110M model at
-    1024 tokens (steps alternating in one process). Here the delta is added into the base's
-    product in place and its input gradient into the base's. Computed in ``dtype`` (the autocast dtype, or x's), as
-    autocast would compute the two F.linear calls; gradients come back in their tensors' dtypes.
-    The rank-r products go through ggtorch.ops.matmul too: for f32 on CPU, oneDNN ran them in 0.13 s of
-    that step where torch.mm's MKL took 0.25 s.
+    gradients of x (the base's and the delta's). Here the delta is added into the base's product
+    in place and its input gradient into the base's. Computed in ``dtype`` (the autocast dtype, or
+    x's), as autocast would compute the two F.linear calls; gradients come back in their tensors'
+    dtypes. The rank-r products go through ggtorch.ops.matmul too, whose oneDNN path is faster
+    than torch.mm's MKL for them in f32 on CPU.
     """
 
     @staticmethod
@@ -81,6 +80,6 @@ class _LoRAProduct(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 grad_a = mm(grad_h.T.contiguous(), x2).to(a_dtype)  # (r, in)
             if ctx.needs_input_grad[2]:
-                # h.T @ g, then transposed: as g.T @ h MKL ran 2.5x slower (a transposed (N, out) operand)
+                # h.T @ g, then transposed: g.T @ h would hand MKL a transposed (N, out) operand, a slow case
                 grad_b = mm(h.T.contiguous(), g).mul_(ctx.scale).T.contiguous().to(b_dtype)  # (out, r)
         return grad_x, grad_a, grad_b, None, None, None

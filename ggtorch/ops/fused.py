@@ -2,16 +2,14 @@
 
 Written op by op, ``silu(g) * u`` keeps three (tokens, n_ff) tensors alive until backward
 (g, silu(g), u) and RMSNorm keeps its input and the normalized copy; every intermediate is
-also a fresh allocation. Per 110M-shape layer at 1024 tokens that is ~14 MiB more saved and
-several more passes over memory than needed. These Functions compute the forward with the
-same ops in the same order (bit-identical outputs), save only their inputs (and RMSNorm's
-per-row 1/rms), and recompute the cheap rest in backward.
+also a fresh allocation, so more is saved and memory is walked more often than needed. These
+Functions compute the forward with the same ops in the same order (bit-identical outputs), save
+only their inputs (and RMSNorm's per-row 1/rms), and recompute the cheap rest in backward.
 
 Their *outputs* are saved too, by whoever consumes them: the LoRA ``A`` of the next linear
 layer keeps its input for its own gradient. Inside :func:`recompute_outputs` those saves keep
 a recipe instead (the Function's own saved inputs, which live anyway) and the output is
-recomputed, bit-identically, when backward needs it: another ~11 MiB per 110M layer at 1024
-tokens that never stays resident.
+recomputed, bit-identically, when backward needs it, so it never stays resident.
 """
 
 from __future__ import annotations
@@ -131,8 +129,7 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         gate, up = ctx.saved_tensors
         # silu's own backward kernel, grad·sig·(1 + g·(1 - sig)) in one pass, where the formula
-        # written out took a sigmoid and eight more passes over (tokens, n_ff) tensors: ~1% of a
-        # 110M f32 step (steps alternating in one process)
+        # written out takes a sigmoid and eight more passes over (tokens, n_ff) tensors
         grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
         grad_up = F.silu(gate).mul_(grad) if ctx.needs_input_grad[1] else None
         return grad_gate, grad_up

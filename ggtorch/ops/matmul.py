@@ -1,10 +1,9 @@
 """The f32 matrix products of training and inference, through oneDNN on CPU.
 
-torch's f32 ``mm`` on CPU is MKL's sgemm. On an AMD EPYC with AVX-512 (the machine this was
-measured on) oneDNN's f32 inner product, the library torch already routes bf16 matmuls through,
-ran a llama's products about 1.2x faster (0.97-1.7x by shape, ``python bench/bench_gemm.py``),
-and a 110M LoRA step in f32 went from ~280 to ~315 tokens/s. Its results are ordinary f32 GEMM results in
-another summation order: against float64, an rms relative error of ~5e-7 where MKL's is ~2.5e-7.
+torch's f32 ``mm`` on CPU is MKL's sgemm. oneDNN's f32 inner product, the library torch already
+routes bf16 matmuls through, runs a llama's products faster on AVX-512 CPUs (``python
+bench/bench_gemm.py``; figures in BENCHMARKS.md). Its results are ordinary f32 GEMM results in
+another summation order.
 
 Everything else takes torch's own ops: other devices, bf16/f16 (whose CPU mm is oneDNN
 already), builds without oneDNN, and ``torch.backends.mkldnn.enabled = False``. ``mm_t``, ``mm``
@@ -26,11 +25,9 @@ ONEDNN_F32 = True
 
 ONEDNN_MIN_MACS = 1 << 20
 ONEDNN_MIN_DIM = 512
-"""Products stay on torch.mm below 2**20 multiply-adds or when both dims of w are under 512:
-there oneDNN's ~30 us per call lost to MKL (0.6-0.9x at 512x64x64, 256x256x256, a 1x768x768
-vector product, measured), so tiny models keep their speed. Above, it won on a llama's matrices
-at any row count (1.9-2.9x for generation's few rows), and on LoRA's rank-r products of a
-llama's activations (lora.py: 2.4-5.7x MKL's speed at 1024 x 768 x 4 and 4 x 1024 x 2048)."""
+"""Products stay on torch.mm below 2**20 multiply-adds or when both dims of w are under 512: there
+oneDNN's fixed cost per call loses to MKL, so tiny models keep their speed. Above, it wins on a
+llama's matrices at any row count and on LoRA's rank-r products of a llama's activations."""
 
 
 @functools.cache

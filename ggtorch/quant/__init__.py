@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ggtorch.errors import BadGGUF, Unsupported
+from ggtorch.errors import Unsupported
+from ggtorch.io.gguf import check_raw, raw_nbytes, whole_blocks
 from ggtorch.quant.floats import dequantize_bf16, dequantize_f16, dequantize_f32
 from ggtorch.quant.iquants import (
     dequantize_iq1_m,
@@ -85,11 +86,11 @@ def type_size(ggml_type: GGMLQuantizationType) -> int:
 
 def row_nbytes(ggml_type: GGMLQuantizationType, n_cols: int) -> int:
     """Bytes of one row of ``n_cols`` values; ``n_cols`` must be a whole number of blocks."""
-    bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    if n_cols % bs:
+    qtype = GGMLQuantizationType(ggml_type)
+    if not whole_blocks(qtype, (n_cols,)):
         raise ValueError(f"a row of {n_cols} values is not a whole number of "
-                         f"{GGMLQuantizationType(ggml_type).name} blocks of {bs}")
-    return n_cols // bs * ts
+                         f"{qtype.name} blocks of {block_size(qtype)}")
+    return raw_nbytes(qtype, (n_cols,))
 
 
 def _label(name: str | None) -> str:
@@ -109,23 +110,6 @@ def _decoder(ggml_type: GGMLQuantizationType | int, name: str | None
         raise Unsupported(f"{_label(name)} has ggml type {qtype.name}, which ggtorch cannot dequantize "
                           f"(supported: {supported}); requantize the model to one of these with llama-quantize")
     return qtype, fn
-
-
-def check_raw(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, ...],
-              name: str | None = None) -> None:
-    """Raise unless ``raw`` is uint8 holding exactly the bytes of a ``ggml_type`` tensor of ``shape``
-    (whole blocks per row): what every reader of raw blocks checks before it decodes or views them."""
-    qtype = GGMLQuantizationType(ggml_type)
-    if raw.dtype != torch.uint8:
-        raise TypeError(f"{_label(name)}: raw ggml data must be a uint8 tensor, got {raw.dtype}")
-    bs, ts = GGML_QUANT_SIZES[qtype]
-    if shape and shape[-1] % bs:
-        raise BadGGUF(f"{_label(name)}: rows of {shape[-1]} values are not a whole number of "
-                      f"{qtype.name} blocks of {bs}; the tensor's shape or type is wrong")
-    expected = math.prod(shape) // bs * ts
-    if raw.numel() != expected:
-        raise BadGGUF(f"{_label(name)}: {raw.numel()} bytes of data, but {qtype.name} {shape} takes "
-                      f"{expected}; the file is truncated or the shape/type is wrong")
 
 
 def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, ...],

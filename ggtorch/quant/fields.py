@@ -80,7 +80,7 @@ def table(name: str, values: Sequence[float] | Callable[[], torch.Tensor], devic
 
 
 def lookup(values: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``values[idx]`` for a small table: index_select on flat int32 indices, which is several
-    times faster on CPU than advanced indexing with int64. Shape ``(*idx.shape, *values.shape[1:])``."""
+    """``values[idx]`` for a small table: index_select on flat int32 indices, which is faster on
+    CPU than advanced indexing with int64. Shape ``(*idx.shape, *values.shape[1:])``."""
     flat = torch.index_select(values, 0, idx.reshape(-1).to(torch.int32))
     return flat.view(*idx.shape, *values.shape[1:])

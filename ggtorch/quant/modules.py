@@ -98,7 +98,7 @@ class QuantEmbedding(_QuantWeight):
 def float_module(weight: nn.Parameter, embedding: bool) -> nn.Module:
     """A Linear (or nn.Embedding) holding ``weight`` (rows, cols) as it is: the same Parameter,
     so modules given one stay tied. Built on the meta device without the random init its
-    constructor would run (the first normal_ on a meta tensor imports torch._dynamo: ~1.3 s)."""
+    constructor would run (the first normal_, even on a meta tensor, imports torch._dynamo: slow)."""
     n_rows, n_cols = weight.shape
     module: nn.Module
     if embedding:

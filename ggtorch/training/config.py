@@ -1,220 +1,371 @@
-"""FinetuneConfig: every option of a LoRA finetune, flat, named after llama.cpp's flags.
+"""The options of a training run: one dataclass per command, each field the single source of one option.
 
-One flat dataclass keeps three views of the same options identical: the CLI (`--adam-alpha`
-→ ``adam_alpha``), config files under ``configs/`` (YAML/TOML keys are field names) and the
-Python API (``FinetuneConfig(adam_alpha=...)``). The sub-configs the machinery needs
+:class:`RunConfig` holds what ``ggtorch finetune`` and ``ggtorch train`` share (files, the run,
+records, the optimizer, the old sample options); :class:`FinetuneConfig` adds the base model,
+LoRA and the adapter output, :class:`TrainConfig` a new model's shape and the model output.
+
+A field's name is the config-file key (``configs/``, '-' or '_') and the API keyword; its long
+flag is the name with dashes; :func:`option` puts the other spellings, the help and the
+``--help`` group in its metadata; its ``Literal`` annotation (or ``choices``, for a table kept
+elsewhere) gives the allowed values. The CLI's click options (:mod:`ggtorch.cli.options`) and
+every message below are generated from the fields.
+
+Options that configure a part of the machinery take their defaults from that part
 (:class:`~ggtorch.training.optim.AdamConfig`, :class:`~ggtorch.lora.LoraConfig`,
-:class:`~ggtorch.data.DataOptions`) are built from it by the trainer; their defaults are the
-defaults here, so each default is written once.
+:class:`~ggtorch.data.DataOptions`, :class:`~ggtorch.data.RecordOptions`), which also holds the
+part's own rules; each part is built from a run config by its ``from_finetune``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import difflib
+import functools
 import os
 import tomllib
+import types
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal, Self, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
 from ggtorch.data import FORMATS, DataOptions, RecordOptions
+from ggtorch.data.packing import Batching, LongRecords
+from ggtorch.data.samples import UTF8Errors
 from ggtorch.errors import BadFlag
 from ggtorch.io.model_file import OUTTYPES
+from ggtorch.lora import LoraConfig
 from ggtorch.models.init import INITS
+from ggtorch.ops.dtypes import DTypeName
+from ggtorch.training.distributed import BACKENDS
 from ggtorch.training.optim import AdamConfig
 
 NAN_SKIP_LIMIT = 10
 """With --on-nan skip, this many non-finite steps in a row stop the run anyway."""
 
+# --help groups; each command orders them (ggtorch.cli.finetune, ggtorch.cli.train)
+FILES = "Model and data"
+RECORDS = "Instruction and chat records (docs/chat-data.md)"
+OUTPUTS = "Outputs and checkpoints"
+TRAINING = "Training"
+SHAPE = "New model shape (with --vocab-model)"
+LORA = "LoRA"
+OPTIMIZER = "Optimizer (ggml AdamW)"
+SAMPLES = "Samples (as the old finetune built them)"
+OVERRIDES = "Model overrides"
 
-def _flag(name: str) -> str:
+
+@dataclass(frozen=True)
+class OptionInfo:
+    """What a field's metadata says about its option."""
+
+    help: str
+    group: str
+    flags: tuple[str, ...] = ()
+    """Spellings besides the long flag: short names and old aliases."""
+    off: str | None = None
+    """A switch's 'off' spelling (``--no-checkpointing``); without one a switch can only be turned on."""
+    minimum: int | None = None
+    choices: tuple[str, ...] | None = None
+    """Allowed values kept in a table elsewhere; otherwise the field's Literal annotation gives them."""
+    default_text: str | None = None
+    """What a None default means, for --help (other defaults are shown as they are)."""
+
+
+def option(default: Any, help: str, group: str, *, flags: Sequence[str] = (), off: str | None = None,
+           minimum: int | None = None, choices: Iterable[str] | None = None, default_text: str | None = None) -> Any:
+    """A dataclass field for one option: its default, and its flag spellings, help and checks as metadata."""
+    info = OptionInfo(help, group, tuple(flags), off, minimum, tuple(choices) if choices is not None else None,
+                      default_text)
+    return dataclasses.field(default=default, metadata={"option": info})
+
+
+def flag(name: str) -> str:
+    """The long flag of option ``name``: what every message calls it."""
     return "--" + name.replace("_", "-")
 
 
+def option_info(f: dataclasses.Field[Any]) -> OptionInfo:
+    return f.metadata["option"]
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _literal_values(tp: Any) -> tuple[str, ...]:
+    """The values of a Literal annotation, through unions (``Literal[...] | None``, ``Literal[...] | Alias``)."""
+    if get_origin(tp) is Literal:
+        return get_args(tp)
+    if get_origin(tp) in (Union, types.UnionType):
+        return tuple(v for arg in get_args(tp) for v in _literal_values(arg))
+    return ()
+
+
+def choices(cls: type, f: dataclasses.Field[Any]) -> tuple[str, ...] | None:
+    """The values option ``f`` of ``cls`` allows (None: any of its type)."""
+    return option_info(f).choices or _literal_values(_hints(cls)[f.name]) or None
+
+
+def value_type(cls: type, f: dataclasses.Field[Any]) -> type:
+    """The type of option ``f``'s values, without None (bool, int, float or str)."""
+    tp = _hints(cls)[f.name]
+    if get_origin(tp) in (Union, types.UnionType):
+        tp = next(arg for arg in get_args(tp) if arg is not type(None))
+    return str if get_origin(tp) is Literal else tp
+
+
 @dataclass
-class FinetuneConfig:
-    """Options of ``ggtorch finetune``; defaults are the old llama.cpp finetune's."""
+class RunConfig:
+    """The options ``ggtorch finetune`` and ``ggtorch train`` share; defaults are the old llama.cpp programs'."""
 
-    # --- files -------------------------------------------------------------------------
-    model_base: str = ""
-    """Base model GGUF (any supported ggml type; quantized bases stay quantized)."""
-    train_data: str = "shakespeare.txt"
-    """Training text (UTF-8), or records: a .jsonl/.parquet file or a folder of them (docs/chat-data.md)."""
-    checkpoint_in: str = "checkpoint.gguf"
-    """Resume from this checkpoint when it exists; start fresh when it does not."""
-    checkpoint_out: str = "checkpoint-ITERATION.gguf"
-    """Where to save checkpoints ('' disables); the pattern becomes the iteration, and a second copy uses fn_latest."""
-    lora_out: str = "ggml-lora-ITERATION-f32.gguf"
-    """Where to save the adapter in today's llama.cpp GGUF LoRA format ('' disables)."""
-    pattern_fn_it: str = "ITERATION"
-    """Text in output file names replaced by the iteration number."""
-    fn_latest: str = "LATEST"
-    """Text that replaces the pattern in the second, always-current copy of each output."""
-    save_every: int = 10
-    """Save checkpoint and adapter every N iterations (<= 0: only at the end)."""
-    only_write_lora: bool = False
-    """Load the checkpoint (or a fresh adapter), write the adapter, and exit without training."""
-    drop_norms: bool = False
-    """Write --lora-out without the norm adapters (llama.cpp's format cannot carry them)."""
-    log_file: str | None = None
-    """JSON-lines training log; default: beside the checkpoint/adapter output."""
+    command: ClassVar[str] = ""
+    """The ``ggtorch`` command these options configure (in messages)."""
 
-    # --- run -----------------------------------------------------------------------------
-    seed: int = -1
-    """RNG seed for LoRA init and data shuffling; -1 uses the current time (printed)."""
-    ctx: int = 128
-    """Training context length in tokens."""
-    batch: int = 8
-    """Sequences per micro-batch."""
-    grad_acc: int = 1
-    """Micro-batches accumulated per optimizer step (effective batch = batch × grad_acc)."""
-    threads: int | None = None
-    """torch intra-op threads (default: torch's choice)."""
-    adam_iter: int = 256
-    """Optimizer steps in this run (a resumed run continues the iteration count)."""
-    epochs: int = -1
-    """Stop after this many epochs over the samples (<= 0: no limit)."""
-    use_checkpointing: bool = True
-    """Gradient checkpointing per transformer block (less memory, ~30% more compute)."""
-    device: str = "cpu"
-    """cpu, cuda, cuda:N or mps."""
-    dtype: str = "f32"
-    """Compute dtype: f32, or bf16/f16 autocast."""
-    base_dtype: str = "quantized"
-    """How base weights are held: 'quantized' (raw ggml blocks, dequantized on the fly) or f32/bf16/f16."""
-    dist_backend: str | None = None
-    """torch.distributed backend under torchrun: gloo, nccl, ... (default: nccl on CUDA, gloo otherwise)."""
-    val_split: float = 0.0
-    """Fraction of the training text held out for a validation loss (0: none)."""
-    val_data: str | None = None
-    """Separate text file (or records file, for record training data) for the validation loss."""
-    eval_every: int = 0
-    """Compute the validation loss every N iterations (0: only at the end)."""
-    on_nan: str = "stop"
-    """A NaN/inf loss: 'stop' (the last saved checkpoint is kept) or 'skip' the step's update and go on
-    (NAN_SKIP_LIMIT non-finite steps in a row stop the run)."""
+    # --- data ----------------------------------------------------------------------------------
+    train_data: str = option(
+        "shakespeare.txt", "Training text (UTF-8), or records: a .jsonl/.parquet file or a folder of them.", FILES)
+    val_data: str | None = option(None, "Separate text (or records) for a held-out validation loss.", FILES)
+    val_split: float = option(0.0, "Fraction of the training text held out for validation (0: none).", FILES)
+    eval_every: int = option(0, "Validation loss every N iterations (0: only at the end).", FILES)
+    utf8_errors: UTF8Errors = option(
+        DataOptions.utf8_errors, "Invalid UTF-8 in text: stop with the byte offset, or replace it with U+FFFD.",
+        FILES)
 
-    # --- instruction and chat records (docs/chat-data.md): meaning and defaults are RecordOptions' ---
-    data_format: str = RecordOptions.data_format
-    chat_template: str | None = RecordOptions.chat_template
-    train_on_prompt: bool = RecordOptions.train_on_prompt
-    batching: str = RecordOptions.batching
-    long_records: str = RecordOptions.long_records
+    # --- instruction and chat records (docs/chat-data.md) ----------------------------------------
+    data_format: str = option(
+        RecordOptions.data_format, "Record format: messages (chat), prompt/response or instruction/output, text; "
+        "auto: from the first record's keys.", RECORDS, choices=FORMATS)
+    chat_template: str | None = option(RecordOptions.chat_template, "Jinja chat template file for chat records.",
+                                       RECORDS, default_text="the model's tokenizer.chat_template")
+    train_on_prompt: bool = option(RecordOptions.train_on_prompt, "Loss on every token, not only on the answers.",
+                                   RECORDS)
+    batching: Batching = option(
+        RecordOptions.batching, "pack: several records per context, attention kept within each; pad: one per row.",
+        RECORDS)
+    long_records: LongRecords = option(
+        RecordOptions.long_records, "Records longer than --ctx: keep the start, or split them into pieces.", RECORDS)
 
-    # --- model overrides ----------------------------------------------------------------
-    norm_rms_eps: float | None = None
-    rope_freq_base: float | None = None
-    rope_freq_scale: float | None = None
+    # --- outputs and checkpoints --------------------------------------------------------------------
+    checkpoint_in: str = option("checkpoint.gguf", "Resume from this checkpoint if it exists, else start fresh.",
+                                OUTPUTS)
+    checkpoint_out: str = option("checkpoint-ITERATION.gguf", "Checkpoint file ('' disables).", OUTPUTS)
+    pattern_fn_it: str = option("ITERATION", "Text in output names replaced by the iteration.", OUTPUTS)
+    fn_latest: str = option("LATEST", "Replacement for the pattern in the always-current copy of each output.",
+                            OUTPUTS)
+    save_every: int = option(10, "Save every N iterations (<= 0: only at the end).", OUTPUTS)
+    log_file: str | None = option(None, "JSON-lines training log.", OUTPUTS, default_text="beside the outputs")
 
-    # --- LoRA --------------------------------------------------------------------------
-    lora_r: int = 4
-    """Default rank of every adapted matrix."""
-    lora_alpha: float | None = None
-    """LoRA alpha; the adapter's scale is alpha / r (default: alpha = r, scale 1)."""
-    lora_dropout: float = 0.0
-    """Dropout on the LoRA input (0: none)."""
-    rank_att_norm: int = 0
-    """Rank of the attn_norm adapters (0: not trained; the old finetune used 1)."""
-    rank_ffn_norm: int = 0
-    """Rank of the ffn_norm adapters (0: not trained)."""
-    rank_out_norm: int = 0
-    """Rank of the output_norm adapter (0: not trained)."""
-    rank_tok_embd: int | None = None
-    rank_out: int | None = None
-    rank_wq: int | None = None
-    rank_wk: int | None = None
-    rank_wv: int | None = None
-    rank_wo: int | None = None
-    rank_ffn_gate: int | None = None
-    rank_ffn_down: int | None = None
-    rank_ffn_up: int | None = None
+    # --- the run ----------------------------------------------------------------------------------
+    ctx: int = option(128, "Context length used for training.", TRAINING, flags=("-c",), minimum=1)
+    batch: int = option(8, "Sequences per micro-batch.", TRAINING, flags=("-b",), minimum=1)
+    grad_acc: int = option(1, "Micro-batches accumulated per optimizer step (below 1: 1).", TRAINING)
+    adam_iter: int = option(256, "Optimizer steps in this run (a resumed run continues the count).", TRAINING,
+                            flags=("-n",), minimum=1)
+    epochs: int = option(-1, "Stop after N epochs over the samples (<= 0: no limit).", TRAINING)
+    seed: int = option(-1, "Seed of the initial weights (LoRA or a new model) and the shuffling; -1 uses the time.",
+                       TRAINING, flags=("-s",))
+    threads: int | None = option(None, "torch CPU threads.", TRAINING, flags=("-t",), minimum=1,
+                                 default_text="torch's default")
+    use_checkpointing: bool = option(True, "Gradient checkpointing per transformer block (less memory, more "
+                                     "compute).", TRAINING, off="--no-checkpointing")
+    device: str = option("cpu", "cpu, cuda, cuda:N or mps.", TRAINING)
+    dtype: DTypeName = option("f32", "Compute dtype (bf16/f16: autocast).", TRAINING)
+    dist_backend: str | None = option(None, "torch.distributed backend under torchrun.", TRAINING, choices=BACKENDS,
+                                      default_text="nccl on CUDA, else gloo")
+    on_nan: Literal["stop", "skip"] = option(
+        "stop", "A NaN/inf loss: stop (keeping the last saved checkpoint), or skip that step's update (stops after "
+        f"{NAN_SKIP_LIMIT} in a row).", TRAINING)
 
-    # --- optimizer (ggml AdamW): meaning and defaults are AdamConfig's ----------------------
-    adam_alpha: float = AdamConfig.alpha
-    adam_min_alpha: float = AdamConfig.min_alpha
-    adam_decay: float = AdamConfig.decay
-    adam_decay_min_ndim: int = AdamConfig.decay_min_ndim
-    adam_beta1: float = AdamConfig.beta1
-    adam_beta2: float = AdamConfig.beta2
-    adam_gclip: float = AdamConfig.gclip
-    adam_epsf: float = AdamConfig.epsf
-    warmup: int = AdamConfig.warmup
-    cos_decay_steps: int = AdamConfig.cos_decay_steps
-    cos_decay_restart: float = AdamConfig.cos_decay_restart
-    cos_decay_min: float = AdamConfig.cos_decay_min
-    enable_restart: bool = AdamConfig.enable_restart
-    opt_past: int = AdamConfig.opt_past
-    opt_delta: float = AdamConfig.opt_delta
-    opt_max_no_improvement: int = AdamConfig.opt_max_no_improvement
+    # --- optimizer (ggml AdamW) ----------------------------------------------------------------------
+    adam_alpha: float = option(AdamConfig.alpha, "Learning rate.", OPTIMIZER)
+    adam_min_alpha: float = option(AdamConfig.min_alpha, "Learning-rate floor, warmup included.", OPTIMIZER)
+    adam_decay: float = option(AdamConfig.decay, "Decoupled weight decay (AdamW).", OPTIMIZER)
+    adam_decay_min_ndim: int = option(AdamConfig.decay_min_ndim, "Decay only tensors with >= N dims.", OPTIMIZER)
+    adam_beta1: float = option(AdamConfig.beta1, "First-moment decay.", OPTIMIZER)
+    adam_beta2: float = option(AdamConfig.beta2, "Second-moment decay.", OPTIMIZER)
+    adam_gclip: float = option(AdamConfig.gclip, "Global gradient-norm clip; 0 disables.", OPTIMIZER)
+    adam_epsf: float = option(AdamConfig.epsf, "Relative loss change that stops training; 0 disables.", OPTIMIZER)
+    warmup: int = option(AdamConfig.warmup, "Warmup steps.", OPTIMIZER)
+    cos_decay_steps: int = option(AdamConfig.cos_decay_steps, "Cosine decay steps.", OPTIMIZER)
+    cos_decay_restart: float = option(AdamConfig.cos_decay_restart, "Decay-steps multiplier after a restart.",
+                                      OPTIMIZER)
+    cos_decay_min: float = option(AdamConfig.cos_decay_min, "Cosine decay minimum.", OPTIMIZER)
+    enable_restart: bool = option(AdamConfig.enable_restart, "Cosine decay restarts.", OPTIMIZER,
+                                  off="--disable-restart")
+    opt_past: int = option(AdamConfig.opt_past, "Iterations for the delta convergence test; 0 disables.", OPTIMIZER)
+    opt_delta: float = option(AdamConfig.opt_delta, "Max relative delta for that test.", OPTIMIZER)
+    opt_max_no_improvement: int = option(AdamConfig.opt_max_no_improvement,
+                                         "Stop after N steps without a new best loss; 0 disables.", OPTIMIZER)
 
-    # --- data (old finetune sampling): meaning and defaults are DataOptions' -------------------
-    sample_start: str = DataOptions.sample_start
-    include_sample_start: bool = DataOptions.include_sample_start
-    escape: bool = DataOptions.escape
-    overlapping_samples: bool = DataOptions.overlapping_samples
-    fill_with_next_samples: bool = DataOptions.fill_with_next_samples
-    separate_with_eos: bool = DataOptions.separate_with_eos
-    separate_with_bos: bool = DataOptions.separate_with_bos
-    sample_random_offsets: bool = DataOptions.sample_random_offsets
-    force_reshuffle: bool = DataOptions.force_reshuffle
-    utf8_errors: str = DataOptions.utf8_errors
+    # --- samples (the old finetune's) --------------------------------------------------------------------
+    sample_start: str = option(DataOptions.sample_start,
+                               "Samples start after each occurrence of STR ('' = every token).", SAMPLES)
+    include_sample_start: bool = option(DataOptions.include_sample_start, "Keep the sample-start text in samples.",
+                                        SAMPLES)
+    escape: bool = option(DataOptions.escape, "Process \\n, \\t, \\xHH ... escapes in --sample-start.", SAMPLES)
+    overlapping_samples: bool = option(DataOptions.overlapping_samples, "Samples run past the next sample start.",
+                                       SAMPLES)
+    fill_with_next_samples: bool = option(DataOptions.fill_with_next_samples,
+                                          "Fill short samples with the following ones.", SAMPLES)
+    separate_with_eos: bool = option(DataOptions.separate_with_eos, "EOS between filled samples.", SAMPLES,
+                                     off="--no-separate-with-eos")
+    separate_with_bos: bool = option(DataOptions.separate_with_bos, "BOS between filled samples.", SAMPLES,
+                                     off="--no-separate-with-bos")
+    sample_random_offsets: bool = option(DataOptions.sample_random_offsets, "Start samples at random offsets.",
+                                         SAMPLES)
+    force_reshuffle: bool = option(DataOptions.force_reshuffle, "Reshuffle at start instead of resuming the order.",
+                                   SAMPLES)
+
+    # --- model overrides ---------------------------------------------------------------------------------
+    norm_rms_eps: float | None = option(None, "RMSNorm epsilon.", OVERRIDES, default_text="from the model")
+    rope_freq_base: float | None = option(None, "RoPE frequency base.", OVERRIDES, default_text="from the model")
+    rope_freq_scale: float | None = option(None, "RoPE frequency scale.", OVERRIDES, default_text="from the model")
 
     def __post_init__(self) -> None:
-        positive = ("ctx", "batch", "adam_iter", "lora_r")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise BadFlag(f"{_flag(name)} must be at least 1, got {getattr(self, name)}")
+        self._check_fields()
         if self.grad_acc < 1:
             self.grad_acc = 1  # the old finetune clamped --grad-acc to >= 1
-        if self.threads is not None and self.threads < 1:
-            raise BadFlag(f"--threads must be at least 1, got {self.threads}")
         if not 0.0 <= self.val_split < 1.0:
-            raise BadFlag(f"--val-split must be in [0, 1), got {self.val_split}")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise BadFlag(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
-        if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
-            raise BadFlag(f"--lora-alpha must be a positive number, got {self.lora_alpha}")
-        for f in fields(self):
-            if f.name.startswith("rank_"):
-                value = getattr(self, f.name)
-                if value is not None and value < 0:
-                    raise BadFlag(f"{_flag(f.name)} must be >= 0, got {value}")
-        if self.dtype not in ("f32", "bf16", "f16"):
-            raise BadFlag(f"--dtype must be f32, bf16 or f16, got '{self.dtype}'")
-        if self.base_dtype not in ("quantized", "f32", "bf16", "f16"):
-            raise BadFlag(f"--base-dtype must be quantized, f32, bf16 or f16, got '{self.base_dtype}'")
-        if self.data_format not in FORMATS:
-            raise BadFlag(f"--data-format must be one of {', '.join(FORMATS)}, got '{self.data_format}'")
-        RecordOptions.from_finetune(self)  # checks --batching and --long-records
-        if self.on_nan not in ("stop", "skip"):
-            raise BadFlag(f"--on-nan must be stop or skip, got '{self.on_nan}'")
-        if self.utf8_errors not in ("strict", "replace"):
-            raise BadFlag(f"--utf8-errors must be strict or replace, got '{self.utf8_errors}'")
+            raise BadFlag(f"{flag('val_split')} must be in [0, 1), got {self.val_split}")
         if self.val_split and self.val_data:
-            raise BadFlag("--val-split and --val-data exclude each other; pass one of them")
+            raise BadFlag(f"{flag('val_split')} and {flag('val_data')} exclude each other; pass one of them")
+        AdamConfig.from_finetune(self)  # the optimizer's own rules
 
-    @property
-    def alpha(self) -> float:
-        return float(self.lora_alpha) if self.lora_alpha is not None else float(self.lora_r)
+    def _check_fields(self) -> None:
+        """The rules every option may declare: its choices and its minimum."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            allowed = choices(type(self), f)
+            if allowed is not None and value not in allowed:
+                raise BadFlag(f"{flag(f.name)} must be one of {', '.join(allowed)}, got '{value}'")
+            minimum = option_info(f).minimum
+            if minimum is not None and value < minimum:
+                raise BadFlag(f"{flag(f.name)} must be at least {minimum}, got {value}")
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str], **overrides: Any) -> FinetuneConfig:
-        """Read a YAML or TOML config (keys are field names, '-' allowed); ``overrides`` win."""
-        return cls(**{**read_config_file(path, cls.field_names()), **overrides})
+    def check_names(cls, names: Iterable[str], where: str) -> None:
+        """Refuse options ``cls`` does not have, naming close matches and the command that has them."""
+        unknown = sorted(set(names) - cls.field_names())
+        if not unknown:
+            return
+        described = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, cls.field_names(), n=1)
+            owners = [c.command for c in RunConfig.__subclasses__() if name in c.field_names()]
+            described.append(name + (f" (an option of ggtorch {owners[0]})" if owners
+                                     else f" (did you mean {close[0]}?)" if close else ""))
+        raise BadFlag(f"{where}: unknown option(s) {', '.join(described)}; the options of ggtorch {cls.command} "
+                      "are its long flag names, '_' or '-' (adam_alpha or adam-alpha)")
 
-    def replace(self, **changes: Any) -> FinetuneConfig:
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], **overrides: Any) -> Self:
+        """Read a YAML or TOML config (keys are field names, '-' allowed); ``overrides`` win."""
+        options = {**read_config_file(path, cls), **overrides}
+        cls.check_names(options, f"--config {path}")
+        return cls(**options)
+
+    def replace(self, **changes: Any) -> Self:
+        type(self).check_names(changes, "replace()")
         return dataclasses.replace(self, **changes)
 
 
-def read_config_file(path: str | os.PathLike[str], known: set[str]) -> dict[str, Any]:
-    """Options from a YAML or TOML file, keys normalized to field names and checked against ``known``."""
+@dataclass
+class FinetuneConfig(RunConfig):
+    """Options of ``ggtorch finetune``: LoRA on a (possibly quantized) base; defaults are the old finetune's."""
+
+    command: ClassVar[str] = "finetune"
+
+    model_base: str = option("", "Base model GGUF (F32/F16/BF16 or any supported quantization, kept quantized).",
+                             FILES)
+    lora_out: str = option("ggml-lora-ITERATION-f32.gguf",
+                           "Adapter in today's llama.cpp GGUF LoRA format ('' disables).", OUTPUTS)
+    only_write_lora: bool = option(False, "Write the adapter from --checkpoint-in (or a fresh one) and exit without "
+                                   "training.", OUTPUTS)
+    drop_norms: bool = option(False, "Write --lora-out without the norm adapters (llama.cpp's format cannot carry "
+                              "them).", OUTPUTS)
+    base_dtype: Literal["quantized"] | DTypeName = option(
+        "quantized", "Hold base weights as raw ggml blocks (quantized) or as floats (faster, more memory).", FILES)
+
+    # --- LoRA: LoraConfig holds the rules (lora.config.OPTION_NAMES, FINETUNE_RANK_FIELDS) -----------
+    lora_r: int = option(LoraConfig.rank, "Default rank of every adapted matrix.", LORA)
+    lora_alpha: float | None = option(LoraConfig.alpha, "Alpha; the adapter scale is alpha/r.", LORA,
+                                      default_text="--lora-r: scale 1")
+    lora_dropout: float = option(LoraConfig.dropout, "Dropout on the LoRA input (0: none).", LORA)
+    rank_att_norm: int = option(0, "Rank of the attn_norm adapters; 0 = off (they only survive merges).", LORA)
+    rank_ffn_norm: int = option(0, "Rank of the ffn_norm adapters; 0 = off (they only survive merges).", LORA)
+    rank_out_norm: int = option(0, "Rank of the output_norm adapter; 0 = off (it only survives merges).", LORA)
+    rank_tok_embd: int | None = option(None, "Rank for token_embd (0 = off).", LORA, default_text="--lora-r")
+    rank_out: int | None = option(None, "Rank for output (0 = off).", LORA, default_text="--lora-r")
+    rank_wq: int | None = option(None, "Rank for attn_q.", LORA, default_text="--lora-r")
+    rank_wk: int | None = option(None, "Rank for attn_k.", LORA, default_text="--lora-r")
+    rank_wv: int | None = option(None, "Rank for attn_v.", LORA, default_text="--lora-r")
+    rank_wo: int | None = option(None, "Rank for attn_output.", LORA, default_text="--lora-r")
+    rank_ffn_gate: int | None = option(None, "Rank for ffn_gate.", LORA, flags=("--rank-ffn_gate",),
+                                       default_text="--lora-r")
+    rank_ffn_down: int | None = option(None, "Rank for ffn_down.", LORA, flags=("--rank-ffn_down",),
+                                       default_text="--lora-r")
+    rank_ffn_up: int | None = option(None, "Rank for ffn_up.", LORA, flags=("--rank-ffn_up",),
+                                     default_text="--lora-r")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        LoraConfig.from_finetune(self)  # the LoRA rules: ranks, alpha, dropout
+
+    @property
+    def alpha(self) -> float:
+        return LoraConfig.from_finetune(self).lora_alpha
+
+
+@dataclass
+class TrainConfig(RunConfig):
+    """Options of ``ggtorch train``: every weight of a new or a float model; shape defaults are
+    train-text-from-scratch's."""
+
+    command: ClassVar[str] = "train"
+
+    vocab_model: str = option("", "Train a NEW model from scratch with this GGUF's vocabulary and tokenizer.", FILES)
+    model_base: str = option("", "Or: full finetune of every weight of this F32/F16/BF16 model (quantized: use "
+                             "`ggtorch finetune`).", FILES)
+    model_out: str = option("ggml-model-ITERATION-f32.gguf", "Trained model as GGUF ('' disables).", OUTPUTS)
+    outtype: str = option("f32", "ggml type of the written matrices.", OUTPUTS, choices=OUTTYPES)
+    only_write_model: bool = option(False, "Write the model from --checkpoint-in (or the fresh init) and exit "
+                                    "without training.", OUTPUTS)
+    embd: int = option(256, "Embedding width.", SHAPE, minimum=1)
+    ff: int = option(768, "Feed-forward width.", SHAPE, minimum=1)
+    head: int = option(8, "Attention heads.", SHAPE, minimum=1)
+    head_kv: int | None = option(None, "KV heads (grouped-query attention).", SHAPE, minimum=1,
+                                 default_text="--head")
+    layer: int = option(16, "Transformer blocks.", SHAPE, minimum=1)
+    init: str = option("ggml", "Initial weights: ggml (train-text-from-scratch's, reproducible with it) or scaled "
+                       "(GPT-2's; trains in far fewer steps).", SHAPE, choices=INITS)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if bool(self.vocab_model) == bool(self.model_base):
+            raise BadFlag(f"pass exactly one of {flag('vocab_model')} (train a new model from scratch) and "
+                          f"{flag('model_base')} (full finetune of an F32/F16/BF16 model)")
+
+    @property
+    def n_head_kv(self) -> int:
+        return self.head_kv if self.head_kv is not None else self.head
+
+
+def read_config_file(path: str | os.PathLike[str], config_cls: type[RunConfig]) -> dict[str, Any]:
+    """The options of ``config_cls`` in a YAML or TOML file, keys normalized to field names.
+
+    A file may hold the options of either command (a preset serves both); each takes its own.
+    Keys no command knows are refused.
+    """
     path = Path(path)
     if not path.is_file():
         raise BadFlag(f"--config: no such file '{path}'")
@@ -229,62 +380,6 @@ def read_config_file(path: str | os.PathLike[str], known: set[str]) -> dict[str,
     if not isinstance(raw, dict):
         raise BadFlag(f"--config {path}: expected a mapping of option names to values")
     options = {str(k).replace("-", "_"): v for k, v in raw.items()}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise BadFlag(f"--config {path}: unknown option(s) {', '.join(unknown)}; "
-                      "keys are the long flag names (e.g. adam-alpha or adam_alpha)")
-    return options
-
-
-
-@dataclass
-class TrainConfig(FinetuneConfig):
-    """Options of ``ggtorch train``; shape defaults are train-text-from-scratch's."""
-
-    lora_out: str = ""
-    """Unused by full training (no adapter is written)."""
-    base_dtype: str = "f32"
-    """Full training keeps f32 master weights."""
-
-    vocab_model: str = ""
-    """GGUF whose vocabulary and tokenizer the new model takes (from-scratch training)."""
-    model_out: str = "ggml-model-ITERATION-f32.gguf"
-    """Where to write the trained model as GGUF ('' disables); the pattern becomes the iteration."""
-    outtype: str = "f32"
-    """ggml type of the written matrices: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1."""
-    only_write_model: bool = False
-    """Write the model from --checkpoint-in (or the fresh init) and exit without training."""
-    embd: int = 256
-    """Embedding width of a new model."""
-    ff: int = 768
-    """Feed-forward width of a new model."""
-    head: int = 8
-    """Attention heads of a new model."""
-    head_kv: int | None = None
-    """KV heads of a new model (default: --head)."""
-    layer: int = 16
-    """Transformer blocks of a new model."""
-    init: str = "ggml"
-    """Weights of a new model: 'ggml' (train-text-from-scratch's, reproducible with it) or 'scaled'
-    (GPT-2's normal(0, 0.02) with scaled residual projections: trains in far fewer steps)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if bool(self.vocab_model) == bool(self.model_base):
-            raise BadFlag("pass exactly one of --vocab-model (train a new model from scratch) and "
-                          "--model-base (full finetune of an F32/F16/BF16 model)")
-        for name in ("embd", "ff", "head", "layer"):
-            if getattr(self, name) < 1:
-                raise BadFlag(f"{_flag(name)} must be at least 1, got {getattr(self, name)}")
-        if self.head_kv is not None and self.head_kv < 1:
-            raise BadFlag(f"--head-kv must be at least 1, got {self.head_kv}")
-        if self.init not in INITS:
-            raise BadFlag(f"--init must be one of {', '.join(INITS)}, got '{self.init}'")
-        if self.outtype not in OUTTYPES:
-            raise BadFlag(f"--outtype must be one of {', '.join(OUTTYPES)}, got '{self.outtype}'")
-        if self.base_dtype != "f32":
-            raise BadFlag("full training keeps f32 weights; use --dtype bf16 for bf16 compute")
-
-    @property
-    def n_head_kv(self) -> int:
-        return self.head_kv if self.head_kv is not None else self.head
+    any_command = set().union(*(c.field_names() for c in RunConfig.__subclasses__()))
+    config_cls.check_names(set(options) - (any_command - config_cls.field_names()), f"--config {path}")
+    return {k: v for k, v in options.items() if k in config_cls.field_names()}

@@ -5,10 +5,10 @@ one-hot gradient (N, V) and the log-softmax gradient (N, V): three vocabulary-si
 tensors besides the logits (for batch 4 x 256 tokens x 32000 words, 131 MB each) and five
 passes over them. Here forward keeps only the per-row log-sum-exp (N,), and backward writes
 ``softmax - onehot`` straight into the one gradient tensor autograd needs, a few rows at a
-time so the temporaries stay in cache. The gradient is softmax's output (its fused kernel is
-several times faster than a separate exp), the log-sum-exp is recomputed by it, not stored as
-probabilities. Same values as ``F.cross_entropy`` up to f32 rounding,
-including ``ignore_index=-100`` rows, which count for nothing and get a zero gradient.
+time so the temporaries stay in cache. The gradient is softmax's output (its fused kernel beats
+a separate exp), the log-sum-exp is recomputed by it, not stored as probabilities. Same values
+as ``F.cross_entropy`` up to f32 rounding, including ``ignore_index=-100`` rows, which count for
+nothing and get a zero gradient.
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ from typing import Literal
 
 import torch
 from torch.nn.modules import module as nn_module
+from torch.utils.checkpoint import checkpoint
 
+from ggtorch.data import IGNORE_INDEX
 from ggtorch.lora import LoRALinear, frozen_float_weight
 from ggtorch.ops.matmul import mm, mm_t, uses_onednn
 from ggtorch.quant import dequantize
 from ggtorch.quant.autograd import compute_dtype
 from ggtorch.quant.modules import QuantLinear
 
-IGNORE_INDEX = -100
 CHUNK_BYTES = 4 << 20
 """Bytes of f32 logits handled per chunk: large enough to amortize per-op overhead, small
 enough to stay in cache between the exp and the write of the gradient."""
@@ -72,6 +73,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     ``mean`` divides the sum by the number of counted positions (targets != -100), as
     ``F.cross_entropy`` does; ``sum`` and ``none`` (per position, 0 where ignored) are there so a
     caller can sum over micro-batches and divide by a global count.
+
+    ggml's ``cross_entropy_loss`` adds ε = 1e-9 to the softmax probabilities; in f32 that changes
+    log p only where p is below ~1e-7, i.e. never for a target the model has learned anything
+    about, so the exact log-softmax form stands in for it.
     """
     losses = _TokenCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     if reduction == "none":
@@ -87,8 +92,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
 
 FUSED_CHUNK_BYTES = 32 << 20
 """f32 logits per token chunk of :func:`output_cross_entropy` (rows x n_vocab x 4 bytes): about
-256 rows for a 32000-word vocabulary, where the chunk's GEMMs run near full speed (at 128 rows the
-output matmul lost ~30%, measured). Buffers of this size are reused for every chunk of a call,
+256 rows for a 32000-word vocabulary, where the chunk's GEMMs run near full speed (fewer rows
+slow the output matmul down). Buffers of this size are reused for every chunk of a call,
 except on oneDNN's path, whose logits are fresh per chunk (it has no out=)."""
 
 
@@ -157,7 +162,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_b = torch.zeros(v, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
             step = max(1, FUSED_CHUNK_BYTES // (4 * v))
             # Chunk buffers live for the whole call: a fresh (rows, V) tensor per chunk is returned to
-            # the OS and page-faulted back in every time (14 x 16 MiB per step, measured, on glibc).
+            # the OS and page-faulted back in every time (glibc gives such large blocks back at once).
             # oneDNN (f32 on CPU) has no out=, so its logits are fresh per chunk; the softmax is then
             # written over the f32 logits where its kernels allow that (each row's max and sum are
             # taken before any element is written).
@@ -214,19 +219,21 @@ def _output_parts(output: torch.nn.Module, x: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float] | None:
     """(W in the compute dtype, lora_a, lora_b, scale) of an output projection the fused loss handles.
 
-    None (use the plain path) for anything else: a LoRA with dropout, a merged or foreign module,
-    a quantized W whose float copy would be bigger than the logits it saves, or a module with
-    forward hooks (they expect to see its call and its logits).
+    None (use the plain path) for anything else: a LoRA whose forward is not that product (see
+    :meth:`LoRALinear.linear_parts`), a foreign module, a quantized W whose float copy would be
+    bigger than the logits it saves, or a module with forward hooks (they expect to see its call
+    and its logits).
     """
-    if any(m._forward_hooks or m._forward_pre_hooks for m in output.modules()) or _global_hooks():
+    if _has_forward_hooks(output):
         return None
     lora_a = lora_b = None
     scale = 1.0
     base = output
     if isinstance(output, LoRALinear):
-        if output.merged or output.dropout_p > 0:
+        parts = output.linear_parts()
+        if parts is None:
             return None
-        base, lora_a, lora_b, scale = output.base, output.lora_a, output.lora_b, float(output.scale)
+        base, lora_a, lora_b, scale = parts
     dtype = compute_dtype(x)
     if isinstance(base, QuantLinear):
         n_vocab, n_embd = base.shape
@@ -240,9 +247,14 @@ def _output_parts(output: torch.nn.Module, x: torch.Tensor
     return weight, lora_a, lora_b, scale
 
 
-def _global_hooks() -> bool:
-    """Whether module forward hooks are registered for every module (register_module_forward_hook)."""
-    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+def _has_forward_hooks(module: torch.nn.Module) -> bool:
+    """Whether a forward hook would see a call of ``module`` or of a module inside it.
+
+    torch offers no public query, so this reads its registries: each module's own, and the
+    global ones of ``register_module_forward_hook``."""
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
 def output_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
@@ -266,3 +278,36 @@ def output_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets:
     if reduction == "mean":
         return total / (t != IGNORE_INDEX).sum()
     raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
+def head_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor,
+                       n_vocab: int, reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+    """``cross_entropy(head(hidden), targets)`` for a head that is more than one projection (an output
+    bias, gemma's final soft-capping), a chunk of tokens at a time: each chunk's logits exist only
+    while it is computed, and again in backward (activation checkpointing), never (tokens, V) whole."""
+    x = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
+
+    def chunk_loss(xc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(head(xc), tc, "sum")
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for r0, r1 in _row_chunks(x.shape[0], n_vocab * FUSED_CHUNK_BYTES // CHUNK_BYTES):
+        if torch.is_grad_enabled():
+            total = total + checkpoint(chunk_loss, x[r0:r1], t[r0:r1], use_reentrant=False)
+        else:
+            total = total + chunk_loss(x[r0:r1], t[r0:r1])
+    if reduction == "sum":
+        return total
+    if reduction == "mean":
+        return total / (t != IGNORE_INDEX).sum()
+    raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
+def model_cross_entropy(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                        reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+    """The loss of a Transformer's normed hidden states: the fused output loss when its logits are the
+    output projection alone, else its head a chunk of tokens at a time."""
+    if model.plain_head:
+        return output_cross_entropy(model.output, hidden, targets, reduction)
+    return head_cross_entropy(model.head, hidden, targets, model.config.n_vocab, reduction)

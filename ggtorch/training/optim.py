@@ -34,28 +34,7 @@ from ggtorch.errors import BadFlag
 _F = np.float32
 _PI_F = _F(3.14159265359)  # train.cpp writes pi as the float literal 3.14159265359f
 
-FLAGS = {
-    "alpha": "--adam-alpha",
-    "min_alpha": "--adam-min-alpha",
-    "decay": "--adam-decay",
-    "decay_min_ndim": "--adam-decay-min-ndim",
-    "beta1": "--adam-beta1",
-    "beta2": "--adam-beta2",
-    "gclip": "--adam-gclip",
-    "eps": "eps (ggml's Adam epsilon, no command-line flag)",
-    "epsf": "--adam-epsf",
-    "warmup": "--warmup",
-    "cos_decay_steps": "--cos-decay-steps",
-    "cos_decay_restart": "--cos-decay-restart",
-    "cos_decay_min": "--cos-decay-min",
-    "enable_restart": "--enable-restart",
-    "opt_past": "--opt-past",
-    "opt_delta": "--opt-delta",
-    "opt_max_no_improvement": "--opt-max-no-improvement",
-}
-"""Dataclass field -> the old finetune flag that sets it (for error messages)."""
-
-_FINETUNE_FIELDS = {
+OPTION_NAMES: dict[str, str] = {
     "alpha": "adam_alpha", "min_alpha": "adam_min_alpha", "decay": "adam_decay",
     "decay_min_ndim": "adam_decay_min_ndim", "beta1": "adam_beta1", "beta2": "adam_beta2",
     "gclip": "adam_gclip", "epsf": "adam_epsf", "warmup": "warmup", "cos_decay_steps": "cos_decay_steps",
@@ -63,65 +42,76 @@ _FINETUNE_FIELDS = {
     "enable_restart": "enable_restart", "opt_past": "opt_past", "opt_delta": "opt_delta",
     "opt_max_no_improvement": "opt_max_no_improvement",
 }
+"""AdamConfig field -> the run option that sets it (a FinetuneConfig/TrainConfig field; its long
+flag is the name with dashes). ``from_finetune`` reads the options through it and messages name
+the flag the user typed. ``eps`` has no option: ggml's fixed value."""
+
+
+def _flag(name: str) -> str:
+    option = OPTION_NAMES.get(name)
+    return "--" + option.replace("_", "-") if option else f"{name} (ggml's Adam epsilon, no command-line flag)"
 
 
 @dataclass
 class AdamConfig:
-    """The old finetune's optimizer flags, with its defaults (common/train.cpp)."""
+    """The old finetune's optimizer settings, with its defaults (common/train.cpp).
+
+    A run config's optimizer options take their defaults from here; OPTION_NAMES links them.
+    """
 
     alpha: float = 1e-3
-    """Base learning rate (--adam-alpha)."""
+    """Base learning rate."""
     min_alpha: float = 0.0
-    """Learning-rate floor (--adam-min-alpha): lr = min_alpha + (alpha - min_alpha)·schedule."""
+    """Learning-rate floor: lr = min_alpha + (alpha - min_alpha)·schedule."""
     decay: float = 0.1
-    """Decoupled weight decay (--adam-decay); per step x *= 1 - decay·alpha·sched."""
+    """Decoupled weight decay; per step x *= 1 - decay·alpha·sched."""
     decay_min_ndim: int = 2
-    """Only tensors with at least this many ggml dimensions are decayed (--adam-decay-min-ndim)."""
+    """Only tensors with at least this many ggml dimensions are decayed."""
     beta1: float = 0.9
-    """First-moment decay (--adam-beta1)."""
+    """First-moment decay."""
     beta2: float = 0.999
-    """Second-moment decay (--adam-beta2)."""
+    """Second-moment decay."""
     gclip: float = 1.0
-    """Global gradient-norm limit (--adam-gclip); 0 disables clipping."""
+    """Global gradient-norm limit; 0 disables clipping."""
     eps: float = 1e-8
-    """Added after the square root of the bias-corrected v; ggml's fixed value, no flag in finetune."""
+    """Added after the square root of the bias-corrected v; ggml's fixed value (no option)."""
     epsf: float = 0.0
-    """Stop when |loss - previous loss| / loss < epsf (--adam-epsf); 0 never stops."""
+    """Stop when |loss - previous loss| / loss < epsf; 0 never stops."""
     warmup: int = 100
-    """Linear warm-up iterations (--warmup)."""
+    """Linear warm-up iterations."""
     cos_decay_steps: int = 1000
-    """Length of the cosine decay, or of its first cycle with restarts (--cos-decay-steps)."""
+    """Length of the cosine decay, or of its first cycle with restarts."""
     cos_decay_restart: float = 1.1
-    """Cycle-length multiplier after each restart (--cos-decay-restart)."""
+    """Cycle-length multiplier after each restart."""
     cos_decay_min: float = 0.1
-    """Cosine decay floor, as a fraction of the schedule (--cos-decay-min)."""
+    """Cosine decay floor, as a fraction of the schedule."""
     enable_restart: bool = False
-    """Cosine decay with restarts (--enable-restart / --disable-restart)."""
+    """Cosine decay with restarts."""
     opt_past: int = 0
-    """Delta convergence test over this many past losses (--opt-past); 0 disables."""
+    """Delta convergence test over this many past losses; 0 disables."""
     opt_delta: float = 1e-5
-    """Stop when the loss changed by less than this fraction over opt_past iterations (--opt-delta)."""
+    """Stop when the loss changed by less than this fraction over opt_past iterations."""
     opt_max_no_improvement: int = 0
-    """Stop after this many iterations without a new best loss (--opt-max-no-improvement); 0 disables."""
+    """Stop after this many iterations without a new best loss; 0 disables."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type == "bool":
                 if not isinstance(value, bool):
-                    raise BadFlag(f"{FLAGS[f.name]} is a switch (true/false), got {value!r}")
+                    raise BadFlag(f"{_flag(f.name)} is a switch (true/false), got {value!r}")
             elif f.type == "int":
                 if isinstance(value, bool) or not isinstance(value, int):
-                    raise BadFlag(f"{FLAGS[f.name]} must be a whole number, got {value!r}")
+                    raise BadFlag(f"{_flag(f.name)} must be a whole number, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise BadFlag(f"{FLAGS[f.name]} must be a finite number, got {value!r}")
+                raise BadFlag(f"{_flag(f.name)} must be a finite number, got {value!r}")
 
         def need(ok: bool, name: str, what: str) -> None:
             if not ok:
-                raise BadFlag(f"{FLAGS[name]} must be {what}, got {getattr(self, name)}")
+                raise BadFlag(f"{_flag(name)} must be {what}, got {getattr(self, name)}")
 
         need(self.alpha > 0, "alpha", "positive")
-        need(0 <= self.min_alpha <= self.alpha, "min_alpha", f"between 0 and --adam-alpha ({self.alpha})")
+        need(0 <= self.min_alpha <= self.alpha, "min_alpha", f"between 0 and {_flag('alpha')} ({self.alpha})")
         need(self.decay >= 0, "decay", ">= 0")
         need(self.decay_min_ndim >= 0, "decay_min_ndim", ">= 0")
         need(0 <= self.beta1 < 1, "beta1", "in [0, 1)")
@@ -140,8 +130,8 @@ class AdamConfig:
 
     @classmethod
     def from_finetune(cls, config: Any) -> AdamConfig:
-        """The optimizer part of a FinetuneConfig (any object with its ``adam_*``/schedule fields)."""
-        return cls(**{name: getattr(config, attr) for name, attr in _FINETUNE_FIELDS.items()})
+        """The optimizer part of a run config (any object with the options of OPTION_NAMES)."""
+        return cls(**{name: getattr(config, option) for name, option in OPTION_NAMES.items()})
 
 
 # --- schedule (common/train.cpp), in float32 as the C code -------------------------------------

@@ -309,13 +309,13 @@ def test_stream_order_epochs_and_reshuffle() -> None:
     def row(i: int) -> list[int]:
         return (per_sample[i] + [E] * 4)[:4]
 
-    assert data.next_batch(2)[1].tolist() == [row(order0[0]), row(order0[1])]
-    assert data.next_batch(2)[1].tolist() == [row(order0[2]), row(order0[3])]
+    assert data.next_batch(2).targets.tolist() == [row(order0[0]), row(order0[1])]
+    assert data.next_batch(2).targets.tolist() == [row(order0[2]), row(order0[3])]
     assert data.epoch == 0 and data.next_sample == 4
     # the third batch crosses the end: it wraps within the old order, then an epoch ends
-    assert data.next_batch(2)[1].tolist() == [row(order0[4]), row(order0[0])]
+    assert data.next_batch(2).targets.tolist() == [row(order0[4]), row(order0[0])]
     assert data.epoch == 1 and data.next_sample == 0
-    assert data.next_batch(2)[1].tolist() == [row(order1[0]), row(order1[1])]
+    assert data.next_batch(2).targets.tolist() == [row(order1[0]), row(order1[1])]
     assert order0 != order1
     assert data.epoch == 1 and data.next_sample == 2
     assert data.state.rng_state == state1  # the state before the current permutation
@@ -332,8 +332,8 @@ def test_resume_equals_uninterrupted() -> None:
     resumed = stream(seed=99, **opts)  # the seed only matters for a fresh order
     assert resumed.load_state_dict(saved) == []
     got += [resumed.next_batch(3) for _ in range(5)]
-    for (i1, t1), (i2, t2) in zip(expected, got, strict=True):
-        assert torch.equal(i1, i2) and torch.equal(t1, t2)
+    for b1, b2 in zip(expected, got, strict=True):
+        assert torch.equal(b1.inputs, b2.inputs) and torch.equal(b1.targets, b2.targets)
     assert resumed.epoch == whole.epoch > 0 and resumed.state == whole.state
 
 
@@ -342,18 +342,18 @@ def test_changed_data_or_force_reshuffle_restarts_order() -> None:
     for _ in range(4):
         data.next_batch(2)
     saved = data.state_dict()
-    fresh_rows = stream().next_batch(2)[1]
+    fresh_rows = stream().next_batch(2).targets
 
     other = stream("#ab#cde#f#gh#ijx")  # same sample count, different text
     notes = other.load_state_dict(saved)
     assert any("changed" in n for n in notes)
     assert other.next_sample == 0 and other.epoch == 1  # the epoch count is kept
-    assert torch.equal(other.next_batch(2)[1], stream("#ab#cde#f#gh#ijx").next_batch(2)[1])  # fresh order
+    assert torch.equal(other.next_batch(2).targets, stream("#ab#cde#f#gh#ijx").next_batch(2).targets)  # fresh order
 
     forced = stream()
     notes = forced.load_state_dict(saved, force_reshuffle=True)
     assert any("forced" in n for n in notes) and forced.next_sample == 0 and forced.epoch == 1
-    assert torch.equal(forced.next_batch(2)[1], fresh_rows)
+    assert torch.equal(forced.next_batch(2).targets, fresh_rows)
 
     same = stream()
     assert same.load_state_dict(saved) == [] and same.next_sample == data.next_sample
@@ -375,7 +375,8 @@ def test_old_program_hash_restarts_with_warning() -> None:
 def test_short_text_is_one_padded_sample() -> None:
     data = TrainingData("abc", char_vocab(), n_ctx=6)
     assert data.n_samples == 1 and any("fewer than the context" in w for w in data.warnings)
-    inputs, targets = data.next_batch(2)
+    batch = data.next_batch(2)
+    inputs, targets = batch.inputs, batch.targets
     assert targets.tolist() == [[a, b, c, E, E, E]] * 2
     assert inputs.tolist() == [[B, a, b, c, E, E]] * 2
     assert data.epoch == 1  # two uses of the single sample complete an epoch
@@ -392,8 +393,8 @@ def test_val_split_token_stream() -> None:
     data = TrainingData("abcdefghij", char_vocab(), n_ctx=3, seed=1)
     val = data.split_validation(0.3, n_batch=4)  # last 3 tokens held out
     assert data.n_tokens == 7 and data.n_samples == 4  # abcdefg: begins 0..3
-    assert [(i.tolist(), t.tolist()) for i, t in val] == [([[B, *ids("hi")]], [ids("hij")])]
-    seen = {tuple(x) for _ in range(4) for x in data.next_batch(1)[1].tolist()}
+    assert [(b.inputs.tolist(), b.targets.tolist()) for b in val] == [([[B, *ids("hi")]], [ids("hij")])]
+    seen = {tuple(x) for _ in range(4) for x in data.next_batch(1).targets.tolist()}
     assert seen == {tuple(ids(w)) for w in ("abc", "bcd", "cde", "def")}
 
 
@@ -401,14 +402,14 @@ def test_val_split_samples() -> None:
     data = stream()  # samples ab, cde, f, gh, ijk
     val = data.split_validation(0.4, n_batch=8)
     assert data.n_samples == 3
-    assert [t.tolist() for _, t in val] == [[[*ids("gh"), E, E], [*ids("ijk"), E]]]
+    assert [b.targets.tolist() for b in val] == [[[*ids("gh"), E, E], [*ids("ijk"), E]]]
 
 
 def test_val_data_batches() -> None:
     data = TrainingData("abcdefgh", char_vocab(), n_ctx=2)
     val = data.eval_batches_from_text(b"xyz12", n_batch=2)
-    assert [t.tolist() for _, t in val] == [[ids("xy"), ids("z1")], [[ord("2"), E]]]
-    assert [i.tolist() for i, _ in val] == [[[B, ord("x")], [B, ord("z")]], [[B, ord("2")]]]
+    assert [b.targets.tolist() for b in val] == [[ids("xy"), ids("z1")], [[ord("2"), E]]]
+    assert [b.inputs.tolist() for b in val] == [[[B, ord("x")], [B, ord("z")]], [[B, ord("2")]]]
     with pytest.raises(BadData, match="byte 1"):
         data.eval_batches_from_text(b"a\xfe", n_batch=2)
 
@@ -461,7 +462,8 @@ def test_real_whole_text_samples_and_batch(tokenizer, llama_vocab, shakespeare) 
     assert data.samples.tokens.tolist() == expected
     assert data.n_samples == len(expected) - n_ctx
     order, _, _ = ref_shuffle(MT19937(3).state(), [n_ctx] * data.n_samples)
-    inputs, targets = data.next_batch(2)
+    batch = data.next_batch(2)
+    inputs, targets = batch.inputs, batch.targets
     for k in range(2):
         window = expected[order[k]:order[k] + n_ctx]
         assert targets[k].tolist() == window

@@ -20,13 +20,13 @@ from gguf import GGMLQuantizationType
 
 from ggtorch.cli.main import main
 from ggtorch.io.checkpoint import save_checkpoint
+from ggtorch.io.encode import QUANTIZABLE_TYPES
 from ggtorch.io.gguf import GGUFFile, read_gguf
 from ggtorch.lora import LoraConfig, attach_lora, lora_modules, lora_tensors_by_gguf_name
 from ggtorch.lora.adapter_file import LoraAdapter, LoraPair, adapter_from_model, read_adapter, write_adapter
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.loader import build_llama
 from ggtorch.quant import dequantize
-from ggtorch.quant.quantize import QUANTIZABLE_TYPES, quantize
 from tests.llama_models import llama_cpp_logits, rewrite_gguf
 from tests.lora.test_adapter_file import llama_cpp_with_adapter
 from tests.models.test_model import random_tokens
@@ -101,19 +101,6 @@ def run_cli(*args: str) -> tuple[int, str]:
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result.exit_code, result.output
-
-
-def test_quantizer_is_bit_exact_with_llama_cpp(ggml_quantize: Callable[..., np.ndarray]) -> None:
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((48, 256)).astype(np.float32)
-    x[:16] *= 1e-3
-    x[16:32] *= 300
-    x[32, :64] = 0  # all-zero blocks
-    x[33, 7] = 1e4  # an outlier block
-    for ggml_type in sorted(QUANTIZABLE_TYPES - {T.F32}):
-        ours = quantize(torch.from_numpy(x), ggml_type)
-        ref = ggml_quantize(x, ggml_type)
-        assert np.array_equal(ours, ref), ggml_type.name
 
 
 def test_f32_merge_equals_llama_cpp_base_plus_adapter(random_llama: Callable[..., Path], tmp_path: Path,

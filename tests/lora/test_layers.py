@@ -328,8 +328,8 @@ def test_bf16_autocast_training_step(q4_model) -> None:
 def _lora_bases(n_out: int, n_in: int) -> dict[str, nn.Module]:
     """Frozen bases of one weight: ggtorch's oneDNN Linear, torch's nn.Linear, Q4_0 blocks (whole
     and in row chunks). Q4_0 by gguf-py's quantizer, which tests/export checks against llama.cpp."""
+    from ggtorch.io.encode import quantize
     from ggtorch.ops.matmul import Linear
-    from ggtorch.quant.quantize import quantize
 
     w = torch.randn(n_out, n_in, generator=torch.Generator().manual_seed(2)) / n_in ** 0.5
     raw = torch.from_numpy(quantize(w, GGMLQuantizationType.Q4_0))
@@ -451,3 +451,23 @@ def test_lora_keeps_two_nodes_where_the_base_trains_or_dropout_is_on() -> None:
     m = LoRALinear(base, rank=2, dropout=0.5)
     assert type(m.train()(torch.randn(5, 16)).grad_fn).__name__ != "_LoRAProductBackward"
     assert type(m.eval()(torch.randn(5, 16)).grad_fn).__name__ == "_LoRAProductBackward"
+
+
+def test_linear_parts_are_the_forwards_product_or_none() -> None:
+    """What a fused consumer (the output loss) may compute itself: base, A, B and scale, unless merged or dropout."""
+    base = nn.Linear(8, 5, bias=False)
+    base.weight.requires_grad_(False)
+    layer = LoRALinear(base, rank=2, alpha=4.0)
+    with torch.no_grad():
+        layer.lora_b.normal_()
+    parts = layer.linear_parts()
+    assert parts is not None
+    inner, a, b, scale = parts
+    assert inner is base and a is layer.lora_a and b is layer.lora_b and scale == 2.0
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(layer(x), inner(x) + scale * (x @ a.T) @ b.T)
+    layer.merge()
+    assert layer.linear_parts() is None
+    layer.unmerge()
+    assert layer.linear_parts() is not None
+    assert LoRALinear(base, rank=2, dropout=0.1).linear_parts() is None

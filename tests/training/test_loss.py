@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from ggtorch.io.encode import quantize
 from ggtorch.lora import LoRALinear
 from ggtorch.quant.modules import QuantLinear
-from ggtorch.quant.quantize import quantize
 from ggtorch.training import loss as loss_mod
 from ggtorch.training.loss import cross_entropy, output_cross_entropy
 
@@ -187,3 +187,30 @@ def test_fused_output_loss_runs_the_modules_forward_hooks() -> None:
     assert seen == [(2, 5, N_VOCAB)]
     ref = F.cross_entropy(output(hidden).reshape(-1, N_VOCAB), targets.reshape(-1))
     torch.testing.assert_close(ours, ref)
+
+
+def test_fused_output_loss_takes_a_lora_layer_only_through_its_linear_parts() -> None:
+    """The fused path computes the LoRA product itself when the layer offers its parts, and calls the layer
+    (plain path) when it does not; the values are the same either way."""
+
+    class Counting(LoRALinear):
+        offers_parts = True
+        calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return super().forward(x)
+
+        def linear_parts(self):  # type: ignore[no-untyped-def]
+            return super().linear_parts() if self.offers_parts else None
+
+    source = _output("linear", lora=True)
+    output = Counting(source.base, rank=3, alpha=6.0)
+    output.load_state_dict(source.state_dict())
+    hidden, targets = torch.randn(2, 5, N_EMBD), torch.randint(0, N_VOCAB, (2, 5))
+    fused = output_cross_entropy(output, hidden, targets)
+    assert output.calls == 0
+    output.offers_parts = False
+    plain = output_cross_entropy(output, hidden, targets)
+    assert output.calls == 1
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,250 @@
+"""Building a training run: device, base file, model, what is trained, optimizer, data, resume, outputs.
+
+A :class:`Run` holds everything a :class:`~ggtorch.training.trainer.Trainer` trains, built from
+a config. Everything that can fail before the first step fails here; under torchrun a failure
+on any rank stops every rank, reported once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import tempfile
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ggtorch.data import (
+    Batch,
+    DataOptions,
+    DataStream,
+    RecordData,
+    RecordOptions,
+    TrainingData,
+    is_record_source,
+    load_records,
+    read_text_file,
+)
+from ggtorch.errors import BadFlag
+from ggtorch.io.checkpoint import Checkpoint, load_checkpoint
+from ggtorch.io.gguf import GGUFFile
+from ggtorch.models.config import LlamaConfig
+from ggtorch.models.loader import build_llama
+from ggtorch.models.model import Block
+from ggtorch.models.tokenizer import Tokenizer
+from ggtorch.training.config import RunConfig
+from ggtorch.training.distributed import setup
+from ggtorch.training.optim import AdamConfig, GGMLAdamW
+from ggtorch.training.weights import Weights, weights_kind
+
+
+def output_name(template: str, pattern: str, value: str) -> str:
+    """The old finetune's naming: the first occurrence of ``pattern`` becomes ``value``."""
+    return template.replace(pattern, value, 1) if pattern else template
+
+
+def resolve_device(name: str) -> torch.device:
+    """A torch device for --device, with a clear error when it is not available here."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise BadFlag(f"--device: '{name}' is not a device name (use cpu, cuda, cuda:N or mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BadFlag(f"--device {name}: this torch build or machine has no CUDA; use --device cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise BadFlag(f"--device {name}: MPS is not available here; use --device cpu")
+    return device
+
+
+def enable_block_checkpointing(model: torch.nn.Module) -> int:
+    """Recompute each transformer Block in backward instead of storing its activations.
+
+    Done per instance from the trainer, so ``models/`` knows nothing about training and module
+    names (and so adapter and checkpoint names) stay unchanged.
+    """
+    n = 0
+    for module in model.modules():
+        if isinstance(module, Block) and "forward" not in module.__dict__:
+            module.forward = functools.partial(checkpoint, type(module).forward.__get__(module), use_reentrant=False)
+            n += 1
+    return n
+
+
+def disable_block_checkpointing(model: torch.nn.Module) -> int:
+    """Undo :func:`enable_block_checkpointing`: each Block stores its activations again."""
+    n = 0
+    for module in model.modules():
+        if isinstance(module, Block) and "forward" in module.__dict__:
+            del module.forward
+            n += 1
+    return n
+
+
+class Run:
+    """The objects of one training run, built from its config.
+
+    ``records``/``val_records``: train (and validate) on a list of dicts instead of
+    ``config.train_data``/``val_data`` (the record formats of docs/chat-data.md).
+    """
+
+    base: GGUFFile
+    model_config: LlamaConfig
+    tokenizer: Tokenizer
+    model: torch.nn.Module
+    weights: Weights
+    """What is trained: LoRA adapters or every weight (parameters, checkpoint tensors, outputs)."""
+    optimizer: GGMLAdamW
+    data: DataStream
+    val_batches: list[Batch]
+    warnings: list[str]
+    counters: dict[str, int]
+    """Samples, tokens and epochs trained, checkpointed with the optimizer state."""
+    resumed_from: Path | None
+
+    def __init__(self, config: RunConfig, records: Sequence[Mapping[str, Any]] | None = None,
+                 val_records: Sequence[Mapping[str, Any]] | None = None) -> None:
+        self.config = c = config
+        if c.threads:
+            torch.set_num_threads(c.threads)
+        self.dist, self.device = setup(resolve_device(c.device), c.dist_backend)
+        # under torchrun every rank trains the same order: rank 0's seed (drawn from the clock for -1)
+        self.seed = self.dist.broadcast_int(c.seed if c.seed >= 0 else int(time.time()) & 0xFFFFFFFF, self.device)
+        torch.manual_seed(self.seed)  # dropout masks; a resumed run restores the RNG state instead
+        self.records_given = records is not None
+        self._scratch_dir: tempfile.TemporaryDirectory[str] | None = None
+        # an error on any rank (a bad file, an unwritable output) stops every rank here, reported once
+        self.dist.agree_on_errors(lambda: self._build(records, val_records), self.device)
+        self.dist.check_same("the options, the training data or the checkpoint they resume",
+                             [self.data.hash, self.data.n_samples, len(self.val_batches), _options_hash(c),
+                              self.optimizer.iteration, self.data.next_sample], self.device)
+
+    def _build(self, records: Sequence[Mapping[str, Any]] | None,
+               val_records: Sequence[Mapping[str, Any]] | None) -> None:
+        """Everything that can fail on one rank. No collective runs in here, so a rank that fails
+        early meets the others in :meth:`Distributed.agree_on_errors`."""
+        c = self.config
+        kind = weights_kind(c)
+        if self.dist.is_main:  # only rank 0 writes
+            self._check_outputs_writable(kind.output_field)
+        kind.check(c)
+        self.base, self._scratch_dir = kind.open_base(c, self.seed)
+        self.model_config = dataclasses.replace(LlamaConfig.from_gguf(self.base), **self._model_overrides())
+        self.tokenizer = Tokenizer.from_gguf(self.base)
+        matrix_dtype, embedding_dtype, keep_quantized = kind.base_dtypes(c)
+        self.model = build_llama(self.base, self.model_config, self.device, dtype=matrix_dtype,
+                                 keep_quantized=keep_quantized, embedding_dtype=embedding_dtype)
+        n_ctx_train = self.model_config.n_ctx_train
+        self.warnings = []
+        if c.ctx > n_ctx_train:
+            self.warnings.append(f"--ctx {c.ctx} is above the model's training context {n_ctx_train}; "
+                                 "quality beyond it is not what the model learned")
+        self.weights = kind(c, self.model, self.base, self.seed, self.device)
+        self.optimizer = GGMLAdamW(self.weights.params, AdamConfig.from_finetune(c))
+        self.data = self._open_data(records)
+        self.warnings += self.data.warnings
+        self.val_batches = self._validation_batches(val_records)
+        self.counters = {"iteration": 0, "samples": 0, "tokens": 0, "epochs": 0}
+        self.resumed_from = None
+        if c.checkpoint_in and Path(c.checkpoint_in).is_file():
+            self._resume(load_checkpoint(c.checkpoint_in))
+        if c.use_checkpointing:
+            enable_block_checkpointing(self.model)
+
+    def _model_overrides(self) -> dict[str, float]:
+        c = self.config
+        return {k: v for k, v in (("rms_eps", c.norm_rms_eps), ("rope_freq_base", c.rope_freq_base),
+                                  ("rope_freq_scale", c.rope_freq_scale)) if v is not None}
+
+    # --- data ----------------------------------------------------------------------------------
+    def _open_data(self, records: Sequence[Mapping[str, Any]] | None) -> DataStream:
+        """Records (a list, a .jsonl/.parquet file or folder, or a forced record format) or plain text."""
+        c = self.config
+        if records is not None or is_record_source(c.train_data) or c.data_format in ("chat", "prompt-response"):
+            source = records if records is not None else c.train_data
+            flag = "records" if records is not None else "--train-data"
+            return RecordData(load_records(source, flag), self.tokenizer, c.ctx, RecordOptions.from_finetune(c),
+                              self.seed, self.base.get("tokenizer.chat_template"), name=flag)
+        return TrainingData(read_text_file(c.train_data, "--train-data"), self.tokenizer,
+                            n_ctx=c.ctx, options=DataOptions.from_finetune(c), seed=self.seed,
+                            name=f"--train-data {c.train_data}")
+
+    def _validation_batches(self, val_records: Sequence[Mapping[str, Any]] | None) -> list[Batch]:
+        c = self.config
+        if val_records is not None:
+            return self.data.held_out_batches(val_records, c.batch, "val_records")
+        if c.val_data:
+            return self.data.held_out_batches(c.val_data, c.batch, "--val-data")
+        if c.val_split:
+            return self.data.split_validation(c.val_split, c.batch)
+        return []
+
+    # --- resume --------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Everything besides the trained tensors that an exact resume needs."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "data": self.data.state_dict(),
+            "counters": dict(self.counters),
+            "torch_rng": torch.get_rng_state(),
+            # dropout on CUDA draws from the device's generator
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+            "seed": self.seed,
+        }
+
+    def _resume(self, ck: Checkpoint) -> None:
+        ck.check_base(self.base)
+        self.weights.load_checkpoint(ck)
+        self.optimizer.load_state_dict(ck.state["optimizer"])
+        self.warnings += self.data.load_state_dict(ck.state["data"], force_reshuffle=self.config.force_reshuffle)
+        self.counters = dict(ck.state["counters"])
+        torch.set_rng_state(ck.state["torch_rng"])
+        if self.device.type == "cuda" and ck.state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(ck.state["cuda_rng"], self.device)
+        self.resumed_from = ck.path
+
+    # --- files ---------------------------------------------------------------------------------
+    def _outputs(self, output_field: str) -> list[str]:
+        """The output templates: checkpoint, then adapter or model."""
+        c = self.config
+        return [t for t in (c.checkpoint_out, getattr(c, output_field)) if t]
+
+    def log_path(self) -> Path:
+        """--log-file, or ``<first output's stem>-log.jsonl`` beside the first output."""
+        c = self.config
+        if c.log_file:
+            return Path(c.log_file)
+        outputs = self._outputs(self.weights.output_field)
+        first = outputs[0] if outputs else "ggtorch-train"
+        stem = Path(output_name(Path(first).name, c.pattern_fn_it, "")).stem.strip("-_.") or "train"
+        return Path(first).parent / f"{stem}-log.jsonl"
+
+    def _check_outputs_writable(self, output_field: str) -> None:
+        """Refuse an unwritable output folder before any heavy work."""
+        c = self.config
+        for template in self._outputs(output_field) + ([c.log_file] if c.log_file else []):
+            folder = Path(template).parent if str(Path(template).parent) else Path(".")
+            if not folder.is_dir():
+                raise BadFlag(f"output folder '{folder}' (for {template}) does not exist; create it first")
+            if not os.access(folder, os.W_OK):
+                raise BadFlag(f"output folder '{folder}' (for {template}) is not writable; "
+                              "choose another --checkpoint-out / --lora-out")
+
+    def close(self) -> None:
+        """Leave the process group and remove a new model's temporary file."""
+        self.dist.close()
+        if self._scratch_dir is not None:
+            self._scratch_dir.cleanup()
+            self._scratch_dir = None
+
+
+def _options_hash(config: RunConfig) -> int:
+    """A fingerprint of the options every rank must share (not the per-rank device or threads)."""
+    options = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("device", "threads")}
+    return zlib.crc32(json.dumps(options, sort_keys=True, default=str).encode())
