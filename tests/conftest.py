@@ -41,6 +41,12 @@ def texts(shared: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
 
 
 @pytest.fixture(scope="session")
+def stories_q8(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """stories260K quantized to Q8_0 by llama.cpp: a real model with a quantized base."""
+    return quantize_with_llama_cpp(stories260k, tmp_path_factory.mktemp("q8") / "stories260K-Q8_0.gguf", "Q8_0")
+
+
+@pytest.fixture(scope="session")
 def spm_vocab(shared: Path) -> Path:
     return shared / "vocab" / "ggml-vocab-llama-spm.gguf"
 

@@ -6,15 +6,17 @@ errors) or click's usage error, and a non-zero exit status.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 from ggtorch.cli.main import main
+from tests.helpers import run_cli
+from tests.llama_models import rewrite_gguf
 
 # {S}: stories260K; other {names}: files made by the `inputs` fixture.
 ROWS: list[tuple[str, str]] = [
@@ -162,7 +164,7 @@ def inputs(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 
 def invoke(args: list[str]) -> tuple[int, str, BaseException | None]:
-    result = CliRunner().invoke(main, args)
+    result = run_cli(args)
     return result.exit_code, result.output, result.exception
 
 
@@ -193,10 +195,26 @@ def test_every_command_without_arguments_refuses_cleanly(command: str) -> None:
     assert (code == 2 and "Missing" in out) or (code == 1 and out.startswith("error: ")), out
 
 
-def test_real_process_prints_one_line_not_a_traceback(inputs: dict[str, str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "ggtorch", "info", inputs["truncated"]],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
+REAL_PROCESS_ROWS = [
+    # (command line, the one error line it must print): the console script and `python -m ggtorch`
+    # in a process of their own, where nothing catches what the CLI lets through
+    ("ggtorch info {truncated}", "error: {truncated}: "),
+    ("ggtorch generate -m {gpt2}", "error: {gpt2}: unsupported architecture 'gpt2'; ggtorch supports "
+                                   "llama, qwen2, qwen3, gemma2, gemma3, phi3"),
+    ("python -m ggtorch finetune --model-base {S} --train-data {missing}", "error: --train-data"),
+]
+
+
+@pytest.mark.parametrize(("line", "message"), REAL_PROCESS_ROWS, ids=[r[0].split()[1] for r in REAL_PROCESS_ROWS])
+def test_real_process_prints_one_line_not_a_traceback(inputs: dict[str, str], tmp_path: Path, line: str,
+                                                      message: str) -> None:
+    gpt2 = rewrite_gguf(Path(inputs["S"]), tmp_path / "gpt2.gguf", arch="gpt2")
+    values = {**inputs, "gpt2": str(gpt2)}
+    args = line.format(**values).split()
+    exe = [sys.executable, "-m", "ggtorch"] if args[0] == "python" else [shutil.which("ggtorch") or "ggtorch"]
+    proc = subprocess.run(exe + args[3 if args[0] == "python" else 1:], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
     assert proc.stdout == ""
-    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message.format(**values)), proc.stderr

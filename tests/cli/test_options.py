@@ -8,12 +8,12 @@ from typing import Any
 
 import click
 import pytest
-from click.testing import CliRunner
 
 import ggtorch
 from ggtorch import api
 from ggtorch.cli.main import main
 from ggtorch.training.config import FinetuneConfig, RunConfig, TrainConfig
+from tests.helpers import run_cli
 
 COMMANDS: dict[str, type[RunConfig]] = {"finetune": FinetuneConfig, "train": TrainConfig}
 
@@ -77,7 +77,7 @@ def _expected_default(f: dataclasses.Field[Any]) -> str | None:
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_help_shows_each_default_from_the_field(command: str) -> None:
-    result = CliRunner().invoke(main, [command, "--help"], terminal_width=1000)  # one line per option
+    result = run_cli([command, "--help"], terminal_width=1000)  # one line per option
     assert result.exit_code == 0, result.output
     rows = {}
     lines = result.output.splitlines()

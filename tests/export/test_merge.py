@@ -15,10 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 from gguf import GGMLQuantizationType
 
-from ggtorch.cli.main import main
 from ggtorch.io.checkpoint import save_checkpoint
 from ggtorch.io.encode import QUANTIZABLE_TYPES
 from ggtorch.io.gguf import GGUFFile, read_gguf
@@ -27,6 +25,7 @@ from ggtorch.lora.adapter_file import LoraAdapter, LoraPair, adapter_from_model,
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.loader import build_llama
 from ggtorch.quant import dequantize
+from tests.helpers import run_cli
 from tests.llama_models import llama_cpp_logits, rewrite_gguf
 from tests.lora.test_adapter_file import llama_cpp_with_adapter
 from tests.models.test_model import random_tokens
@@ -96,8 +95,8 @@ def merge_logits(base_path: Path, adapter: Path, merged_path: Path, f32_path: Pa
                  for model, lora in ((base_path, adapter), (merged_path, None), (base_path, None), (f32_path, None)))
 
 
-def run_cli(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(main, [str(a) for a in args])
+def export_lora(*args: str) -> tuple[int, str]:
+    result = run_cli(["export-lora", *args])
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result.exit_code, result.output
@@ -108,7 +107,7 @@ def test_f32_merge_equals_llama_cpp_base_plus_adapter(random_llama: Callable[...
     base_path = random_llama("F32")
     adapter = test_adapter(base_path)
     out = tmp_path / "merged.gguf"
-    code, output = run_cli("export-lora", "-m", base_path, "--lora", adapter, "-o", out, "-t", "1")
+    code, output = export_lora("-m", base_path, "--lora", adapter, "-o", out, "-t", "1")
     assert code == 0, output
 
     tokens = random_tokens(32000, N_TOKENS)
@@ -134,7 +133,7 @@ def test_two_adapters_stack_with_their_scales(random_llama: Callable[..., Path],
     tokens = random_tokens(32000, N_TOKENS)
     ref = llama_cpp_logits(llama_cpp_stacked(base_path, [(a1, 0.7), (a2, 0.5)]), tokens)
     out = tmp_path / "m.gguf"
-    code, output = run_cli("export-lora", "-m", base_path, "--lora-scaled", f"{a1}:0.7", "-s", a2, "0.5",
+    code, output = export_lora("-m", base_path, "--lora-scaled", f"{a1}:0.7", "-s", a2, "0.5",
                            "--outtype", "f32", "-o", out)
     assert code == 0, output
     merged = llama_cpp_logits(llama_cpp_with_adapter(out, None), tokens)
@@ -148,7 +147,7 @@ def test_requantized_merge_keeps_types_and_matches_llama_cpp(random_llama: Calla
     base_path = random_llama(ftype)
     adapter = test_adapter(base_path)
     out = tmp_path / "merged.gguf"
-    code, output = run_cli("export-lora", "-m", base_path, "--lora", adapter, "-o", out, "--outtype", "same")
+    code, output = export_lora("-m", base_path, "--lora", adapter, "-o", out, "--outtype", "same")
     assert code == 0, output
 
     f, g = base_gguf(base_path), read_gguf(out)
@@ -181,7 +180,7 @@ def test_k_quant_merge_falls_back_to_q8_0(random_llama: Callable[..., Path], tmp
     base_path = random_llama("Q4_K_M")
     adapter = test_adapter(base_path)
     out = tmp_path / "merged.gguf"
-    code, output = run_cli("export-lora", "-m", base_path, "--lora", adapter, "-o", out)
+    code, output = export_lora("-m", base_path, "--lora", adapter, "-o", out)
     assert code == 0, output
     assert "written as Q8_0" in output
     f, g = base_gguf(base_path), read_gguf(out)
@@ -210,7 +209,7 @@ def test_checkpoint_with_norm_adapters_merges(random_llama: Callable[..., Path],
     ck = tmp_path / "ck.gguf"
     save_checkpoint(ck, f, config.metadata(), tensors, {})
     out = tmp_path / "merged.gguf"
-    code, output = run_cli("export-lora", "-m", base_path, "--lora", ck, "-o", out)
+    code, output = export_lora("-m", base_path, "--lora", ck, "-o", out)
     assert code == 0, output
 
     g = read_gguf(out)
@@ -238,7 +237,7 @@ def test_bad_inputs_are_one_line_errors(random_llama: Callable[..., Path], stori
     out = tmp_path / "m.gguf"
 
     def export(lora: Path) -> tuple[int, str]:
-        return run_cli("export-lora", "-m", base_path, "--lora", lora, "-o", out)
+        return export_lora("-m", base_path, "--lora", lora, "-o", out)
 
     one_line_error(*export(rewrite_gguf(adapter, tmp_path / "qwen.gguf", arch="qwen2")), "architecture 'qwen2'")
     ad = read_adapter(adapter)
@@ -263,7 +262,7 @@ def test_lora_flag_spellings_normalize_alike() -> None:
     assert normalize_lora_args(["-l", "a.gguf", "-s", "b.gguf", "0.5", "-o", "x"]) == expected
     assert normalize_lora_args(["--lora-scaled", "a.gguf:1.0,b.gguf:0.5", "-o", "x"]) == expected
     assert normalize_lora_args(["--lora=a.gguf", "--lora-scaled", "b.gguf", "0.5", "-o", "x"]) == expected
-    code, output = run_cli("export-lora", "-m", "x.gguf", "--lora-scaled", "b.gguf", "-o", "y.gguf")
+    code, output = export_lora("-m", "x.gguf", "--lora-scaled", "b.gguf", "-o", "y.gguf")
     assert code == 2 and "expected FILE:SCALE or FILE SCALE" in output
 
 
@@ -272,7 +271,7 @@ def test_outtype_f16_on_a_q8_0_base_sets_file_type(random_llama: Callable[..., P
     base_path = random_llama("Q8_0")
     adapter = test_adapter(base_path)
     out = tmp_path / "merged-f16.gguf"
-    code, output = run_cli("export-lora", "-m", base_path, "--lora", adapter, "-o", out, "--outtype", "f16")
+    code, output = export_lora("-m", base_path, "--lora", adapter, "-o", out, "--outtype", "f16")
     assert code == 0, output
     f, g = base_gguf(base_path), read_gguf(out)
     ad = read_adapter(adapter)

@@ -15,10 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from ggtorch.cli.main import main
 from ggtorch.errors import BadData, GGTorchError, Unsupported
 from ggtorch.export.peft import gguf_rows_to_hf, hf_rows_to_gguf, import_peft
 from ggtorch.io.gguf import read_gguf
@@ -31,6 +29,7 @@ from ggtorch.lora.adapter_file import (
 )
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.loader import build_llama
+from tests.helpers import run_cli
 from tests.llama_models import RandomLlamaShape, llama_cpp_logits
 from tests.lora.test_adapter_file import ggtorch_logits, llama_cpp_with_adapter, trained_looking_model
 from tests.models.test_model import random_tokens
@@ -111,7 +110,7 @@ def test_transformers_with_exported_peft_folder_equals_ggtorch(base_path: Path, 
     ours = ggtorch_logits(ours_model, tokens)
 
     gguf_adapter = write_adapter(tmp_path / "adapter.gguf", adapter)
-    result = CliRunner().invoke(main, ["export-peft", str(gguf_adapter), "--base", str(base_path),
+    result = run_cli(["export-peft", str(gguf_adapter), "--base", str(base_path),
                                        "-o", str(tmp_path / "peft")])
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
@@ -152,7 +151,7 @@ def test_peft_adapter_survives_convert_lora_into_llama_cpp(base_path: Path, hf_m
     peft_model.save_pretrained(str(tmp_path / "peft"))
 
     out = tmp_path / "converted.gguf"
-    result = CliRunner().invoke(main, ["convert-lora", str(tmp_path / "peft"), "--base", str(base_path),
+    result = run_cli(["convert-lora", str(tmp_path / "peft"), "--base", str(base_path),
                                        "--outfile", str(out), "--outtype", outtype])
     assert result.exit_code == 0, result.output
     theirs = llama_cpp_logits(llama_cpp_with_adapter(base_path, out), tokens)
@@ -226,7 +225,7 @@ def test_bad_peft_folders_are_refused(base_path: Path, stories260k: Path, tmp_pa
 
 def test_convert_lora_reports_bad_input_in_one_line(base_path: Path, tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    result = CliRunner().invoke(main, ["convert-lora", str(tmp_path / "empty"), "--base", str(base_path),
+    result = run_cli(["convert-lora", str(tmp_path / "empty"), "--base", str(base_path),
                                        "-o", str(tmp_path / "out.gguf")])
     assert result.exit_code == 1
     assert result.output.startswith("error: ") and "no adapter_config.json" in result.output

@@ -27,8 +27,8 @@ from ggtorch.quant.modules import QuantLinear
 from ggtorch.training.config import FinetuneConfig
 from ggtorch.training.distributed import data_parallel
 from ggtorch.training.trainer import Trainer
-from tests.llama_models import quantize_with_llama_cpp
-from tests.training.test_finetune import losses, run
+from tests.helpers import losses, read_log
+from tests.training.test_finetune import run
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["-c", "32", "-b", "4", "--warmup", "2", "--adam-alpha", "0.01", "--seed", "7", "--threads", "1"]
@@ -57,22 +57,12 @@ def torchrun(args: list[str], cwd: Path, nproc: int = 2, timeout: float = 120) -
     return proc.returncode, out
 
 
-def records(log: Path) -> list[dict]:
-    return [json.loads(line) for line in log.read_text().splitlines()]
-
-
 def assert_same_adapter(a: Path, b: Path) -> None:
     ta, tb = read_adapter(a), read_adapter(b)
     assert ta.pairs.keys() == tb.pairs.keys()
     for name in ta.pairs:
         for x, y in ((ta.pairs[name].a, tb.pairs[name].a), (ta.pairs[name].b, tb.pairs[name].b)):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
-
-
-@pytest.fixture(scope="module")
-def stories_q8(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A quantized base: it stays quantized on every rank and is never sent between them."""
-    return quantize_with_llama_cpp(stories260k, tmp_path_factory.mktemp("ddp-q8") / "stories260K-Q8_0.gguf", "Q8_0")
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +95,13 @@ def test_two_ranks_train_what_one_process_with_grad_acc_2_trains(two_ranks: tupl
     np.testing.assert_allclose(two, one, rtol=1e-5)
     assert_same_adapter(folder / "ggml-lora-4-f32.gguf", tmp_path / "ggml-lora-4-f32.gguf")
     # the held-out batches are shared out among the ranks; the validation loss is the same
-    evals = [[r["loss"] for r in records(f / "checkpoint-log.jsonl") if r["kind"] == "eval"]
+    evals = [[r["loss"] for r in read_log(f / "checkpoint-log.jsonl") if r["kind"] == "eval"]
              for f in (folder, tmp_path)]
     assert len(evals[0]) == 1
     np.testing.assert_allclose(evals[0], evals[1], rtol=1e-6)
     # the data position is global: both consumed the same samples
-    assert [r["samples"] for r in records(folder / "checkpoint-log.jsonl") if r["kind"] == "iter"] == \
-        [r["samples"] for r in records(tmp_path / "checkpoint-log.jsonl") if r["kind"] == "iter"]
+    assert [r["samples"] for r in read_log(folder / "checkpoint-log.jsonl") if r["kind"] == "iter"] == \
+        [r["samples"] for r in read_log(tmp_path / "checkpoint-log.jsonl") if r["kind"] == "iter"]
 
 
 def test_only_rank_0_writes_and_prints(two_ranks: tuple[Path, str]) -> None:
@@ -119,7 +109,7 @@ def test_only_rank_0_writes_and_prints(two_ranks: tuple[Path, str]) -> None:
     assert sorted(p.name for p in folder.iterdir()) == sorted([
         "checkpoint-2.gguf", "checkpoint-4.gguf", "checkpoint-LATEST.gguf", "checkpoint-log.jsonl",
         "ggml-lora-2-f32.gguf", "ggml-lora-4-f32.gguf", "ggml-lora-LATEST-f32.gguf"])
-    kinds = [r["kind"] for r in records(folder / "checkpoint-log.jsonl")]
+    kinds = [r["kind"] for r in read_log(folder / "checkpoint-log.jsonl")]
     assert kinds == ["start", "iter", "iter", "save", "iter", "iter", "save", "end", "eval"]  # one writer
     assert sum(line.startswith("iter=") for line in out.splitlines()) == 4
     assert out.count("model: ") == 1 and out.count("done: ") == 1

@@ -2,42 +2,24 @@
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 
-from ggtorch.cli.main import main
 from ggtorch.training.config import FinetuneConfig
 from ggtorch.training.trainer import Trainer
-from tests.llama_models import GGML_TYPE_F32, llama_cpp_logits, quantize_with_llama_cpp
+from tests.helpers import losses, run_cli
+from tests.llama_models import GGML_TYPE_F32, llama_cpp_logits
 
 SMALL = ["-c", "32", "-b", "4", "--warmup", "2", "--adam-alpha", "0.01", "--seed", "7"]
 
 
-@pytest.fixture(scope="module")
-def stories_q8(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return quantize_with_llama_cpp(stories260k, tmp_path_factory.mktemp("q8") / "stories260K-Q8_0.gguf", "Q8_0")
-
-
 def run(args: list[str], cwd: Path) -> tuple[int, str]:
-    runner = CliRunner()
-    old = os.getcwd()
-    os.chdir(cwd)
-    try:
-        result = runner.invoke(main, args, catch_exceptions=False)
-    finally:
-        os.chdir(old)
+    result = run_cli(args, cwd, catch_exceptions=False)
     return result.exit_code, result.output
-
-
-def losses(log: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "iter"]
 
 
 def run_whole_and_resumed(common: list[str], tmp_path: Path) -> tuple[Path, Path]:

@@ -18,8 +18,9 @@ from ggtorch.models.config import LlamaConfig
 from ggtorch.models.init import init_tensors
 from ggtorch.training.config import TrainConfig
 from ggtorch.training.trainer import Trainer
+from tests.helpers import losses
 from tests.llama_models import llama_cpp_logits, open_llama_cpp, quantize_with_llama_cpp
-from tests.training.test_finetune import losses, run, run_whole_and_resumed
+from tests.training.test_finetune import run, run_whole_and_resumed
 
 TINY = ["--embd", "64", "--ff", "128", "--head", "4", "--head-kv", "2", "--layer", "2", "-c", "32", "-b", "4",
         "--warmup", "2", "--adam-alpha", "0.01", "--seed", "3", "--no-checkpointing", "-t", "1"]
