@@ -26,7 +26,7 @@ from ggtorch.cli.peft import convert_lora, export_peft_cmd
 from ggtorch.cli.train import train
 from ggtorch.errors import BadData, GGTorchError
 from ggtorch.io.gguf import read_gguf
-from ggtorch.models.config import LlamaConfig
+from ggtorch.models.config import ModelConfig
 from ggtorch.models.generate import SamplingParams, iter_tokens
 from ggtorch.ops.dtypes import DTYPES
 from ggtorch.training.distributed import env_rank, env_world_size
@@ -103,11 +103,9 @@ def info(model_path: str) -> None:
         click.echo(f"kind:          training checkpoint ({f.get('training.type')}, "
                    f"iteration {f.get('training.iteration_count', 0)})")
     else:
-        config = LlamaConfig.from_gguf(f)
         click.echo("hyperparameters:")
-        for field, value in vars(config).items():
+        for field, value in ModelConfig.from_gguf(f).describe().items():
             click.echo(f"  {field:<16} {value:g}" if isinstance(value, float) else f"  {field:<16} {value}")
-        click.echo(f"  {'head_dim':<16} {config.head_dim}")
     counts = Counter(t.ggml_type.name for t in f.tensors.values())
     nbytes = Counter()
     for t in f.tensors.values():

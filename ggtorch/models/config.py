@@ -11,7 +11,7 @@ biases, rope factors).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from gguf import Keys
@@ -129,6 +129,19 @@ class ModelConfig:
     def kq_scale(self) -> float:
         return self.attention_scale if self.attention_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
+    def describe(self) -> dict[str, Any]:
+        """The numbers worth showing (``ggtorch info``): the shape always, the other fields where they
+        differ from their defaults, and the head size."""
+        shape = ("arch", "n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_ctx_train", "rms_eps",
+                 "n_rot", "rope_freq_base", "rope_freq_scale", "tied_output")
+        out = {name: getattr(self, name) for name in shape}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name not in out and value != f.default and f.name != "head_dim_k":
+                out[f.name] = value
+        out["head_dim"] = self.head_dim
+        return out
+
     def is_swa(self, layer: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[layer]
 
@@ -224,7 +237,7 @@ class ModelConfig:
             final_softcap=float(optional(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, family.final_softcap)),
             attention_scale=attention_scale,
             rope_long_short=family.rope_factors == "long_short" and names.ROPE_FACTORS_SHORT in tensors,
-            n_ctx_orig=integer(Keys.Rope.SCALING_ORIG_CTX_LEN, optional(Keys.Rope.SCALING_ORIG_CTX_LEN, n_ctx_train)),
+            n_ctx_orig=_optional_int(f, Keys.Rope.SCALING_ORIG_CTX_LEN, optional),
             rope_attn_factor=float(optional(Keys.Rope.SCALING_ATTN_FACTOR, 1.0)),
             fused_qkv=fused_qkv,
             biases=biases,
@@ -233,6 +246,13 @@ class ModelConfig:
 
 LlamaConfig = ModelConfig
 """The name the config had when ggtorch ran llama alone; kept for the public API."""
+
+
+def _optional_int(f: GGUFFile, template: str, optional: Any) -> int | None:
+    value = optional(template, None)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise BadGGUF(f"{f.path}: '{template.format(arch=f.architecture)}' = {value!r} must be an integer")
+    return value
 
 
 def _bias_names(kind: str, n_layer: int) -> list[str]:

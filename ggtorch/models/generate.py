@@ -123,6 +123,16 @@ def generate(model: Llama, tokenizer: Tokenizer, prompt: str, n_tokens: int, tem
     return tokenizer.decode(new, prev_ids=prompt_tokens)
 
 
+HEAD_CHUNK_BYTES = 64 << 20
+"""f32 logits perplexity holds at once: a 262k-word vocabulary is never (tokens x V) whole."""
+
+
+def llama_cpp_context(n_ctx: int) -> int:
+    """The per-sequence context llama.cpp runs with when asked for ``n_ctx``: padded up to a multiple
+    of 256 (what decides LongRoPE's long or short factors there)."""
+    return -(-n_ctx // 256) * 256
+
+
 @dataclass(frozen=True)
 class PerplexityResult:
     """llama-perplexity's final estimate: exp(mean NLL) over the scored tokens."""
@@ -162,11 +172,17 @@ def perplexity(model: Llama, tokens: Sequence[int], n_ctx: int, bos_id: int | No
         chunks = chunks.clone()
         chunks[:, 0] = bos_id
     nll = torch.zeros((), dtype=torch.float64, device=device)
-    for start in range(0, n_chunks, batch_size):
-        logits = model(chunks[start:start + batch_size])[:, first:n_ctx - 1].float()  # (b, n_ctx-1-first, V)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        picked = logprobs.gather(-1, targets[start:start + batch_size, :, None]).squeeze(-1)
-        nll -= picked.double().sum()
+    rows = max(1, HEAD_CHUNK_BYTES // (4 * model.config.n_vocab))  # logits of a few rows at a time
+    saved_ctx, model.n_ctx = model.n_ctx, llama_cpp_context(n_ctx)  # LongRoPE's factors follow the context
+    try:
+        for start in range(0, n_chunks, batch_size):
+            hidden = model(chunks[start:start + batch_size], hidden_only=True)[:, first:n_ctx - 1]  # (b, n, C)
+            hidden, scored = hidden.reshape(-1, hidden.shape[-1]), targets[start:start + batch_size].reshape(-1)
+            for r0 in range(0, hidden.shape[0], rows):
+                logprobs = torch.log_softmax(model.head(hidden[r0:r0 + rows]), dim=-1)  # (rows, V)
+                nll -= logprobs.gather(-1, scored[r0:r0 + rows, None]).double().sum()
+    finally:
+        model.n_ctx = saved_ctx
     n_scored = n_chunks * (n_ctx - 1 - first)
     mean = float(nll) / n_scored
     return PerplexityResult(math.exp(mean), mean, n_scored, n_chunks)

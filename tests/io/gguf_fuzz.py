@@ -32,6 +32,7 @@ from ggtorch.io.gguf import GGUFFile, read_gguf
 from ggtorch.lora.adapter_file import LoraAdapter, LoraPair, read_adapter, write_adapter
 from ggtorch.models.loader import load_llama
 from tests.export.test_old_formats import write_ggla
+from tests.families import FAMILY_PRESETS, write_random_model
 
 EXTREMES = [0, 1, 2, 3, 31, 32, 255, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**48, 2**63 - 1, 2**63, 2**64 - 1]
 
@@ -80,12 +81,25 @@ def make_seeds(folder: Path, stories260k: Path) -> list[Seed]:
     save_checkpoint(ck_path, base, {"training.iteration_count": 3}, {"blk.0.attn_q.weight.lora_a": p.detach()},
                     {"optimizer": opt.state_dict(), "rng": torch.get_rng_state(), "step": 3})
     seeds = []
-    for name, path, load in (("model", stories260k, load_llama), ("adapter", adapter_path, read_adapter),
+    models = [("model", stories260k)] + [(f"model-{name}", family_model_over(folder, name, stories260k))
+                                         for name in FAMILY_SEEDS]
+    for name, path, load in (*((n, p, load_llama) for n, p in models), ("adapter", adapter_path, read_adapter),
                              ("checkpoint", ck_path, load_checkpoint)):
         header_end, offsets = field_offsets(path)
         load(path)  # the unmutated file loads
         seeds.append(Seed(name, path.read_bytes(), header_end, offsets, load))
     return seeds + [ggla_seed(folder, adapter), *peft_seeds(folder, adapter, base)]
+
+
+FAMILY_SEEDS = ("qwen2", "qwen3", "gemma2", "gemma3_pattern", "phi3")
+"""Presets of tests/families.py fuzzed as models too: their own keys and tensors (biases, q/k norms,
+sliding-window pattern, soft-caps, fused matrices, LongRoPE factors) meet mutated headers."""
+
+
+def family_model_over(folder: Path, name: str, vocab: Path) -> Path:
+    """A family preset over stories260K's 512-token vocabulary: small enough to load hundreds of times."""
+    arch, _, shape = FAMILY_PRESETS[name]
+    return write_random_model(folder / f"{name}.gguf", arch, vocab, shape)
 
 
 def ggla_seed(folder: Path, adapter: LoraAdapter) -> Seed:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 
-from .gguf_fuzz import Mutation, Seed, check_outcome, make_seeds, mutations
+from .gguf_fuzz import FAMILY_SEEDS, Mutation, Seed, check_outcome, make_seeds, mutations
 
 EXAMPLES = 70  # per file kind: ~200 in all
 
@@ -22,7 +22,8 @@ def seeds(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     return {s.name: s for s in make_seeds(tmp_path_factory.mktemp("fuzz-seeds"), stories260k)}
 
 
-@pytest.mark.parametrize("kind", ["model", "adapter", "checkpoint", "ggla", "peft-config", "peft-weights"])
+@pytest.mark.parametrize("kind", ["model", *(f"model-{name}" for name in FAMILY_SEEDS), "adapter", "checkpoint",
+                                  "ggla", "peft-config", "peft-weights"])
 def test_mutated_files_load_or_raise_ggtorch_errors(seeds: dict[str, Seed], kind: str,
                                                     tmp_path: Path) -> None:
     outcomes: Counter[str] = Counter()

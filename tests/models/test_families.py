@@ -270,3 +270,59 @@ def test_logits_equal_transformers_on_the_same_gguf(family_model: Callable[..., 
     with torch.no_grad():
         theirs = hf(torch.tensor([tokens])).logits[0].numpy()
     np.testing.assert_allclose(ggtorch_logits(path, tokens), theirs, rtol=0, atol=TOLERANCE["F32"])
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma2", "gemma3", "phi3_long"])
+def test_perplexity_equals_the_float64_forward(family_model: Callable[..., Path], name: str) -> None:
+    """llama-perplexity's definition (second half of each chunk scored) on ggtorch's quantized-model path,
+    against the same sums over the float64 forward's logits."""
+    from ggtorch.models.generate import llama_cpp_context, perplexity
+
+    path = family_model(name)
+    n_ctx = 16
+    tokens = eval_tokens(ModelConfig.from_gguf(read_gguf(path)).n_vocab, n=3 * n_ctx + 5, seed=7)
+    ours = perplexity(load(path), tokens, n_ctx)
+    nll, first = 0.0, n_ctx // 2
+    for c in range(len(tokens) // n_ctx):
+        chunk = tokens[c * n_ctx:(c + 1) * n_ctx]
+        logits = reference_forward.forward(float64_model(path), chunk, n_ctx_seq=llama_cpp_context(n_ctx),
+                                           gelu_mode="tanh")
+        logprobs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        nll -= sum(logprobs[i, chunk[i + 1]] for i in range(first, n_ctx - 1))
+    assert ours.n_scored == 3 * (n_ctx - 1 - first)
+    assert ours.nll == pytest.approx(nll / ours.n_scored, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "gemma3", "phi3"])
+def test_info_generate_and_perplexity_commands_run(family_model: Callable[..., Path], shared: Path, tmp_path: Path,
+                                                   name: str) -> None:
+    from tests.helpers import run_cli
+
+    path = family_model(name)
+    text = tmp_path / "text.txt"
+    text.write_text((shared / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:2000], encoding="utf-8")
+    info = run_cli(["info", path])
+    assert info.exit_code == 0 and f"architecture:  {FAMILY_PRESETS[name][0]}" in info.output, info.output
+    ppl = run_cli(["perplexity", "-m", path, "-f", text, "-c", "32"])
+    assert ppl.exit_code == 0 and "perplexity: " in ppl.output, ppl.output
+    gen = run_cli(["generate", "-m", path, "-p", "To be", "-n", "6"])
+    assert gen.exit_code == 0 and "6 tokens in" in gen.output, gen.output
+
+
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "llama3_tied"])
+def test_greedy_generation_equals_llama_cpps(family_model: Callable[..., Path], name: str) -> None:
+    """Token by token through the KV cache, ggtorch and llama.cpp pick the same argmax."""
+    from ggtorch.models.generate import generate_tokens
+
+    path = family_model(name)
+    prompt = tokens_for(path)[:5]
+    ours = generate_tokens(load(path), prompt, 12)
+    llm = open_llama_cpp(path, 64)
+    llm.reset()
+    llm.eval(prompt)
+    theirs = []
+    for _ in range(12):
+        theirs.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([theirs[-1]])
+    assert ours == theirs
