@@ -1,25 +1,33 @@
 """Records -> tokens and a "trained" mask: chat templates, the default prompt template, BOS/EOS.
 
-A chat record is rendered with the model's ``tokenizer.chat_template`` (or a template file)
-in a sandboxed jinja2 environment, as Hugging Face's ``apply_chat_template`` renders it
+A chat record is rendered once with the model's ``tokenizer.chat_template`` (or a template
+file) in a sandboxed jinja2 environment, as Hugging Face's ``apply_chat_template`` renders it
 (``trim_blocks``, ``lstrip_blocks``, its ``tojson`` filter and ``{% generation %}`` tag;
 variables ``messages``, ``bos_token``, ``eos_token``, ``add_generation_prompt``,
-``raise_exception``, ``strftime_now``). Assistant spans are found by rendering
-prefixes: for assistant message i, ``render(messages[:i], add_generation_prompt=True)`` is the
-prompt the model answers and ``render(messages[:i+1])`` ends where its answer (with the
-template's end-of-turn marker) ends. Both must be prefixes of the whole render, else the
-template does not render incrementally and the record is refused.
+``raise_exception``, ``strftime_now``). The answers are then found in that one render:
 
-The text between spans and the spans themselves are tokenized piece by piece, as llama.cpp
-tokenizes a prompt (``parse_special``: special-token texts become their ids). So the trained
-tokens are exactly the tokens the model has to generate after the prompt llama.cpp builds.
+- a template with ``{% generation %}...{% endgeneration %}`` blocks names them itself (the
+  spans transformers' ``return_assistant_tokens_mask`` trains);
+- otherwise each assistant message's content is searched left to right, from the end of the
+  previous message's content, and extended by the end-of-turn text the template writes after
+  it, up to and including the first end-of-generation token text (``<|im_end|>``,
+  ``<end_of_turn>``, ``<|eot_id|>``, ``<|end|>`` ...). Each content is looked for with the
+  template text that precedes it (found by rendering the conversation with placeholder
+  contents), so a short answer is not matched inside an earlier message or a role header.
+
+Templates that rewrite earlier turns (Qwen3 drops past reasoning) or end a conversation
+otherwise than a generation prompt (Phi-3.5) train as well; a record is refused only when an
+assistant content is not in the render at all.
+
+The render is tokenized once, as llama.cpp tokenizes a prompt (``parse_special``: special
+token texts become their ids), and a token is trained when it starts inside an answer span.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +36,7 @@ import numpy as np
 from ggtorch.data.records import Example
 from ggtorch.data.samples import TokenizerLike
 from ggtorch.errors import BadData
+from ggtorch.models.tokenizer import EOG_TEXTS
 
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 """The default prompt of a prompt/response record; the response follows, then EOS."""
@@ -53,22 +62,32 @@ def default_prompt(example: Example) -> str:
     return PROMPT_TEMPLATE.format(instruction=example.instruction)
 
 
+GENERATION_START, GENERATION_END = "\ue000<generation>\ue001", "\ue000</generation>\ue001"
+"""What the ``{% generation %}`` tag writes around its body (private-use characters, absent from real text)."""
+PLACEHOLDER = "\ue000<content {}>\ue001"
+"""Message i's content in the probe render that shows where the template writes each content."""
+
+
 class ChatTemplate:
     """A compiled jinja chat template: ``render(messages, add_generation_prompt) -> str``."""
 
     def __init__(self, source: str, bos_token: str, eos_token: str, name: str = "chat template") -> None:
-        from jinja2 import TemplateError
+        from jinja2 import TemplateError, nodes
         from jinja2.ext import Extension
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         class GenerationTag(Extension):
-            """Hugging Face's ``{% generation %}...{% endgeneration %}``: renders its body unchanged."""
+            """Hugging Face's ``{% generation %}...{% endgeneration %}``: its body, between markers."""
 
             tags = {"generation"}
 
             def parse(self, parser: Any) -> Any:
-                parser.stream.skip(1)
-                return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+            def _mark(self, caller: Any) -> str:
+                return GENERATION_START + caller() + GENERATION_END
 
         self.name = name
         self.bos_token, self.eos_token = bos_token, eos_token
@@ -83,11 +102,18 @@ class ChatTemplate:
             raise BadData(f"{name}: cannot be compiled ({e}); fix the template or pass another with "
                           "--chat-template") from None
 
-    def render(self, messages: Sequence[tuple[str, str]] | Sequence[dict[str, str]],
+    def render(self, messages: Sequence[tuple[str, str]] | Sequence[Mapping[str, Any]],
                add_generation_prompt: bool = False, where: str = "") -> str:
+        """The template's text for ``messages`` (``(role, content)`` pairs or message dicts)."""
+        return self.render_marked(messages, add_generation_prompt, where).replace(
+            GENERATION_START, "").replace(GENERATION_END, "")
+
+    def render_marked(self, messages: Sequence[tuple[str, str]] | Sequence[Mapping[str, Any]],
+                      add_generation_prompt: bool = False, where: str = "") -> str:
+        """``render`` with each ``{% generation %}`` block between GENERATION_START and GENERATION_END."""
         from jinja2 import TemplateError
 
-        msgs = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
+        msgs = [dict(m) if isinstance(m, Mapping) else {"role": m[0], "content": m[1]} for m in messages]
         try:
             return self._template.render(messages=msgs, bos_token=self.bos_token, eos_token=self.eos_token,
                                          add_generation_prompt=add_generation_prompt)
@@ -111,33 +137,150 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def chat_pieces(template: ChatTemplate, messages: Sequence[tuple[str, str]], where: str) -> list[tuple[str, bool]]:
-    """The whole render cut into (text, is_assistant_answer) pieces by prefix renders.
+Span = tuple[int, int]
+"""Character offsets ``[start, end)`` in a render."""
 
-    An answer piece runs from the end of the generation prompt to the end of the assistant
-    turn as the template writes it (its end-of-turn marker included, trailing whitespace not).
+
+def generation_spans(marked: str) -> tuple[str, list[Span]]:
+    """The render without generation markers, and the spans the markers enclosed (non-empty ones)."""
+    text: list[str] = []
+    spans: list[Span] = []
+    at = 0
+    for i, part in enumerate(marked.split(GENERATION_START)):
+        body, _, rest = part.partition(GENERATION_END) if i else ("", "", part)
+        if body:
+            spans.append((at, at + len(body)))
+        text += [body, rest]
+        at += len(body) + len(rest)
+    return "".join(text), spans
+
+
+def _preceding_texts(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> list[str | None]:
+    """Per message, the template text written between the previous content and its own.
+
+    Read from a probe render whose contents are placeholders: None for a message whose content
+    the template does not write exactly once (or a probe the template refuses).
     """
-    full = template.render(messages, False, where)
+    probe = [{**m, "content": PLACEHOLDER.format(i)} for i, m in enumerate(messages)]
+    try:
+        text = template.render(probe)
+    except BadData:
+        return [None] * len(messages)
+    out: list[str | None] = []
+    prev_end = 0
+    for i in range(len(messages)):
+        tag = PLACEHOLDER.format(i)
+        at = text.find(tag, prev_end)
+        if at < 0 or text.count(tag) != 1:
+            out.append(None)
+            continue
+        out.append(text[prev_end:at])
+        prev_end = at + len(tag)
+    return out
+
+
+def _find_content(text: str, content: str, before: str | None, pos: int, anchored: bool) -> Span | None:
+    """Where ``content`` (as is, or stripped as templates that trim write it) is in ``text`` from ``pos``.
+
+    First right after the template text that precedes it; unless ``anchored``, then anywhere.
+    """
+    variants = [c for c in dict.fromkeys((content, content.strip())) if c]
+    if before is not None:
+        for c in variants:
+            at = text.find(before + c, pos)
+            if at >= 0:
+                return at + len(before), at + len(before) + len(c)
+    if not anchored:
+        for c in variants:
+            at = text.find(c, pos)
+            if at >= 0:
+                return at, at + len(c)
+    return None
+
+
+def answer_spans(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], where: str,
+                 end_texts: Sequence[str]) -> tuple[str, list[Span]]:
+    """The render of a whole conversation and the spans of its answers (each with its end-of-turn text).
+
+    ``end_texts`` are the end-of-generation token texts: an answer's span runs to the end of
+    the first one the template writes after its content (before the next message's content),
+    or ends with the content when the template writes none.
+    """
+    text, marked = generation_spans(template.render_marked(messages, False, where))
+    if marked:
+        return text, marked
+    before = _preceding_texts(template, messages)
+    found: list[tuple[int, Span]] = []
+    pos = 0
+    for i, m in enumerate(messages):
+        assistant = m["role"] == "assistant"
+        # other roles only anchor the search, so they must be found where the template puts them
+        span = _find_content(text, m["content"], before[i], pos, anchored=not assistant)
+        if span is None and assistant:
+            raise BadData(f"{where}: the {template.name} does not write assistant message {i}'s content into "
+                          "its render of the conversation, so the answer cannot be located; fix the record or "
+                          "pass a template that writes it with --chat-template")
+        if span is not None:
+            found.append((i, span))
+            pos = span[1]
+    spans: list[Span] = []
+    for k, (i, (start, end)) in enumerate(found):
+        if messages[i]["role"] != "assistant":
+            continue
+        limit = found[k + 1][1][0] if k + 1 < len(found) else len(text)
+        ends = [(at, -len(e)) for e in end_texts if (at := text.find(e, end, limit)) >= 0]
+        if ends:
+            at, neg_len = min(ends)
+            end = at - neg_len
+        spans.append((start, end))
+    return text, spans
+
+
+def split_at_spans(text: str, spans: Sequence[Span]) -> list[tuple[str, bool]]:
+    """``text`` cut into (piece, in a span) pieces, empty pieces left out."""
     pieces: list[tuple[str, bool]] = []
     pos = 0
-    for i, (role, content) in enumerate(messages):
-        if role != "assistant":
-            continue
-        prompt = template.render(messages[:i], True, where)
-        upto = template.render(messages[:i + 1], False, where)
-        if not (upto.startswith(prompt) and full.startswith(upto) and len(prompt) >= pos):
-            raise BadData(f"{where}: the {template.name} does not render conversations incrementally (the render "
-                          f"up to message {i} is not a prefix of the whole), so the answer cannot be located; "
-                          "pass a template that does with --chat-template")
-        answer = upto[len(prompt):].rstrip()
-        if content.strip() not in answer:
-            raise BadData(f"{where}: the {template.name} does not write assistant message {i}'s content where the "
-                          "generation prompt ends; pass a template that does with --chat-template")
-        pieces.append((full[pos:len(prompt)], False))
-        pieces.append((answer, True))
-        pos = len(prompt) + len(answer)
-    pieces.append((full[pos:], False))
-    return [(text, trained) for text, trained in pieces if text]
+    for start, end in spans:
+        pieces += [(text[pos:start], False), (text[start:end], True)]
+        pos = end
+    pieces.append((text[pos:], False))
+    return [(piece, trained) for piece, trained in pieces if piece]
+
+
+_WHITESPACE = b" \t\n\v\f\r"
+
+
+def token_starts(tokenizer: TokenizerLike, text: bytes, ids: Sequence[int]) -> np.ndarray | None:
+    """The byte offset in ``text`` where each token of ``ids`` (``text`` tokenized) starts.
+
+    Token pieces are matched in order. Two things a tokenizer does make pieces differ from the
+    text: sentencepiece's space prefix (a leading space the text lacks) and special tokens that
+    swallow the whitespace after them (Phi-3's), which no piece holds. None when the pieces do
+    not spell the text (e.g. an unknown-token piece), or the tokenizer gives no pieces.
+    """
+    piece_bytes = getattr(tokenizer, "piece_bytes", None)
+    if piece_bytes is None:
+        return None
+    pieces = [piece_bytes(int(t), True) for t in ids]
+    lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+    if b"".join(pieces) == text:  # byte-level BPE: the pieces are the text
+        return np.cumsum(lengths) - lengths
+    starts = np.empty(len(pieces), dtype=np.int64)
+    pos = 0
+    for k, piece in enumerate(pieces):
+        skip = pos
+        while True:
+            if text.startswith(piece, skip):
+                starts[k], pos = skip, skip + len(piece)
+                break
+            if piece[:1] == b" " and text.startswith(piece[1:], skip):
+                starts[k], pos = skip, skip + len(piece) - 1
+                break
+            if skip < len(text) and text[skip] in _WHITESPACE:
+                skip += 1
+                continue
+            return None
+    return starts if not text[pos:].strip(_WHITESPACE) else None
 
 
 class RecordEncoder:
@@ -158,36 +301,61 @@ class RecordEncoder:
         self.template = (ChatTemplate(chat_template, self.bos_token, self.eos_token, template_name)
                          if chat_template is not None else None)
         self.add_bos = bool(getattr(tokenizer, "add_bos", True)) and tokenizer.bos_id >= 0
+        eog = {texts[i] for i in getattr(tokenizer, "eog_ids", ()) if texts and 0 <= i < len(texts)}
+        self.end_texts = sorted((eog | EOG_TEXTS | {self.eos_token}) - {""})
+        """Texts that end an answer: the GGUF's end-of-generation tokens and those llama.cpp knows by text."""
 
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special=False, parse_special=True)
 
+    def chat_render(self, example: Example) -> tuple[str, list[Span]]:
+        """A chat example's whole render and its answers' spans in it."""
+        if self.template is None:
+            raise BadData(f"{example.where}: chat records need a chat template, and the model has no "
+                          "tokenizer.chat_template; pass one with --chat-template FILE")
+        fields = example.fields or ({},) * len(example.messages)
+        messages = [{**extra, "role": role, "content": content}
+                    for (role, content), extra in zip(example.messages, fields, strict=True)]
+        return answer_spans(self.template, messages, example.where, self.end_texts)
+
     def pieces(self, example: Example) -> list[tuple[str, bool]]:
         """(text, trained) pieces of an example; EOS for prompt/response and text is added as a token."""
         if example.format == "chat":
-            if self.template is None:
-                raise BadData(f"{example.where}: chat records need a chat template, and the model has no "
-                              "tokenizer.chat_template; pass one with --chat-template FILE")
-            return chat_pieces(self.template, example.messages, example.where)
+            return split_at_spans(*self.chat_render(example))
         if example.format == "prompt-response":
             return [(default_prompt(example), False), (example.response, True)]
         return [(example.text, True)]
 
-    def encode(self, example: Example) -> Encoded:
+    def _encode_chat(self, example: Example) -> tuple[list[int], np.ndarray]:
+        """The render tokenized once; a token is trained when it starts inside an answer span."""
+        text, spans = self.chat_render(example)
+        ids = self._tokenize(text)
+        starts = token_starts(self.tokenizer, text.encode("utf-8"), ids)
+        if starts is None:  # pieces that do not spell the render: tokenize it piece by piece instead
+            return self._encode_pieces(split_at_spans(text, spans))
+        bounds = [len(text[:at].encode("utf-8")) for span in spans for at in span]
+        return ids, np.searchsorted(np.asarray(bounds, dtype=np.int64), starts, side="right") % 2 == 1
+
+    def _encode_pieces(self, pieces: Sequence[tuple[str, bool]]) -> tuple[list[int], np.ndarray]:
         ids: list[int] = []
         trained: list[bool] = []
-        for text, is_answer in self.pieces(example):
+        for text, is_answer in pieces:
             piece = self._tokenize(text)
             ids += piece
             trained += [is_answer] * len(piece)
-        if example.format != "chat" and self.tokenizer.eos_id >= 0:
-            ids.append(self.tokenizer.eos_id)  # the answer ends the record, as generation should
-            trained.append(True)
+        return ids, np.asarray(trained, dtype=bool)
+
+    def encode(self, example: Example) -> Encoded:
+        if example.format == "chat":
+            ids, mask = self._encode_chat(example)
+        else:
+            ids, mask = self._encode_pieces(self.pieces(example))
+            if self.tokenizer.eos_id >= 0:
+                ids.append(self.tokenizer.eos_id)  # the answer ends the record, as generation should
+                mask = np.append(mask, True)
         if self.add_bos and (not ids or ids[0] != self.tokenizer.bos_id):
             ids.insert(0, self.tokenizer.bos_id)
-            trained.insert(0, False)
-        mask = np.asarray(trained, dtype=bool)
+            mask = np.insert(mask, 0, False)
         if self.train_on_prompt:
             mask[:] = True
-        return Encoded(np.asarray(ids, dtype=np.int64), mask)
-
+        return Encoded(np.asarray(ids, dtype=np.int64), mask.astype(bool, copy=False))

@@ -39,13 +39,15 @@ class Record:
 class Example:
     """A validated record in one of the formats, ready to be rendered and tokenized.
 
-    chat: ``messages`` is a tuple of ``(role, content)``; prompt-response: ``instruction``,
-    ``input`` (may be empty) and ``response``; text: ``text``.
+    chat: ``messages`` is a tuple of ``(role, content)`` and ``fields`` holds each message's
+    other keys (e.g. ``reasoning_content``), which the chat template sees too; prompt-response:
+    ``instruction``, ``input`` (may be empty) and ``response``; text: ``text``.
     """
 
     format: str
     where: str
     messages: tuple[tuple[str, str], ...] = ()
+    fields: tuple[Mapping[str, Any], ...] = ()
     instruction: str = ""
     input: str = ""
     response: str = ""
@@ -178,13 +180,15 @@ def to_example(record: Record, fmt: str, name: str = "--train-data") -> Example:
         raise BadData(f"{name} {where}: missing field 'messages'")
     if not isinstance(messages, list | tuple) or not messages:
         raise BadData(f"{name} {where}: 'messages' must be a non-empty list of {{role, content}} objects")
-    out = []
+    out, fields = [], []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise BadData(f"{name} {where}: message {i} must be an object with string 'role' and 'content'")
         if m["role"] == "assistant" and not m["content"].strip():
             raise BadData(f"{name} {where}: message {i} is an empty assistant response")
         out.append((m["role"], m["content"]))
+        # a null field is an absent one (Parquet gives every message every key of the column)
+        fields.append({k: v for k, v in m.items() if k not in ("role", "content") and v is not None})
     if not any(role == "assistant" for role, _ in out):
         raise BadData(f"{name} {where}: no 'assistant' message, so nothing to train on")
-    return Example(fmt, where, messages=tuple(out))
+    return Example(fmt, where, messages=tuple(out), fields=tuple(fields))

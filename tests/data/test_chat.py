@@ -136,7 +136,12 @@ def test_prompts_are_what_llama_cpp_python_builds(tokenizer: Tokenizer, template
 
 
 def test_token_and_mask_layout_of_one_short_example(chat_model: Path, tokenizer: Tokenizer) -> None:
-    """[user Hi, assistant Yo]: written out by hand; token ids from llama.cpp's tokenizer."""
+    """[user Hi, assistant Yo]: written out by hand; token ids from llama.cpp's tokenizer.
+
+    The render is tokenized once, as llama.cpp tokenizes a conversation: the answer's tokens
+    are those of the whole render, not of "Yo<|im_end|>" alone (which would start with the
+    sentencepiece space prefix, a "▁" the model never generates after "assistant\n").
+    """
     llm = llama_cpp_tokenizer(chat_model)
 
     def tok(text: str) -> list[int]:
@@ -145,17 +150,165 @@ def test_token_and_mask_layout_of_one_short_example(chat_model: Path, tokenizer:
     prompt, answer, tail = "<s><|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "Yo<|im_end|>", "\n"
     encoder = RecordEncoder(tokenizer, TEMPLATE)
     assert encoder.pieces(chat_example(CONVERSATIONS[0])) == [(prompt, False), (answer, True), (tail, False)]
-    p, a, t = tok(prompt), tok(answer), tok(tail)
+    full, p, pa = tok(prompt + answer + tail), tok(prompt), tok(prompt + answer)
+    assert full[:len(pa)] == pa and pa[:len(p)] == p  # the answer's ends fall between tokens
+    a = full[len(p):len(pa)]
+    assert tok(answer) == [tok(" ")[-1], *a]  # alone, it would take a space prefix
     assert p[0] == tokenizer.bos_id == 1  # "<s>" in the template is the BOS token, not added twice
     enc = encoder.encode(chat_example(CONVERSATIONS[0]))
-    assert enc.tokens.tolist() == p + a + t
-    assert enc.trained.tolist() == [False] * len(p) + [True] * len(a) + [False] * len(t)
+    assert enc.tokens.tolist() == full
+    assert enc.trained.tolist() == [False] * len(p) + [True] * len(a) + [False] * (len(full) - len(pa))
 
-    n = len(p + a + t)
+    n = len(full)
     batch = collate([[enc]], n_ctx=n - 1 + 3, pad_id=tokenizer.eos_id, pack=False)
-    assert batch.inputs[0].tolist() == (p + a + t)[:-1] + [2, 2, 2]
-    assert batch.targets[0].tolist() == [-100] * (len(p) - 1) + a + [-100] * len(t) + [-100] * 3
+    assert batch.inputs[0].tolist() == full[:-1] + [2, 2, 2]
+    assert batch.targets[0].tolist() == [-100] * (len(p) - 1) + a + [-100] * (n - len(pa)) + [-100] * 3
     assert batch.positions is None and batch.segments is None
+
+
+# --- real chat templates ----------------------------------------------------------------------
+
+REAL_TEMPLATES = {
+    # template file (../shared/templates): vocabulary, end-of-turn text, whether it takes a system message
+    "Qwen-Qwen2.5-7B-Instruct": ("qwen2", "<|im_end|>", True),
+    "Qwen-Qwen3-0.6B": ("qwen2", "<|im_end|>", True),
+    "meta-llama-Llama-3.2-3B-Instruct": ("llama-bpe", "<|eot_id|>", True),
+    "microsoft-Phi-3.5-mini-instruct": ("phi-3", "<|end|>", True),
+    "google-gemma-2-2b-it": ("gemma2-like", "<end_of_turn>", False),
+}
+REAL_CHATS = [
+    # short answers that also occur earlier: in the user's message and in the role headers ("a" in "assistant")
+    [("user", "Say a"), ("assistant", "a"), ("user", "Where is Tom?"), ("assistant", "In the park.")],
+    [("user", "Is the sky blue? Answer Yes or No."), ("assistant", "Yes"), ("user", "Is grass green? Yes or No."),
+     ("assistant", "Yes"), ("user", "Write two lines."), ("assistant", "Line one.\nLine two.")],
+    [("user", "Traduis « thé »"), ("assistant", "tea ☕ (thé)")],
+]
+SYSTEM = ("system", "You are a helpful assistant. Answer briefly.")
+
+
+@pytest.fixture(scope="module")
+def real_tokenizers(shared: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Tokenizer, Path]]:
+    """The vocabularies the real templates go with; Gemma's is llama-spm with Gemma 2's tokens added."""
+    from gguf import TokenType
+
+    from tests.models.test_tokenizer import write_gemma_like_vocab
+
+    paths = {name: shared / "vocab" / f"ggml-vocab-{name}.gguf" for name in ("qwen2", "llama-bpe", "phi-3")}
+    paths["gemma2-like"] = write_gemma_like_vocab(tmp_path_factory.mktemp("gemma") / "gemma2-like.gguf",
+                                                  read_gguf(shared / "vocab" / "ggml-vocab-llama-spm.gguf"),
+                                                  TokenType.USER_DEFINED)
+    return {name: (Tokenizer.from_gguf(read_gguf(path)), path) for name, path in paths.items()}
+
+
+def trained_texts(tokenizer: Tokenizer, enc: Encoded) -> list[str]:
+    """Each run of consecutive trained tokens, decoded as llama.cpp detokenizes (special texts kept)."""
+    at = np.flatnonzero(enc.trained)
+    runs = np.split(at, np.flatnonzero(np.diff(at) > 1) + 1) if len(at) else []
+    return [tokenizer.decode(enc.tokens[run].tolist(), remove_special=False, unparse_special=True) for run in runs]
+
+
+def test_every_shared_template_is_tested(shared: Path) -> None:
+    assert {p.stem for p in (shared / "templates").glob("*.jinja")} == set(REAL_TEMPLATES)
+
+
+REAL_CASES = [(name, chat, system) for name, (_, _, takes_system) in REAL_TEMPLATES.items()
+              for chat in range(len(REAL_CHATS)) for system in (False, True) if takes_system or not system]
+
+
+@pytest.mark.parametrize(("name", "chat", "system"), REAL_CASES,
+                         ids=[f"{n}-chat{c}{'-system' if s else ''}" for n, c, s in REAL_CASES])
+def test_real_templates_train_exactly_each_answer_and_its_end_of_turn(
+        shared: Path, real_tokenizers: dict[str, tuple[Tokenizer, Path]], name: str, chat: int, system: bool) -> None:
+    """The trained tokens, decoded, are each assistant content followed by the template's end-of-turn
+    marker; the tokens are llama.cpp's tokenization of the whole render."""
+    vocab, end_of_turn, _ = REAL_TEMPLATES[name]
+    tokenizer, path = real_tokenizers[vocab]
+    messages = [SYSTEM, *REAL_CHATS[chat]] if system else REAL_CHATS[chat]
+    records = load_records([{"messages": [{"role": r, "content": c} for r, c in messages]}], "records")
+    data = RecordData(records, tokenizer, 512, seed=1, model_template=(shared / "templates" / f"{name}.jinja")
+                      .read_text(encoding="utf-8"))
+    enc = data.encoded[0]
+    assert trained_texts(tokenizer, enc) == [c + end_of_turn for r, c in messages if r == "assistant"]
+
+    render = data.encoder.template.render([{"role": r, "content": c} for r, c in messages])
+    expected = llama_cpp_tokenizer(path).tokenize(render.encode(), add_bos=False, special=True)
+    if tokenizer.add_bos and expected[0] != tokenizer.bos_id:
+        expected.insert(0, tokenizer.bos_id)
+    assert enc.tokens.tolist() == expected
+
+
+def test_qwen3_reasoning_is_context_not_answer(shared: Path,
+                                               real_tokenizers: dict[str, tuple[Tokenizer, Path]]) -> None:
+    """Qwen3 writes the last answer's reasoning_content in a <think> block and drops earlier turns'
+    reasoning: the answers train, the reasoning does not."""
+    tokenizer, _ = real_tokenizers["qwen2"]
+    template = (shared / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text(encoding="utf-8")
+    messages = [{"role": "user", "content": "Where is Tom?"},
+                {"role": "assistant", "content": "In the park.", "reasoning_content": "Tom likes the park."},
+                {"role": "user", "content": "And Lily?"},
+                {"role": "assistant", "content": "At home.", "reasoning_content": "Lily is sick.\nShe stays in."}]
+    data = RecordData(load_records([{"messages": messages}], "records"), tokenizer, 512, seed=1,
+                      model_template=template)
+    enc = data.encoded[0]
+    assert trained_texts(tokenizer, enc) == ["In the park.<|im_end|>", "At home.<|im_end|>"]
+    whole = tokenizer.decode(enc.tokens.tolist(), remove_special=False, unparse_special=True)
+    assert "Tom likes the park." not in whole  # Qwen3 drops an earlier turn's reasoning
+    assert "<|im_start|>assistant\n<think>\nLily is sick.\nShe stays in.\n</think>\n\nAt home.<|im_end|>" in whole
+
+
+def test_a_content_the_template_does_not_write_is_refused_by_record_and_template(
+        shared: Path, real_tokenizers: dict[str, tuple[Tokenizer, Path]]) -> None:
+    """Qwen3 cuts inline <think> reasoning out of an earlier answer: that content is not in the render."""
+    tokenizer, _ = real_tokenizers["qwen2"]
+    template = (shared / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text(encoding="utf-8")
+    records = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
+               {"messages": [{"role": "user", "content": "Hi"},
+                             {"role": "assistant", "content": "<think>Greet back.</think>Hello."},
+                             {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]}]
+    with pytest.raises(BadData) as e:
+        RecordData(load_records(records, "records"), tokenizer, 512, seed=1, model_template=template)
+    assert str(e.value) == ("--train-data record 2: the model's chat template (tokenizer.chat_template) does not write "
+                            "assistant message 1's content into its render of the conversation, so the answer "
+                            "cannot be located; fix the record or pass a template that writes it with "
+                            "--chat-template")
+
+
+def test_pieces_that_do_not_spell_the_render_fall_back_to_piecewise_tokens(tokenizer: Tokenizer) -> None:
+    """When token pieces cannot be matched to the render (here: every piece reads "?"), each answer and
+    the text between them are tokenized on their own, and the mask follows those pieces."""
+
+    class Unmatched:
+        def __init__(self, inner: Tokenizer) -> None:
+            self.inner = inner
+            self.tokens, self.bos_id, self.eos_id, self.n_vocab = inner.tokens, inner.bos_id, inner.eos_id, 512
+
+        def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+            return self.inner.encode(text, add_special, parse_special)
+
+        def piece_bytes(self, token: int, special: bool = False) -> bytes:
+            return b"?"
+
+    example = chat_example(CONVERSATIONS[1])
+    enc = RecordEncoder(Unmatched(tokenizer), TEMPLATE).encode(example)
+    pieces = RecordEncoder(tokenizer, TEMPLATE).pieces(example)
+    tokens = [tokenizer.encode(text, add_special=False, parse_special=True) for text, _ in pieces]
+    assert enc.tokens.tolist() == sum(tokens, [])
+    assert enc.trained.tolist() == sum(([trained] * len(t) for (_, trained), t in zip(pieces, tokens, strict=True)),
+                                       [])
+    assert enc.tokens.tolist() != RecordEncoder(tokenizer, TEMPLATE).encode(example).tokens.tolist()
+
+
+def test_generation_blocks_name_the_trained_spans(tokenizer: Tokenizer) -> None:
+    """{% generation %} decides, not the content search: here it leaves the answer's end marker out and
+    takes a header in."""
+    template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}<|assistant|>"
+                "{{ m['content'] }}{% endgeneration %}<|end|>\n{% else %}<|user|>{{ m['content'] }}<|end|>\n"
+                "{% endif %}{% endfor %}")
+    encoder = RecordEncoder(tokenizer, template)
+    pieces = encoder.pieces(chat_example(CONVERSATIONS[1][1:]))
+    assert [text for text, trained in pieces if trained] == ["<|assistant|>In the park.", "<|assistant|>At home."]
+    assert "".join(text for text, _ in pieces) == encoder.template.render(CONVERSATIONS[1][1:])
+    assert "\ue000" not in encoder.template.render(CONVERSATIONS[1][1:])
 
 
 def test_prompt_response_default_template_and_eos(tokenizer: Tokenizer) -> None:
@@ -471,7 +624,7 @@ BAD = [
      "bad.jsonl line 1: the model's chat template (tokenizer.chat_template) failed to render (unknown role tool)"),
     ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n',
      {"chat_template": "{{ messages[0]['content'] }} {% if add_generation_prompt %}A:{% endif %}"},
-     "does not render conversations incrementally"),
+     "does not write assistant message 1's content into its render of the conversation"),
     ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n',
      {"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %"}, "cannot be compiled"),
 ]
