@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gguf
@@ -282,8 +282,15 @@ the llama sentencepiece vocabulary)."""
 
 
 def write_preset(name: str, out_dir: Path, vocab_dir: Path, seed: int = 0) -> Path:
-    """Write FAMILY_PRESETS[name] as ``out_dir/name-f32.gguf``."""
-    arch, vocab, shape = FAMILY_PRESETS[name]
+    """Write FAMILY_PRESETS[name] as ``out_dir/name-f32.gguf``; ``NAME-wide`` is the preset with rows of
+    256 values (n_embd and n_ff multiples of 256) over a 32k vocabulary, so that llama.cpp's K-quants
+    quantize its matrices instead of falling back to legacy types."""
+    base, _, wide = name.partition("-")
+    arch, vocab, shape = FAMILY_PRESETS[base]
+    if wide:
+        head = 64 if shape.head_dim else None
+        shape = replace(shape, n_embd=256, n_ff=512, head_dim=head, n_rot=32 if shape.n_rot else None)
+        vocab = "phi-3" if arch == "phi3" else "llama-spm"  # llama.cpp reads phi3 files with phi-3 tokens
     return write_random_model(out_dir / f"{name}-f32.gguf", arch, vocab_dir / VOCABULARIES[vocab], shape, seed)
 
 
