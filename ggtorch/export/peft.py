@@ -1,16 +1,23 @@
-"""PEFT LoRA adapter folders <-> ggtorch adapters, for llama models, both ways.
+"""PEFT LoRA adapter folders <-> ggtorch adapters, for every supported family, both ways.
 
 A PEFT folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` with Hugging
 Face module names (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``).
 Only the GGUF base model is needed on either side, never the Hugging Face folder.
 
+Module names follow the family's Hugging Face model: llama, qwen2, qwen3, gemma2 and gemma3 have
+``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj``; phi3 fuses them as ``qkv_proj``
+(GGUF ``attn_qkv``) and ``gate_up_proj`` (GGUF ``ffn_up``, gate rows first on both sides). A GGUF
+whose q/k/v are fused where the Hugging Face model splits them, or the reverse, has no PEFT
+counterpart and is refused.
+
 Three layout differences between the two worlds:
 
-- **q/k rows.** llama.cpp's converter (``LlamaModel.permute`` in convert_hf_to_gguf.py)
-  stores attn_q / attn_k with the rows of each head reordered from Hugging Face's
-  "two halves" rope layout to ggml's "interleaved pairs": per head, HF row ``p·hd/2 + j``
-  becomes GGUF row ``2j + p``. ``ΔW = B·A`` follows its rows, so only ``lora_B`` is
-  permuted; attn_k uses the KV head count.
+- **q/k rows (llama only).** llama.cpp's converter (``LlamaModel.permute`` in
+  convert_hf_to_gguf.py) stores attn_q / attn_k with the rows of each head reordered from
+  Hugging Face's "two halves" rope layout to ggml's "interleaved pairs": per head, HF row
+  ``p·hd/2 + j`` becomes GGUF row ``2j + p``. ``ΔW = B·A`` follows its rows, so only ``lora_B``
+  is permuted; attn_k uses the KV head count. The other families use ggml's NEOX rope, which is
+  Hugging Face's layout: the converter stores their rows as they are.
 - **token embeddings.** PEFT's ``lora_embedding_A (r, n_vocab)`` / ``lora_embedding_B
   (n_embd, r)`` give ``ΔE = Aᵀ·Bᵀ``; GGUF LoRA holds ``lora_a (n_vocab, r)`` = Aᵀ and
   ``lora_b (n_embd, r)`` = B.
@@ -39,7 +46,7 @@ from ggtorch.errors import BadData, GGTorchError, Unsupported
 from ggtorch.io.gguf import GGUFFile, atomic_path
 from ggtorch.lora.adapter_file import TOKEN_EMBD, LoraAdapter, LoraPair, validate_against_base
 from ggtorch.models import names
-from ggtorch.models.config import LlamaConfig
+from ggtorch.models.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -48,7 +55,8 @@ BASE_LAYER_SUFFIX = ".base_layer.weight"
 PEFT_PREFIX = "base_model.model."
 """What PeftModel puts before the base model's module names in saved keys."""
 
-# tensor kind -> Hugging Face LlamaForCausalLM module path ({bid}: layer index)
+# tensor kind -> Hugging Face LlamaForCausalLM module path ({bid}: layer index); qwen2, qwen3,
+# gemma2 and gemma3 name their modules alike
 HF_MODULES: dict[str, str] = {
     "token_embd": "model.embed_tokens",
     "output": "lm_head",
@@ -60,11 +68,32 @@ HF_MODULES: dict[str, str] = {
     "ffn_up": "model.layers.{bid}.mlp.up_proj",
     "ffn_down": "model.layers.{bid}.mlp.down_proj",
 }
+FAMILY_HF_MODULES: dict[str, dict[str, str]] = {
+    "phi3": {"token_embd": "model.embed_tokens", "output": "lm_head",
+             "attn_qkv": "model.layers.{bid}.self_attn.qkv_proj",
+             "attn_output": "model.layers.{bid}.self_attn.o_proj",
+             "ffn_up": "model.layers.{bid}.mlp.gate_up_proj",
+             "ffn_down": "model.layers.{bid}.mlp.down_proj"},
+}
+"""Architectures whose Hugging Face module names differ from HF_MODULES: Phi3ForCausalLM's."""
+HF_CLASSES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+"""The Hugging Face model class of each family, for messages."""
 HF_LEAVES: dict[str, str] = {path.rsplit(".", 1)[-1]: kind for kind, path in HF_MODULES.items()}
 """``q_proj`` -> ``attn_q``: the names PEFT's ``target_modules`` usually lists."""
+_ALL_LEAVES: tuple[str, ...] = tuple(dict.fromkeys(
+    path.rsplit(".", 1)[-1] for table in (HF_MODULES, *FAMILY_HF_MODULES.values()) for path in table.values()))
+"""Module leaves of every family: what a PEFT config may target."""
 
-_HF_PATTERNS = [(kind, re.compile(re.escape(p).replace(re.escape("{bid}"), r"(\d+)") + "$"))
-                for kind, p in HF_MODULES.items()]
+
+def hf_modules(architecture: str = "llama") -> dict[str, str]:
+    """Tensor kind -> Hugging Face module path in the model of ``architecture``."""
+    return FAMILY_HF_MODULES.get(architecture, HF_MODULES)
+
+
+def _hf_patterns(architecture: str) -> list[tuple[str, re.Pattern[str]]]:
+    return [(kind, re.compile(re.escape(p).replace(re.escape("{bid}"), r"(\d+)") + "$"))
+            for kind, p in hf_modules(architecture).items()]
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<half>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)$")
 
 # PEFT config features a GGUF LoRA cannot express: (key, value that is fine, why not)
@@ -79,19 +108,28 @@ _REFUSED_OPTIONS: tuple[tuple[str, Any, str], ...] = (
 )
 
 
-def hf_module_name(gguf_name: str) -> str:
+def _fusion_hint(architecture: str) -> str:
+    if architecture in FAMILY_HF_MODULES:
+        return (f"; Hugging Face's {architecture} fuses q/k/v (qkv_proj) and gate/up (gate_up_proj), so a "
+                "LoRA on separate attn_q/attn_k/attn_v or ffn_gate has no PEFT counterpart")
+    return (f"; Hugging Face's {architecture} has separate q_proj/k_proj/v_proj, so a LoRA on a fused "
+            "attn_qkv has no PEFT counterpart")
+
+
+def hf_module_name(gguf_name: str, architecture: str = "llama") -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj`` (GGTorchError if not adaptable)."""
+    modules = hf_modules(architecture)
     parsed = names.parse_gguf_name(gguf_name)
-    if parsed is None or parsed[0] not in HF_MODULES:
-        raise GGTorchError(f"'{gguf_name}' has no LoRA counterpart in a Hugging Face llama; "
-                           f"adaptable tensors: {', '.join(HF_MODULES)}")
+    if parsed is None or parsed[0] not in modules:
+        raise GGTorchError(f"'{gguf_name}' has no LoRA counterpart in a Hugging Face {architecture}; "
+                           f"adaptable tensors: {', '.join(modules)}{_fusion_hint(architecture)}")
     kind, bid = parsed
-    return HF_MODULES[kind].format(bid=bid)
+    return modules[kind].format(bid=bid)
 
 
-def gguf_tensor_name(hf_module: str) -> str | None:
+def gguf_tensor_name(hf_module: str, architecture: str = "llama") -> str | None:
     """``model.layers.3.self_attn.q_proj`` -> ``blk.3.attn_q.weight``; None for an unknown module."""
-    for kind, pattern in _HF_PATTERNS:
+    for kind, pattern in _hf_patterns(architecture):
         m = pattern.match(hf_module)
         if m:
             return names.gguf_name(kind, int(m.group(1)) if m.groups() else None)
@@ -110,9 +148,19 @@ def gguf_rows_to_hf(t: torch.Tensor, n_head: int) -> torch.Tensor:
     return t.reshape(n_head, t.shape[0] // n_head // 2, 2, *rest).transpose(1, 2).reshape(t.shape)
 
 
-def _rope_heads(config: LlamaConfig) -> dict[str, int]:
-    """Heads whose rows the converter permuted, per tensor kind."""
+def _rope_heads(config: ModelConfig) -> dict[str, int]:
+    """Heads whose rows the converter permuted, per tensor kind: llama's NORM rope only."""
+    if config.family.rope != "norm":
+        return {}
     return {"attn_q": config.n_head, "attn_k": config.n_head_kv}
+
+
+def _other_qkv_layout(gguf_name: str) -> str | None:
+    """The tensor that holds a q/k/v projection in the other layout: attn_qkv <-> attn_q (None: not q/k/v)."""
+    parsed = names.parse_gguf_name(gguf_name)
+    if parsed is None or parsed[0] not in ("attn_qkv", "attn_q", "attn_k", "attn_v"):
+        return None
+    return names.gguf_name("attn_q" if parsed[0] == "attn_qkv" else "attn_qkv", parsed[1])
 
 
 def _kind(gguf_name: str) -> str:
@@ -133,12 +181,12 @@ def export_peft(adapter: LoraAdapter, base: GGUFFile, out_dir: str | os.PathLike
     ``general.source.huggingface.repository`` or ``general.name``.
     """
     validate_against_base(adapter, base)
-    config = LlamaConfig.from_gguf(base)
+    config = ModelConfig.from_gguf(base)
     heads = _rope_heads(config)
     tensors: dict[str, torch.Tensor] = {}
     ranks: dict[str, int] = {}
     for name, pair in adapter.pairs.items():
-        module = hf_module_name(name)
+        module = hf_module_name(name, base.architecture)
         key = PEFT_PREFIX + module
         kind = _kind(name)
         if name == TOKEN_EMBD:
@@ -162,7 +210,7 @@ def export_peft(adapter: LoraAdapter, base: GGUFFile, out_dir: str | os.PathLike
         "lora_alpha": lora_alpha,
         "rank_pattern": {m: k for m, k in ranks.items() if k != r},
         "alpha_pattern": alpha_pattern,
-        "target_modules": _target_modules(ranks, config),
+        "target_modules": _target_modules(ranks, config, base.architecture),
         "lora_dropout": 0.0,
         "bias": "none",
         "use_rslora": False,
@@ -181,14 +229,16 @@ def export_peft(adapter: LoraAdapter, base: GGUFFile, out_dir: str | os.PathLike
     return out
 
 
-def _target_modules(ranks: dict[str, int], config: LlamaConfig) -> list[str]:
+def _target_modules(ranks: dict[str, int], config: ModelConfig, architecture: str) -> list[str]:
     """Leaf names (``q_proj``) when each adapted leaf is adapted everywhere, else full module names.
 
     PEFT wraps every module a target matches; full names keep it from wrapping modules the
     adapter does not cover.
     """
+    modules = hf_modules(architecture)
+    kinds = {m.rsplit(".", 1)[-1]: k for k, m in modules.items()}
     leaves = {m.rsplit(".", 1)[-1] for m in ranks}
-    every = {HF_MODULES[HF_LEAVES[leaf]].format(bid=i) for leaf in leaves for i in range(config.n_layer)}
+    every = {modules[kinds[leaf]].format(bid=i) for leaf in leaves for i in range(config.n_layer)}
     return sorted(leaves) if every == set(ranks) else sorted(ranks)
 
 
@@ -221,13 +271,13 @@ def read_peft_config(peft_dir: str | os.PathLike[str]) -> dict[str, Any]:
             raise Unsupported(f"{path}: {key} = {value!r}: {why}")
     if cfg.get("bias", "none") != "none":
         raise Unsupported(f"{path}: bias = '{cfg['bias']}': trained biases have no place in llama.cpp's adapter "
-                          "format (llama has no linear biases); train with bias='none'")
+                          "format; train with bias='none'")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
-        unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in HF_LEAVES]
+        unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in _ALL_LEAVES]
         if unknown:
-            raise Unsupported(f"{path}: target_modules {unknown} are not llama LoRA targets ggtorch knows; "
-                              f"supported: {', '.join(HF_LEAVES)}")
+            raise Unsupported(f"{path}: target_modules {unknown} are not LoRA targets ggtorch knows; "
+                              f"supported: {', '.join(_ALL_LEAVES)}")
     for key in ("r", "lora_alpha"):
         if not isinstance(cfg.get(key), (int, float)) or cfg[key] <= 0:
             raise BadData(f"{path}: '{key}' must be a positive number, not {cfg.get(key)!r}")
@@ -265,7 +315,7 @@ def _check_saved_base_layer(key: str, t: torch.Tensor, base: GGUFFile) -> None:
     A copy of another shape means a resized vocabulary, which a LoRA on this base cannot carry.
     """
     module = key.removesuffix(BASE_LAYER_SUFFIX).removeprefix(PEFT_PREFIX)
-    name = gguf_tensor_name(module)
+    name = gguf_tensor_name(module, base.architecture)
     if name is None or name not in base.tensors:
         raise Unsupported(f"'{key}': a saved copy of '{module}', which {base.path} does not have")
     if tuple(t.shape) != base.tensors[name].shape:
@@ -278,7 +328,7 @@ def import_peft(peft_dir: str | os.PathLike[str], base: GGUFFile) -> LoraAdapter
     """A PEFT LoRA folder as a GGUF LoRA adapter for ``base``, checked against it."""
     d = Path(peft_dir)
     cfg = read_peft_config(d)
-    config = LlamaConfig.from_gguf(base)
+    config = ModelConfig.from_gguf(base)
     heads = _rope_heads(config)
     halves: dict[str, dict[str, torch.Tensor]] = {}
     modules: dict[str, str] = {}  # gguf name -> HF module
@@ -291,10 +341,16 @@ def import_peft(peft_dir: str | os.PathLike[str], base: GGUFFile) -> LoraAdapter
             raise Unsupported(f"{d / WEIGHTS_FILE}: tensor '{key}' is not a LoRA A/B weight "
                               "(biases, DoRA magnitudes and saved base modules cannot go into a GGUF LoRA)")
         module = m.group("module").removeprefix(PEFT_PREFIX)
-        name = gguf_tensor_name(module)
+        name = gguf_tensor_name(module, base.architecture)
         if name is None:
-            raise Unsupported(f"{d / WEIGHTS_FILE}: '{key}' adapts '{module}', which is not a llama module "
-                              f"ggtorch knows (supported: {', '.join(HF_LEAVES)} of a LlamaForCausalLM)")
+            leaves = ", ".join(m.rsplit(".", 1)[-1] for m in hf_modules(base.architecture).values())
+            hf_class = HF_CLASSES.get(base.architecture, base.architecture)
+            raise Unsupported(f"{d / WEIGHTS_FILE}: '{key}' adapts '{module}', which is not a {base.architecture} "
+                              f"module ggtorch knows (supported: {leaves} of a {hf_class})")
+        other = _other_qkv_layout(name)
+        if name not in base.tensors and other in base.tensors:
+            raise Unsupported(f"{d / WEIGHTS_FILE}: '{key}' adapts '{module}', but {base.path} stores that "
+                              f"projection as {other}; a PEFT LoRA cannot be converted across that layout")
         half = "a" if "A" in m.group("half") else "b"
         if (name == TOKEN_EMBD) != ("embedding" in m.group("half")):
             raise BadData(f"{d / WEIGHTS_FILE}: '{key}': embed_tokens carries lora_embedding_A/B, "

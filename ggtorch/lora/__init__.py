@@ -1,7 +1,10 @@
 """LoRA attached by wrapping modules: the adapters llama.cpp's old ``finetune`` trained.
 
-``attach_lora(model, LoraConfig(...))`` replaces each targeted module of a :class:`Llama` by a
-wrapper holding the original as ``base`` (``models/`` stays untouched):
+``attach_lora(model, LoraConfig(...))`` replaces each targeted module of a :class:`Transformer` by a
+wrapper holding the original as ``base`` (``models/`` stays untouched). The targets are the matrices
+the model's family has (attn_q/k/v or phi3's fused attn_qkv, attn_output, ffn_gate/up/down with
+phi3's fused gate|up ffn_up, token_embd, output), as llama.cpp takes adapters for them; biases and
+the family's extra norms (q/k norms, post norms) are not adapted.
 
 - :class:`LoRALinear` around ``nn.Linear`` or ``QuantLinear``: ``y = base(x) + s·B(A(drop(x)))``
   with ``lora_a (r, in)``, ``lora_b (out, r)`` (GGUF LoRA orientation) and ``s = alpha / r``.

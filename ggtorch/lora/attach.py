@@ -22,12 +22,26 @@ def _is_tied(model: nn.Module) -> bool:
     return bool(getattr(config, "tied_output", False))
 
 
+def _has_module(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def _plan(model: nn.Module, config: LoraConfig) -> list[tuple[str, int | None, int]]:
-    """(kind, bid, rank to train) for every tensor of the old order; rank 0 = not adapted."""
+    """(kind, bid, rank to train) for every tensor of the old order the model has; rank 0 = not adapted.
+
+    Kinds the model's family lacks (attn_q/k/v beside a fused attn_qkv, or the reverse; phi3's
+    ffn_gate) are left out, so they draw no init values and a llama model draws the old stream.
+    """
     n_layer = len(model.layers)  # type: ignore[arg-type]
     tied = _is_tied(model)
     plan = []
     for kind, bid in [(k, None) for k in GLOBAL_ORDER] + [(k, i) for i in range(n_layer) for k in LAYER_ORDER]:
+        if not _has_module(model, names.module_path(kind, bid)):
+            continue
         rank = config.rank_of(kind)
         if tied and kind in TIED_KINDS and rank > 0:
             if config.explicit(kind):

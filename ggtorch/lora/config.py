@@ -1,7 +1,8 @@
 """LoraConfig: which tensors get an adapter, of which rank, scaled and initialized how.
 
 Kinds are the old finetune's tensor names; their order (globals, then per layer) is the order
-the old program drew its init values and wrote its checkpoints in.
+the old program drew its init values and wrote its checkpoints in. ``attn_qkv`` (one fused q|k|v
+matrix, phi3) takes the place of attn_q/k/v in that order; a model has one or the other.
 """
 
 from __future__ import annotations
@@ -15,14 +16,18 @@ import numpy as np
 from ggtorch.errors import BadFlag
 
 MATRIX_KINDS: tuple[str, ...] = ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output",
-                                 "ffn_gate", "ffn_down", "ffn_up")
+                                 "ffn_gate", "ffn_down", "ffn_up", "attn_qkv")
 NORM_KINDS: tuple[str, ...] = ("attn_norm", "ffn_norm", "output_norm")
 ALL_KINDS: tuple[str, ...] = MATRIX_KINDS + NORM_KINDS
 TIED_KINDS: tuple[str, ...] = ("token_embd", "output")
 GLOBAL_ORDER: tuple[str, ...] = ("token_embd", "output_norm", "output")
-LAYER_ORDER: tuple[str, ...] = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+LAYER_ORDER: tuple[str, ...] = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_norm",
                                 "ffn_gate", "ffn_down", "ffn_up")
-"""The old finetune's tensor order (randomize_lora, checkpoints): globals, then per layer."""
+"""The old finetune's tensor order (randomize_lora, checkpoints): globals, then per layer. A model
+lacks some kinds (attn_q/k/v or attn_qkv; phi3 has no ffn_gate): they are skipped, so a llama
+model's order is the old one."""
+OLD_KINDS: tuple[str, ...] = tuple(k for k in GLOBAL_ORDER + LAYER_ORDER if k != "attn_qkv")
+"""The kinds the old finetune had: every checkpoint records their ranks."""
 
 LoraInit = Literal["ggml", "torch"]
 
@@ -30,7 +35,7 @@ FINETUNE_RANK_FIELDS: dict[str, str] = {
     "rank_tok_embd": "token_embd", "rank_out": "output", "rank_wq": "attn_q", "rank_wk": "attn_k",
     "rank_wv": "attn_v", "rank_wo": "attn_output", "rank_ffn_gate": "ffn_gate", "rank_ffn_down": "ffn_down",
     "rank_ffn_up": "ffn_up", "rank_att_norm": "attn_norm", "rank_ffn_norm": "ffn_norm",
-    "rank_out_norm": "output_norm",
+    "rank_out_norm": "output_norm", "rank_qkv": "attn_qkv",
 }
 """Run option (FinetuneConfig field, the old --rank-* flag) -> the tensor kind whose rank it sets."""
 
@@ -98,8 +103,13 @@ class LoraConfig:
         return cls(**{name: getattr(c, option) for name, option in OPTION_NAMES.items()}, ranks=ranks)
 
     def metadata(self) -> dict[str, int | float]:
-        """``training.lora.rank.<kind>`` for every kind (as the old checkpoints) and ``training.lora.alpha``."""
-        meta: dict[str, int | float] = {f"training.lora.rank.{k}": self.rank_of(k) for k in GLOBAL_ORDER + LAYER_ORDER}
+        """``training.lora.rank.<kind>`` for every old kind (as the old checkpoints), for attn_qkv when
+        its rank was given, and ``training.lora.alpha``.
+
+        Otherwise attn_qkv has the default rank, which the entries of kinds without an override
+        record too; leaving it out keeps a llama checkpoint's keys those of the old finetune."""
+        kinds = OLD_KINDS + (("attn_qkv",) if "attn_qkv" in self.ranks else ())
+        meta: dict[str, int | float] = {f"training.lora.rank.{k}": self.rank_of(k) for k in kinds}
         # rounded to f32 as GGUF stores it, so a value read back from a checkpoint compares equal
         meta["training.lora.alpha"] = float(np.float32(self.lora_alpha))
         return meta

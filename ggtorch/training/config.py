@@ -309,6 +309,8 @@ class FinetuneConfig(RunConfig):
     rank_wq: int | None = option(None, "Rank for attn_q.", LORA, default_text="--lora-r")
     rank_wk: int | None = option(None, "Rank for attn_k.", LORA, default_text="--lora-r")
     rank_wv: int | None = option(None, "Rank for attn_v.", LORA, default_text="--lora-r")
+    rank_qkv: int | None = option(None, "Rank for attn_qkv, the fused q|k|v matrix of models that have one "
+                                  "(phi3) in place of attn_q/attn_k/attn_v.", LORA, default_text="--lora-r")
     rank_wo: int | None = option(None, "Rank for attn_output.", LORA, default_text="--lora-r")
     rank_ffn_gate: int | None = option(None, "Rank for ffn_gate.", LORA, flags=("--rank-ffn_gate",),
                                        default_text="--lora-r")

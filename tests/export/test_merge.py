@@ -95,11 +95,16 @@ def merge_logits(base_path: Path, adapter: Path, merged_path: Path, f32_path: Pa
                  for model, lora in ((base_path, adapter), (merged_path, None), (base_path, None), (f32_path, None)))
 
 
-def export_lora(*args: str) -> tuple[int, str]:
-    result = run_cli(["export-lora", *args])
+def cli(*args: str | Path) -> tuple[int, str]:
+    """``ggtorch ARGS``: (exit code, output); an unexpected exception is raised, not turned into a code."""
+    result = run_cli(args)
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result.exit_code, result.output
+
+
+def export_lora(*args: str | Path) -> tuple[int, str]:
+    return cli("export-lora", *args)
 
 
 def test_f32_merge_equals_llama_cpp_base_plus_adapter(random_llama: Callable[..., Path], tmp_path: Path,

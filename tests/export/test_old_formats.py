@@ -21,7 +21,7 @@ import torch
 from ggtorch.models import names
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.loader import build_llama
-from tests.export.test_merge import base_gguf, one_line_error, run_cli
+from tests.export.test_merge import base_gguf, cli, one_line_error
 from tests.llama_models import llama_cpp_logits
 from tests.lora.test_adapter_file import llama_cpp_with_adapter
 from tests.models.test_model import TOLERANCE, random_tokens
@@ -122,8 +122,8 @@ def test_old_ggla_adapter_converts_and_llama_cpp_applies_it(random_llama: Callab
     tensors = old_tensors(base_path, rank=4, rank_tok_embd=2)  # mixed ranks: alpha/lora_r folded into A
     old = write_ggla(tmp_path / "lora-old.bin", lora_r=4, lora_alpha=8, tensors=tensors)
     new = tmp_path / "new.gguf"
-    one_line_error(*run_cli("convert-old-lora", old, "-o", new), "--drop-norms")
-    code, output = run_cli("convert-old-lora", old, "-o", new, "--drop-norms", "-m", base_path)
+    one_line_error(*cli("convert-old-lora", old, "-o", new), "--drop-norms")
+    code, output = cli("convert-old-lora", old, "-o", new, "--drop-norms", "-m", base_path)
     assert code == 0, output
 
     tokens = random_tokens(32000, N_TOKENS)
@@ -142,14 +142,14 @@ def test_old_checkpoint_converts_and_merges_with_its_norms(random_llama: Callabl
     ones = dict.fromkeys(tensors, 1.0)  # old checkpoints hold what training used: scale 1
 
     new = tmp_path / "new.gguf"
-    code, output = run_cli("convert-old-lora", ck, "-o", new, "--drop-norms")
+    code, output = cli("convert-old-lora", ck, "-o", new, "--drop-norms")
     assert code == 0, output
     ours = reference_logits(base_path, tensors, ones, tokens, with_norms=False)
     ref = llama_cpp_logits(llama_cpp_with_adapter(base_path, new), tokens)
     assert np.abs(ours - ref).max() <= TOLERANCE["F32"]
 
     merged = tmp_path / "merged.gguf"
-    code, output = run_cli("export-lora", "-m", base_path, "--lora", ck, "-o", merged)
+    code, output = cli("export-lora", "-m", base_path, "--lora", ck, "-o", merged)
     assert code == 0, output
     ours = reference_logits(base_path, tensors, ones, tokens, with_norms=True)
     ref = llama_cpp_logits(llama_cpp_with_adapter(merged, None), tokens)
@@ -162,17 +162,17 @@ def test_broken_old_files_are_refused(random_llama: Callable[..., Path], tmp_pat
     old = write_ggla(tmp_path / "lora.bin", 4, 4, tensors)
     truncated = tmp_path / "truncated.bin"
     truncated.write_bytes(old.read_bytes()[:-100])
-    one_line_error(*run_cli("convert-old-lora", truncated, "-o", tmp_path / "x.gguf"), "truncated")
+    one_line_error(*cli("convert-old-lora", truncated, "-o", tmp_path / "x.gguf"), "truncated")
     cut_in_header = tmp_path / "cut.bin"  # the file ends inside the first tensor's ne[] (fuzz found it)
     cut_in_header.write_bytes(old.read_bytes()[:30])
-    one_line_error(*run_cli("convert-old-lora", cut_in_header, "-o", tmp_path / "x.gguf"), "truncated tensor header")
+    one_line_error(*cli("convert-old-lora", cut_in_header, "-o", tmp_path / "x.gguf"), "truncated tensor header")
     huge = bytearray(old.read_bytes())  # a shape whose element count overflows 64 bits
     struct.pack_into("<2I", huge, 28, 2**32 - 1, 2**32 - 1)
     (tmp_path / "huge.bin").write_bytes(bytes(huge))
-    one_line_error(*run_cli("convert-old-lora", tmp_path / "huge.bin", "-o", tmp_path / "x.gguf"), "runs past the end")
+    one_line_error(*cli("convert-old-lora", tmp_path / "huge.bin", "-o", tmp_path / "x.gguf"), "runs past the end")
     half = {k: v for k, v in tensors.items() if k != "output.weight"}
     half["output.weight"] = (tensors["output.weight"][0], tensors["output.weight"][1][:, :3])
-    one_line_error(*run_cli("convert-old-lora", write_ggla(tmp_path / "rank.bin", 4, 4, half), "-o",
+    one_line_error(*cli("convert-old-lora", write_ggla(tmp_path / "rank.bin", 4, 4, half), "-o",
                             tmp_path / "x.gguf", "--drop-norms"), "rank 4 but B of rank 3")
-    one_line_error(*run_cli("convert-old-lora", base_path, "-o", tmp_path / "x.gguf"), "not an old llama.cpp")
+    one_line_error(*cli("convert-old-lora", base_path, "-o", tmp_path / "x.gguf"), "not an old llama.cpp")
     assert not (tmp_path / "x.gguf").exists()
