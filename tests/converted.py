@@ -1,0 +1,220 @@
+"""Test models made the way users' files are made: a tiny random transformers model, converted by llama.cpp.
+
+tests/families.py writes its presets with gguf-py directly, so they carry our reading of llama.cpp's
+keys and tensor layouts. Here the GGUF comes from llama.cpp's own convert_hf_to_gguf.py (q/k
+permutations, norm shifts, fused tensors and metadata are the converter's), and the HF model the file
+was converted from is a reference that never went through GGUF at all.
+
+The converter ships in the llama-cpp-python sdist only (not in the wheel); it is run with the sdist's
+own gguf-py, which knows architectures the installed gguf release may not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+VENDOR = "vendor/llama.cpp/"
+CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/")
+"""What the converter runs on: its script, its per-architecture package, and gguf-py."""
+NETWORK_ERRORS = ("NewConnectionError", "ConnectionError", "Temporary failure in name resolution",
+                  "Max retries exceeded", "Network is unreachable", "No matching distribution found",
+                  "Could not find a version")
+N_VOCAB = 32000
+"""llama2's sentencepiece vocabulary, the tokenizer every family here is converted with."""
+
+
+class PyPIUnreachable(RuntimeError):
+    """pip could not fetch the sdist (no network): the caller skips instead of failing."""
+
+
+def fetch_converter(download_dir: Path, dest: Path) -> Path:
+    """Download the llama-cpp-python sdist and extract convert_hf_to_gguf.py and what it imports.
+
+    Returns the path of the extracted convert_hf_to_gguf.py. Raises PyPIUnreachable when pip fails
+    for lack of a network.
+    """
+    run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                          LLAMA_CPP_PYTHON, "-d", str(download_dir)], capture_output=True, text=True)
+    if run.returncode != 0:
+        output = run.stdout + run.stderr
+        if any(marker in output for marker in NETWORK_ERRORS):
+            raise PyPIUnreachable(output.strip().splitlines()[-1])
+        raise RuntimeError(f"pip download {LLAMA_CPP_PYTHON} failed:\n{output}")
+    (sdist,) = download_dir.glob("llama_cpp_python-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        for member in tar:
+            _, _, inside = member.name.partition("/")
+            if not inside.startswith(VENDOR) or not member.isfile():
+                continue
+            relative = inside[len(VENDOR):]
+            if relative.startswith(CONVERTER_PARTS):
+                target = dest / relative
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with tar.extractfile(member) as src, open(target, "wb") as out:  # type: ignore[union-attr]
+                    shutil.copyfileobj(src, out)
+    script = dest / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        raise RuntimeError(f"{sdist.name} has no {VENDOR}convert_hf_to_gguf.py")
+    return script
+
+
+def convert(script: Path, hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
+    """Run llama.cpp's converter on ``hf_dir`` (its gguf-py first on sys.path, as the script arranges)."""
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+    run = subprocess.run([sys.executable, str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype],
+                         capture_output=True, text=True, env=env)
+    if run.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py {hf_dir.name} failed:\n{run.stderr[-4000:]}")
+    return out
+
+
+def _gemma3():  # -> PretrainedConfig
+    from transformers import Gemma3TextConfig
+
+    # Six layers: llama.cpp's gemma3 has every sixth layer global (the converter writes no pattern),
+    # which is also transformers' default layer_types.
+    return Gemma3TextConfig(vocab_size=N_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+                            sliding_window=16, max_position_embeddings=256)
+
+
+def _gemma2():  # -> PretrainedConfig
+    from transformers import Gemma2Config
+
+    return Gemma2Config(vocab_size=N_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+                        sliding_window=16, attn_logit_softcapping=2.0, final_logit_softcapping=10.0,
+                        max_position_embeddings=256)
+
+
+PHI3_ADDED_TOKENS = {"<|endoftext|>": 32000, "<|assistant|>": 32001, "<|end|>": 32007, "<|user|>": 32010}
+"""Phi-3's added tokens after llama2's vocabulary: llama.cpp looks <|endoftext|> up in any vocabulary
+of a model named phi3 and refuses to load one without it. Its embedding has 32064 rows, as Phi-3-mini's."""
+
+
+def _phi3():  # -> PretrainedConfig
+    from transformers import Phi3Config
+
+    return Phi3Config(vocab_size=32064, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                      original_max_position_embeddings=256, pad_token_id=0, tie_word_embeddings=False)
+
+
+def _mistral():  # -> PretrainedConfig
+    from transformers import LlamaConfig
+
+    # Mistral's shape: grouped-query attention, untied output, rope base 1e6.
+    return LlamaConfig(vocab_size=N_VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                       rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def _qwen2():  # -> PretrainedConfig
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=QWEN_N_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=1e6,
+                       tie_word_embeddings=False)
+
+
+def _qwen3():  # -> PretrainedConfig
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=QWEN_N_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                       rope_theta=1e6, tie_word_embeddings=True)
+
+
+QWEN_N_VOCAB = 151936
+"""Qwen's embedding rows (its BPE vocabulary and special tokens, padded)."""
+QWEN_EOS = 151643
+HF_FAMILIES: dict[str, tuple[str, Callable, dict[str, int] | None]] = {
+    # name: (HF class, its config, added tokens after llama2's sentencepiece vocabulary or None for Qwen's BPE)
+    "gemma3": ("Gemma3ForCausalLM", _gemma3, {}),
+    "gemma2": ("Gemma2ForCausalLM", _gemma2, {}),
+    "phi3": ("Phi3ForCausalLM", _phi3, PHI3_ADDED_TOKENS),
+    "mistral": ("LlamaForCausalLM", _mistral, {}),
+    "qwen2": ("Qwen2ForCausalLM", _qwen2, None),
+    "qwen3": ("Qwen3ForCausalLM", _qwen3, None),
+}
+EMBEDDING_GAIN = 10.0
+"""On the init's std of 0.02: logits with a std of a few units, so argmax is not a coin flip."""
+
+
+def hf_model(name: str, seed: int = 0):  # -> transformers.PreTrainedModel
+    """A tiny random HF model of a family, in eval mode, with norm weights away from their init."""
+    import torch
+    import transformers
+
+    class_name, config, added_tokens = HF_FAMILIES[name]
+    torch.manual_seed(seed)
+    config = config()
+    config.bos_token_id, config.eos_token_id = (1, 2) if added_tokens is not None else (QWEN_EOS, QWEN_EOS)
+    model = getattr(transformers, class_name)(config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.add_(0.1 * torch.randn_like(param))
+        model.get_input_embeddings().weight.mul_(EMBEDDING_GAIN)
+        if not config.tie_word_embeddings:
+            model.get_output_embeddings().weight.mul_(EMBEDDING_GAIN)
+    return model
+
+
+def write_hf_model(name: str, hf_dir: Path, vocab_dir: Path, seed: int = 0) -> Path:
+    """Save ``hf_model(name)`` with the tokenizer files the converter reads (from ../shared/vocab)."""
+    hf_model(name, seed).save_pretrained(hf_dir)
+    added_tokens = HF_FAMILIES[name][2]
+    if added_tokens is None:
+        return write_qwen2_tokenizer(hf_dir, vocab_dir / "ggml-vocab-qwen2.gguf")
+    shutil.copy(vocab_dir / "llama2-tokenizer.model", hf_dir / "tokenizer.model")
+    tokenizer_config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+                        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config), encoding="utf-8")
+    if added_tokens:
+        (hf_dir / "added_tokens.json").write_text(json.dumps(added_tokens), encoding="utf-8")
+    return hf_dir
+
+
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+               r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+"""Qwen2's pre-tokenizer regex: with it, the converter recognises the tokenizer as "qwen2" by its hash."""
+
+
+def write_qwen2_tokenizer(hf_dir: Path, vocab_gguf: Path) -> Path:
+    """Qwen2's tokenizer.json rebuilt from llama.cpp's qwen2 vocabulary file (tokens, merges, special tokens)."""
+    from ggtorch.io.gguf import read_gguf
+
+    meta = read_gguf(vocab_gguf).metadata
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    normal, control = 1, 3  # llama.cpp's token types
+    byte_level = {"add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True}
+                         for i, (t, kind) in enumerate(zip(tokens, types, strict=True)) if kind == control],
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", **byte_level}]},
+        "post_processor": {"type": "ByteLevel", **byte_level},
+        "decoder": {"type": "ByteLevel", **byte_level},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {t: i for i, (t, kind) in enumerate(zip(tokens, types, strict=True)) if kind == normal},
+                  "merges": list(meta["tokenizer.ggml.merges"])},
+    }
+    (hf_dir / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+    tokenizer_config = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|endoftext|>",
+                        "pad_token": "<|endoftext|>", "add_prefix_space": False, "errors": "replace"}
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config), encoding="utf-8")
+    return hf_dir

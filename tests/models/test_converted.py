@@ -1,0 +1,95 @@
+"""Families converted by llama.cpp's convert_hf_to_gguf.py, against llama.cpp and against transformers.
+
+tests/converted.py makes a tiny random transformers model per family, saves it and converts it with
+the converter from the llama-cpp-python sdist, so the GGUF is laid out the way users' files are. Its
+logits are checked against llama.cpp on the same file, and against transformers' forward of the HF
+model before conversion: an independent reference that never read a GGUF. Gemma against llama.cpp's
+CPU is within its fp16 GELU table (see test_families.py); transformers computes the formula, as
+ggtorch does, so there it is 1e-4 like the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ggtorch.io.gguf import read_gguf
+from tests.converted import HF_FAMILIES, PyPIUnreachable, convert, fetch_converter, write_hf_model
+from tests.families import eval_tokens
+from tests.llama_models import llama_cpp_logits, open_llama_cpp, quantize_with_llama_cpp
+from tests.models.test_families import GELU_TABLE_TOLERANCE, ggtorch_logits
+from tests.models.test_model import TOLERANCE, assert_top1_agrees
+
+FAMILIES = list(HF_FAMILIES)
+TOKENS = eval_tokens(32000)
+
+
+@pytest.fixture(scope="session")
+def converter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        return fetch_converter(tmp_path_factory.mktemp("sdist"), tmp_path_factory.mktemp("converter"))
+    except PyPIUnreachable as e:
+        pytest.skip(f"PyPI unreachable, no llama.cpp converter: {e}")
+
+
+@pytest.fixture(scope="session")
+def converted(converter: Path, shared: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``converted("gemma3", "Q8_0")`` → GGUF path; ``converted("gemma3", "HF")`` → the HF directory."""
+    cache: dict[tuple[str, str], Path] = {}
+    root = tmp_path_factory.mktemp("converted")
+
+    def make(name: str, ftype: str = "F32") -> Path:
+        if (name, "HF") not in cache:
+            cache[name, "HF"] = write_hf_model(name, root / name, shared / "vocab")
+        if (name, "F32") not in cache:
+            cache[name, "F32"] = convert(converter, cache[name, "HF"], root / f"{name}-f32.gguf")
+        if (name, ftype) not in cache:
+            cache[name, ftype] = quantize_with_llama_cpp(cache[name, "F32"], root / f"{name}-{ftype}.gguf", ftype)
+        return cache[name, ftype]
+
+    return make
+
+
+def transformers_logits(hf_dir: Path, tokens: list[int]) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+def max_diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_f32_logits_equal_llama_cpp(converted: Callable[..., Path], name: str) -> None:
+    path = converted(name)
+    ours, ref = ggtorch_logits(path, TOKENS), llama_cpp_logits(open_llama_cpp(path, 64), TOKENS)
+    gemma = name.startswith("gemma")
+    tol = GELU_TABLE_TOLERANCE if gemma else TOLERANCE["F32"]
+    assert max_diff(ours, ref) <= tol, f"{name}: max |diff| {max_diff(ours, ref):.3g} > {tol}"
+    assert_top1_agrees(ours, ref, tol, min_fraction=0.95 if gemma else 1.0)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_f32_logits_equal_transformers_before_conversion(converted: Callable[..., Path], name: str) -> None:
+    path = converted(name)
+    theirs = transformers_logits(converted(name, "HF"), TOKENS)
+    ours = ggtorch_logits(path, TOKENS)
+    assert theirs.std() > 1.0, f"{name}: degenerate logits (std {theirs.std():.3g})"
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=TOLERANCE["F32"])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_q8_0_logits_equal_llama_cpp(converted: Callable[..., Path], name: str) -> None:
+    path = converted(name, "Q8_0")
+    ours, ref = ggtorch_logits(path, TOKENS), llama_cpp_logits(open_llama_cpp(path, 64), TOKENS)
+    tol = TOLERANCE["Q8_0"]
+    assert max_diff(ours, ref) <= tol, f"{name} Q8_0: max |diff| {max_diff(ours, ref):.3g} > {tol}"
+    assert_top1_agrees(ours, ref, tol)
+    assert "Q8_0" in {t.ggml_type.name for t in read_gguf(path).tensors.values() if len(t.shape) == 2}
