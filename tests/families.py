@@ -65,11 +65,12 @@ class Shape:
 
 # name -> (GGUF architecture, vocabulary name, Shape)
 FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
-    # Qwen2/2.5: q/k/v biases, NEOX rope, base 1e6; untied (7B style) and tied (0.5B-3B style)
-    "qwen2": ("qwen2", "qwen2", Shape(qkv_bias=True, rope_freq_base=1e6)),
+    # Qwen2/2.5: q/k/v biases, NEOX rope, base 1e6; untied (7B style) and tied (0.5B-3B style). The tied one
+    # carries Qwen's own 151k vocabulary; the others a 32k one (gguf-py and transformers read 151k tokens slowly)
+    "qwen2": ("qwen2", "llama-spm", Shape(qkv_bias=True, rope_freq_base=1e6)),
     "qwen2_tied": ("qwen2", "qwen2", Shape(qkv_bias=True, rope_freq_base=1e6, tied_output=True)),
     # Qwen3: q/k RMS norms per head, key_length (32) != n_embd / n_head (16), tied
-    "qwen3": ("qwen3", "qwen2", Shape(head_dim=32, rope_freq_base=1e6, tied_output=True)),
+    "qwen3": ("qwen3", "llama-spm", Shape(head_dim=32, rope_freq_base=1e6, tied_output=True)),
     # Gemma2: explicit small soft-caps so they matter, window 16 < 48 tokens, key_length != n_embd/n_head
     "gemma2": ("gemma2", "llama-spm", Shape(n_layer=4, head_dim=32, n_ff=128, sliding_window=16,
                                               attn_softcap=2.0, final_softcap=10.0)),

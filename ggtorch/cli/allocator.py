@@ -2,10 +2,9 @@
 
 glibc's malloc leaves the holes of a step's short-lived tensors (dequantized weight chunks,
 matmul outputs) between its long-lived ones (the activations backward needs), and trims and
-page-faults whole regions back in step after step. On the 110M Q4_0 LoRA step (batch 4 x 256,
-2 threads) its peak RSS is 1.46 GiB for about 1.0 GiB of live tensors, with ~50k page faults per
-step; jemalloc, told to keep what it frees (``JEMALLOC_CONF``), peaks at 1.01 GiB with no page
-faults after the first step, at the same speed or a little faster.
+page-faults whole regions back in step after step, so its peak RSS sits well above the live
+tensors; jemalloc, told to keep what it frees (``JEMALLOC_CONF``), peaks near them with no page
+faults after the first step (BENCHMARKS.md has the figures).
 
 An allocator is chosen when a process starts, so the CLI re-executes itself once, the same
 command with jemalloc in ``LD_PRELOAD``: what Redis gets by linking jemalloc and PyTorch's CPU
@@ -29,9 +28,8 @@ ENV = "GGTORCH_ALLOCATOR"
 
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 """Keep freed pages for reuse instead of returning them to the OS a few seconds later: a training
-step frees and reallocates the same sizes every time, so returning them only costs page faults
-(jemalloc's defaults: ~0.5 M page faults and ~10% slower per 110M step). A user's own
-``MALLOC_CONF`` wins."""
+step frees and reallocates the same sizes every time, so returning them only costs page faults.
+A user's own ``MALLOC_CONF`` wins."""
 
 RELAUNCHED = "_GGTORCH_RELAUNCHED"
 """Set in the re-executed process: it never re-executes again, even if the preload failed."""

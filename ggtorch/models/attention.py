@@ -2,13 +2,10 @@
 ``F.scaled_dot_product_attention`` everywhere else.
 
 torch's CPU flash attention walks the sequence in small blocks; at training lengths that is
-slower than writing the (T, T) score matrix out and running four plain batched products. On
-the 2-core AVX-512 machine of BENCHMARKS.md, forward + backward for 4 x 12 heads of 64 at
-T=256 took 28 ms with flash and 21 ms as products in bf16 (2.5x faster at T=64, still ahead at
-512, behind at 1024); in f32 the products win at T=64 (8.6 vs 13.1 ms) and tie from 256 on.
-:data:`PRODUCTS_MAX_TOKENS` keeps the products where they won. Their price is memory: the
-probabilities (B, H, T, T) are saved for backward instead of flash's per-row log-sum-exp,
-~6 MiB per 110M layer at 4 x 256 tokens in bf16.
+slower than writing the (T, T) score matrix out and running four plain batched products.
+:data:`PRODUCTS_MAX_TOKENS` keeps the products up to the lengths where they measured faster
+(bf16 wins longer than f32). Their price is memory: the probabilities (B, H, T, T) are saved for
+backward instead of flash's per-row log-sum-exp.
 
 Precision matches flash's: scores, softmax and its backward in f32, the products with the
 probabilities in the input dtype, as the flash kernel does for bf16.

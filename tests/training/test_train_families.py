@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,3 +31,34 @@ def test_full_finetune_writes_a_model_llama_cpp_runs_equally(family_model: Calla
     tol = GELU_TABLE_TOLERANCE if name in GEMMA else TOLERANCE["F32"]
     assert np.abs(ours - theirs).max() <= tol
     assert np.abs(ours - ggtorch_logits(base, tokens)).max() > 1e-3  # training changed the weights
+
+
+def test_gemma3_chat_finetune_on_two_ranks_equals_one_process(family_model: Callable[..., Path], shared: Path,
+                                                               tmp_path: Path) -> None:
+    """The finetune options together on a sliding-window family: chat records rendered with the real gemma-2
+    template (answers only), packed several per row with attention kept inside each and the window applied
+    within each record, block checkpointing, a quantized base, and data parallelism: 2 ranks train what one
+    process with --grad-acc 2 trains."""
+    from tests.helpers import losses
+    from tests.training.test_distributed import assert_same_adapter, torchrun
+
+    answers = ["Yes.", "The cat sat on the mat all day long, and then it slept in the sun until evening came.",
+               "No, it was blue.", "Tim ran home to his mom and dad.", "Lily liked the big red ball.", "Sun.",
+               "They played in the park until the sky got dark.", "Two."]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"},
+                                                     {"role": "assistant", "content": a}]}) + "\n"
+                            for i, a in enumerate(answers)), encoding="utf-8")
+    common = ["finetune", "--model-base", str(family_model("gemma3_pattern", "Q8_0")), "--train-data", str(data),
+              "--chat-template", str(shared / "templates" / "google-gemma-2-2b-it.jinja"), "-c", "64", "-b", "1",
+              "--warmup", "0", "--adam-alpha", "0.01", "--seed", "3", "--threads", "1", "-n", "3",
+              "--save-every", "0", "--checkpoint-in", "none.gguf"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    two.mkdir(), one.mkdir()
+    code, out = torchrun(common, two)
+    assert code == 0, out
+    code, out = run([*common, "--grad-acc", "2"], one)
+    assert code == 0, out
+    assert "packed" in out or "records" in out, out
+    np.testing.assert_allclose(losses(two / "checkpoint-log.jsonl"), losses(one / "checkpoint-log.jsonl"), rtol=1e-5)
+    assert_same_adapter(two / "ggml-lora-LATEST-f32.gguf", one / "ggml-lora-LATEST-f32.gguf")
