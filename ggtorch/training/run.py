@@ -36,6 +36,7 @@ from ggtorch.errors import BadFlag
 from ggtorch.io.checkpoint import Checkpoint, load_checkpoint
 from ggtorch.io.gguf import GGUFFile
 from ggtorch.models.config import LlamaConfig
+from ggtorch.models.generate import llama_cpp_context
 from ggtorch.models.loader import build_llama
 from ggtorch.models.model import Block
 from ggtorch.models.tokenizer import Tokenizer
@@ -140,6 +141,7 @@ class Run:
         matrix_dtype, embedding_dtype, keep_quantized = kind.base_dtypes(c)
         self.model = build_llama(self.base, self.model_config, self.device, dtype=matrix_dtype,
                                  keep_quantized=keep_quantized, embedding_dtype=embedding_dtype)
+        self.model.n_ctx = llama_cpp_context(c.ctx)  # LongRoPE's factors: those llama.cpp uses at this context
         n_ctx_train = self.model_config.n_ctx_train
         self.warnings = []
         if c.ctx > n_ctx_train:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from ggtorch.models.model import rope_angles
 from tests.llama_models import llama_cpp_logits, open_llama_cpp
 from tests.models.test_families import GELU_TABLE_TOLERANCE, GEMMA, ggtorch_logits, tokens_for
 from tests.models.test_model import TOLERANCE
@@ -62,3 +64,21 @@ def test_gemma3_chat_finetune_on_two_ranks_equals_one_process(family_model: Call
     assert "packed" in out or "records" in out, out
     np.testing.assert_allclose(losses(two / "checkpoint-log.jsonl"), losses(one / "checkpoint-log.jsonl"), rtol=1e-5)
     assert_same_adapter(two / "ggml-lora-LATEST-f32.gguf", one / "ggml-lora-LATEST-f32.gguf")
+
+
+@pytest.mark.parametrize(("name", "factors"), [("phi3_long", "long"), ("phi3", "short")])
+def test_training_runs_longrope_with_the_factors_llama_cpp_picks_at_its_context(
+        family_model: Callable[..., Path], texts: dict[str, Path], name: str, factors: str) -> None:
+    """llama.cpp pads a context of 32 to 256 and takes LongRoPE's long factors above the original context:
+    128 for phi3_long, 4096 for phi3. A run trains with the factors llama.cpp will apply to its adapter."""
+    from ggtorch.training.config import FinetuneConfig
+    from ggtorch.training.trainer import Trainer
+
+    trainer = Trainer(FinetuneConfig(model_base=str(family_model(name, "Q8_0")), train_data=str(texts["train"]),
+                                     ctx=32, batch=1, adam_iter=1, checkpoint_in="", checkpoint_out="", lora_out="",
+                                     seed=1), log_records=False)
+    model = trainer.model
+    ropes, _ = model._ropes(0, 4, torch.device("cpu"), None)
+    expected, _ = rope_angles(0, 4, model.config.n_rot, model.config.rope_freq_base, 1.0, torch.device("cpu"),
+                              getattr(model, f"rope_factors_{factors}"), model.config.rope_attn_factor)
+    torch.testing.assert_close(ropes.cos, expected, rtol=0, atol=0)
