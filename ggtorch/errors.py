@@ -23,3 +23,8 @@ class BadFlag(GGTorchError):
 
 class BadData(GGTorchError):
     """Training or evaluation data that cannot be used as given."""
+
+
+def flag(option: str) -> str:
+    """The long flag of a run option (``adam_alpha`` -> ``--adam-alpha``): what every message calls it."""
+    return "--" + option.replace("_", "-")

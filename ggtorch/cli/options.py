@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 import click
 from click.core import ParameterSource
 
-from ggtorch.training.config import FILES, RunConfig, choices, flag, option_info, read_config_file, value_type
+from ggtorch.errors import flag
+from ggtorch.training.config import FILES, RunConfig, choices, option_info, read_config_file, value_type
 
 C = TypeVar("C", bound=RunConfig)
 

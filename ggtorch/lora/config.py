@@ -13,7 +13,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from ggtorch.errors import BadFlag
+from ggtorch.errors import BadFlag, flag
 
 MATRIX_KINDS: tuple[str, ...] = ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output",
                                  "ffn_gate", "ffn_down", "ffn_up", "attn_qkv")
@@ -43,10 +43,6 @@ OPTION_NAMES: dict[str, str] = {"rank": "lora_r", "alpha": "lora_alpha", "dropou
 """LoraConfig field -> the run option that sets it; messages name that option's flag."""
 
 
-def _flag(option: str) -> str:
-    return "--" + option.replace("_", "-")
-
-
 @dataclass
 class LoraConfig:
     """Which tensors get an adapter, of which rank, and how it is scaled and initialized."""
@@ -67,17 +63,17 @@ class LoraConfig:
     def __post_init__(self) -> None:
         """The one check of the LoRA options (the CLI, config files and the API all end here)."""
         if self.rank < 1:
-            raise BadFlag(f"{_flag(OPTION_NAMES['rank'])} must be at least 1, got {self.rank}")
+            raise BadFlag(f"{flag(OPTION_NAMES['rank'])} must be at least 1, got {self.rank}")
         unknown = sorted(set(self.ranks) - set(ALL_KINDS))
         if unknown:
             raise BadFlag(f"unknown LoRA tensor kind '{unknown[0]}'; kinds are {', '.join(ALL_KINDS)}")
         for option, kind in FINETUNE_RANK_FIELDS.items():
             if self.ranks.get(kind, 0) < 0:
-                raise BadFlag(f"{_flag(option)} must be >= 0, got {self.ranks[kind]} (the LoRA rank of {kind})")
+                raise BadFlag(f"{flag(option)} must be >= 0, got {self.ranks[kind]} (the LoRA rank of {kind})")
         if self.alpha is not None and not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise BadFlag(f"{_flag(OPTION_NAMES['alpha'])} must be a positive number, got {self.alpha}")
+            raise BadFlag(f"{flag(OPTION_NAMES['alpha'])} must be a positive number, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
-            raise BadFlag(f"{_flag(OPTION_NAMES['dropout'])} must be in [0, 1), got {self.dropout}")
+            raise BadFlag(f"{flag(OPTION_NAMES['dropout'])} must be in [0, 1), got {self.dropout}")
         if self.init not in get_args(LoraInit):
             raise BadFlag(f"LoRA init must be one of {', '.join(get_args(LoraInit))}, got '{self.init}'")
 

@@ -34,7 +34,7 @@ import yaml
 from ggtorch.data import FORMATS, DataOptions, RecordOptions
 from ggtorch.data.packing import Batching, LongRecords
 from ggtorch.data.samples import UTF8Errors
-from ggtorch.errors import BadFlag
+from ggtorch.errors import BadFlag, flag
 from ggtorch.io.model_file import OUTTYPES
 from ggtorch.lora import LoraConfig
 from ggtorch.models.init import INITS
@@ -80,11 +80,6 @@ def option(default: Any, help: str, group: str, *, flags: Sequence[str] = (), of
     info = OptionInfo(help, group, tuple(flags), off, minimum, tuple(choices) if choices is not None else None,
                       default_text)
     return dataclasses.field(default=default, metadata={"option": info})
-
-
-def flag(name: str) -> str:
-    """The long flag of option ``name``: what every message calls it."""
-    return "--" + name.replace("_", "-")
 
 
 def option_info(f: dataclasses.Field[Any]) -> OptionInfo:

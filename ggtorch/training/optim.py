@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from ggtorch.errors import BadFlag
+from ggtorch.errors import BadFlag, flag
 
 _F = np.float32
 _PI_F = _F(3.14159265359)  # train.cpp writes pi as the float literal 3.14159265359f
@@ -49,7 +49,7 @@ the flag the user typed. ``eps`` has no option: ggml's fixed value."""
 
 def _flag(name: str) -> str:
     option = OPTION_NAMES.get(name)
-    return "--" + option.replace("_", "-") if option else f"{name} (ggml's Adam epsilon, no command-line flag)"
+    return flag(option) if option else f"{name} (ggml's Adam epsilon, no command-line flag)"
 
 
 @dataclass

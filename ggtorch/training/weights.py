@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ggtorch.errors import BadFlag
+from ggtorch.errors import BadFlag, flag
 from ggtorch.io.checkpoint import Checkpoint
 from ggtorch.io.gguf import GGUFFile, read_gguf
 from ggtorch.io.model_file import ggml_n_dims, write_model
@@ -60,7 +60,7 @@ class LoraWeights:
     @staticmethod
     def check(config: FinetuneConfig) -> None:
         """Refuse before training what would only fail at the first save: norm adapters in --lora-out."""
-        norms = [f"--{f.replace('_', '-')}" for f in ("rank_att_norm", "rank_ffn_norm", "rank_out_norm")
+        norms = [flag(f) for f in ("rank_att_norm", "rank_ffn_norm", "rank_out_norm")
                  if getattr(config, f)]
         if norms and config.lora_out and not config.drop_norms:
             raise BadFlag(f"{'/'.join(norms)} train norm adapters, which llama.cpp's adapter format (--lora-out) "
