@@ -238,7 +238,7 @@ class Attention(nn.Module):
         mask, causal = None, T > 1
         if attn_mask is not None:  # packed records: (B, 1, T, T), True where a query may attend
             mask, causal = attn_mask, False
-        elif causal and S > T or self.window:
+        elif (causal and S > T) or self.window:
             # Queries sit at positions start_pos..S-1: is_causal would align them to 0..T-1.
             mask, causal = _causal_mask(T, S, x.device), False
         if self.window:

@@ -205,6 +205,20 @@ def test_ddp_reduces_only_the_lora_tensors(stories_q8: Path, train_text: Path, t
         dist.destroy_process_group()
 
 
+def assert_two_ranks_train_as_one_process(common: list[str], tmp_path: Path) -> str:
+    """``common`` on 2 torchrun ranks and in one process with --grad-acc 2 (each rank a micro-batch):
+    the same losses and the same adapter. Returns the one process's output."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    two.mkdir(), one.mkdir()
+    code, out = torchrun(common, two)
+    assert code == 0, out
+    code, out = run([*common, "--grad-acc", "2"], one)
+    assert code == 0, out
+    np.testing.assert_allclose(losses(two / "checkpoint-log.jsonl"), losses(one / "checkpoint-log.jsonl"), rtol=1e-5)
+    assert_same_adapter(two / "ggml-lora-LATEST-f32.gguf", one / "ggml-lora-LATEST-f32.gguf")
+    return out
+
+
 def test_answer_only_loss_on_two_ranks_equals_one_process(stories260k: Path, tmp_path: Path) -> None:
     """Records with answer-only loss: micro-batches count different numbers of targets, so the step loss
     (sum over counted targets / their global count) needs the all-reduced count to match one process."""
@@ -216,11 +230,4 @@ def test_answer_only_loss_on_two_ranks_equals_one_process(stories260k: Path, tmp
     common = ["finetune", "--model-base", str(stories260k), "--train-data", str(data), "-c", "64", "-b", "1",
               "--warmup", "0", "--adam-alpha", "0.01", "--seed", "3", "--threads", "1", "-n", "3",
               "--save-every", "0", "--checkpoint-in", "none.gguf"]
-    two, one = tmp_path / "two", tmp_path / "one"
-    two.mkdir(), one.mkdir()
-    code, out = torchrun(common, two)
-    assert code == 0, out
-    code, out = run([*common, "--grad-acc", "2"], one)
-    assert code == 0, out
-    np.testing.assert_allclose(losses(two / "checkpoint-log.jsonl"), losses(one / "checkpoint-log.jsonl"), rtol=1e-5)
-    assert_same_adapter(two / "ggml-lora-LATEST-f32.gguf", one / "ggml-lora-LATEST-f32.gguf")
+    assert_two_ranks_train_as_one_process(common, tmp_path)

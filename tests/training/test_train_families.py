@@ -41,8 +41,7 @@ def test_gemma3_chat_finetune_on_two_ranks_equals_one_process(family_model: Call
     template (answers only), packed several per row with attention kept inside each and the window applied
     within each record, block checkpointing, a quantized base, and data parallelism: 2 ranks train what one
     process with --grad-acc 2 trains."""
-    from tests.helpers import losses
-    from tests.training.test_distributed import assert_same_adapter, torchrun
+    from tests.training.test_distributed import assert_two_ranks_train_as_one_process
 
     answers = ["Yes.", "The cat sat on the mat all day long, and then it slept in the sun until evening came.",
                "No, it was blue.", "Tim ran home to his mom and dad.", "Lily liked the big red ball.", "Sun.",
@@ -55,15 +54,8 @@ def test_gemma3_chat_finetune_on_two_ranks_equals_one_process(family_model: Call
               "--chat-template", str(shared / "templates" / "google-gemma-2-2b-it.jinja"), "-c", "64", "-b", "1",
               "--warmup", "0", "--adam-alpha", "0.01", "--seed", "3", "--threads", "1", "-n", "3",
               "--save-every", "0", "--checkpoint-in", "none.gguf"]
-    two, one = tmp_path / "two", tmp_path / "one"
-    two.mkdir(), one.mkdir()
-    code, out = torchrun(common, two)
-    assert code == 0, out
-    code, out = run([*common, "--grad-acc", "2"], one)
-    assert code == 0, out
-    assert "packed" in out or "records" in out, out
-    np.testing.assert_allclose(losses(two / "checkpoint-log.jsonl"), losses(one / "checkpoint-log.jsonl"), rtol=1e-5)
-    assert_same_adapter(two / "ggml-lora-LATEST-f32.gguf", one / "ggml-lora-LATEST-f32.gguf")
+    out = assert_two_ranks_train_as_one_process(common, tmp_path)
+    assert "chat records" in out and "packed into ctx 64" in out, out
 
 
 @pytest.mark.parametrize(("name", "factors"), [("phi3_long", "long"), ("phi3", "short")])
