@@ -59,6 +59,16 @@ class Shape:
     final_softcap: float | None = None
     rope_scaling_linear: float | None = None
     """``rope.scaling.type = linear`` and ``rope.scaling.factor`` (gemma3 4B+ style global layers)."""
+    n_expert: int = 0
+    """``expert_count`` (0: a dense FFN). Experts get ``expert_used_count`` = n_expert_used."""
+    n_expert_used: int = 0
+    n_ff_exp: int | None = None
+    """``expert_feed_forward_length`` (None: not written; llama.cpp's default then applies)."""
+    n_ff_shexp: int | None = None
+    """qwen2moe: ``expert_shared_feed_forward_length`` (None: not written, n_ff)."""
+    router_gain: float = 2.0
+    """Scale of the router's random rows: large enough that no two experts' probabilities of a token
+    are close, so llama.cpp (quantized activations included) routes every token as ggtorch does."""
     extra_kv: dict = field(default_factory=dict)
     """More metadata written as-is (key -> python value; ints become u32, floats f32)."""
 
@@ -99,6 +109,11 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
     "llama3_tied": ("llama", "llama-spm", Shape(rope_freqs=True, rope_freq_base=500000.0, rms_eps=1e-5,
                                                 tied_output=True)),
     # Mistral-style llama: SPM vocab, GQA 4:1, base 1e6, head_dim 32 != n_embd/n_head (Nemo style)
+    "qwen3moe": ("qwen3moe", "llama-spm", Shape(head_dim=32, n_ff=96, rope_freq_base=1e6, n_expert=8,
+                                                n_expert_used=2, n_ff_exp=64)),
+    "qwen2moe": ("qwen2moe", "llama-spm", Shape(qkv_bias=True, rope_freq_base=1e6, n_ff=96, n_expert=6,
+                                                n_expert_used=2, n_ff_exp=32, n_ff_shexp=64)),
+    "llama_moe": ("llama", "llama-spm", Shape(n_ff=64, n_expert=4, n_expert_used=2, rms_eps=1e-5)),
     "mistral_headdim": ("llama", "llama-spm", Shape(n_head=4, n_head_kv=1, head_dim=32, rope_freq_base=1e6,
                                                     rms_eps=1e-5)),
 }
@@ -154,7 +169,7 @@ def llama3_rope_factors(head_dim: int, base: float, factor: float = 8.0, low: fl
 
 def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shape: Shape | None = None,
                        seed: int = 0) -> Path:
-    """Write an F32 GGUF of ``arch`` (llama, qwen2, qwen3, gemma2, gemma3, phi3) with random
+    """Write an F32 GGUF of ``arch`` (llama, qwen2, qwen2moe, qwen3, qwen3moe, gemma2, gemma3, phi3) with random
     weights and ``vocab_gguf``'s tokenizer. Returns the path."""
     s = shape or Shape()
     path = Path(path)
@@ -210,6 +225,13 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
     if s.rope_scaling_linear is not None:
         w.add_string(f"{a}.rope.scaling.type", "linear")
         w.add_float32(f"{a}.rope.scaling.factor", s.rope_scaling_linear)
+    if s.n_expert:
+        w.add_uint32(f"{a}.expert_count", s.n_expert)
+        w.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
+        if s.n_ff_exp is not None:
+            w.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff_exp)
+        if s.n_ff_shexp is not None:
+            w.add_uint32(f"{a}.expert_shared_feed_forward_length", s.n_ff_shexp)
     longrope_attn = None
     if arch == "phi3" and s.longrope:
         scale = s.n_ctx / s.n_ctx_orig
@@ -248,14 +270,16 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
             t[p + "attn_q.bias"] = vec(nq, 0.3)
             t[p + "attn_k.bias"] = vec(nkv, 0.3)
             t[p + "attn_v.bias"] = vec(nkv, 0.3)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             t[p + "attn_q_norm.weight"] = norm(hd)
             t[p + "attn_k_norm.weight"] = norm(hd)
         t[p + "attn_output.weight"] = lin(s.n_embd, nq, 0.5)
         if gemma:
             t[p + "post_attention_norm.weight"] = norm(s.n_embd)
         t[p + "ffn_norm.weight"] = norm(s.n_embd)
-        if arch == "phi3":
+        if s.n_expert:
+            t |= _random_experts(p, arch, s, lin, vec)
+        elif arch == "phi3":
             t[p + "ffn_up.weight"] = np.concatenate([lin(s.n_ff, s.n_embd), lin(s.n_ff, s.n_embd)])  # gate | up
             t[p + "ffn_down.weight"] = lin(s.n_embd, s.n_ff, 0.5)
         else:
@@ -276,6 +300,23 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
 
 
 
+def _random_experts(p: str, arch: str, s: Shape, lin, vec) -> dict[str, np.ndarray]:
+    """A MoE layer's tensors: router, expert stacks (llama's experts are n_ff wide, the qwen families'
+    expert_feed_forward_length, else n_ff / n_expert_used, as llama.cpp reads them), qwen2moe's shared
+    expert."""
+    nff = s.n_ff if arch == "llama" else (s.n_ff_exp or s.n_ff // s.n_expert_used)
+    t = {p + "ffn_gate_inp.weight": lin(s.n_expert, s.n_embd, s.router_gain),
+         p + "ffn_gate_exps.weight": np.stack([lin(nff, s.n_embd) for _ in range(s.n_expert)]),
+         p + "ffn_up_exps.weight": np.stack([lin(nff, s.n_embd) for _ in range(s.n_expert)]),
+         p + "ffn_down_exps.weight": np.stack([lin(s.n_embd, nff, 0.5) for _ in range(s.n_expert)])}
+    if arch == "qwen2moe":
+        nsh = s.n_ff_shexp or s.n_ff
+        t |= {p + "ffn_gate_inp_shexp.weight": vec(s.n_embd, 1.0 / math.sqrt(s.n_embd)),
+              p + "ffn_gate_shexp.weight": lin(nsh, s.n_embd), p + "ffn_up_shexp.weight": lin(nsh, s.n_embd),
+              p + "ffn_down_shexp.weight": lin(s.n_embd, nsh, 0.5)}
+    return t
+
+
 VOCABULARIES = {"qwen2": "ggml-vocab-qwen2.gguf", "phi-3": "ggml-vocab-phi-3.gguf",
                 "llama-spm": "ggml-vocab-llama-spm.gguf"}
 """Vocabulary name of a preset -> its file in ../shared/vocab (gemma's own is not there: its presets use
@@ -290,7 +331,8 @@ def write_preset(name: str, out_dir: Path, vocab_dir: Path, seed: int = 0) -> Pa
     arch, vocab, shape = FAMILY_PRESETS[base]
     if wide:
         head = 64 if shape.head_dim else None
-        shape = replace(shape, n_embd=256, n_ff=512, head_dim=head, n_rot=32 if shape.n_rot else None)
+        shape = replace(shape, n_embd=256, n_ff=512, head_dim=head, n_rot=32 if shape.n_rot else None,
+                        n_ff_exp=256 if shape.n_ff_exp else None, n_ff_shexp=256 if shape.n_ff_shexp else None)
         vocab = "phi-3" if arch == "phi3" else "llama-spm"  # llama.cpp reads phi3 files with phi-3 tokens
     return write_random_model(out_dir / f"{name}-f32.gguf", arch, vocab_dir / VOCABULARIES[vocab], shape, seed)
 

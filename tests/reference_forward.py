@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import gguf
 import numpy as np
 
-NEOX_ARCHS = {"qwen2", "qwen3", "gemma2", "gemma3", "phi3"}
+NEOX_ARCHS = {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3"}
 NORM_ARCHS = {"llama"}
 SUPPORTED = NEOX_ARCHS | NORM_ARCHS
 
@@ -50,6 +50,9 @@ class Config:
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     embd_scale: float = 1.0
+    # experts
+    n_expert: int = 0
+    n_expert_used: int = 0
 
 
 @dataclass
@@ -124,7 +127,8 @@ def make_config(meta: dict, tensors: dict[str, np.ndarray]) -> Config:
         rope_neox=arch in NEOX_ARCHS, rope_freq_base=float(g("{a}.rope.freq_base", 10000.0)),
         rope_freq_scale=freq_scale, rope_attn_factor=float(g("{a}.rope.scaling.attn_factor", 1.0)),
         n_ctx_orig=int(g("{a}.rope.scaling.original_context_length", n_ctx_train)),
-        is_swa=[False] * n_layer,
+        is_swa=[False] * n_layer, n_expert=int(g("{a}.expert_count", 0)),
+        n_expert_used=int(g("{a}.expert_used_count", 0)),
     )
     c.kq_scale = 1.0 / math.sqrt(hdk)
 
@@ -313,7 +317,9 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
         x = x + att
 
         h = rms_norm(x, w[p + "ffn_norm.weight"], c.rms_eps)
-        if c.arch == "phi3":
+        if c.n_expert:
+            f = moe_ffn(h, w, p, c)
+        elif c.arch == "phi3":
             y = h @ w[p + "ffn_up.weight"].T
             nff = y.shape[-1] // 2
             f = (silu(y[:, :nff]) * y[:, nff:]) @ w[p + "ffn_down.weight"].T
@@ -336,3 +342,24 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
     if c.final_softcap:
         logits = c.final_softcap * np.tanh(logits / c.final_softcap)
     return logits
+
+
+def moe_ffn(h: np.ndarray, w: dict, p: str, c: Config) -> np.ndarray:
+    """Routed experts token by token (llama.cpp's build_moe_ffn, softmax gating): the top
+    expert_used_count probabilities, divided by their sum except in qwen2moe (norm_w false there),
+    SwiGLU experts, weighted sum; qwen2moe adds its shared expert times sigmoid(gate . h)."""
+    probs = softmax(h @ w[p + "ffn_gate_inp.weight"].T, axis=-1)  # (T, E)
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        chosen = np.argsort(-probs[t], kind="stable")[: c.n_expert_used]
+        weights = probs[t, chosen]
+        if c.arch != "qwen2moe":
+            weights = weights / max(weights.sum(), 6.103515625e-5)
+        for e, weight in zip(chosen, weights, strict=True):
+            hidden = silu(w[p + "ffn_gate_exps.weight"][e] @ h[t]) * (w[p + "ffn_up_exps.weight"][e] @ h[t])
+            out[t] += weight * (w[p + "ffn_down_exps.weight"][e] @ hidden)
+    if c.arch == "qwen2moe":
+        shared = (silu(h @ w[p + "ffn_gate_shexp.weight"].T) * (h @ w[p + "ffn_up_shexp.weight"].T))
+        gate = 1.0 / (1.0 + np.exp(-(h @ w[p + "ffn_gate_inp_shexp.weight"])))
+        out += (shared @ w[p + "ffn_down_shexp.weight"].T) * gate[:, None]
+    return out

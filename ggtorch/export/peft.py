@@ -6,9 +6,10 @@ Only the GGUF base model is needed on either side, never the Hugging Face folder
 
 Module names follow the family's Hugging Face model: llama, qwen2, qwen3, gemma2 and gemma3 have
 ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj``; phi3 fuses them as ``qkv_proj``
-(GGUF ``attn_qkv``) and ``gate_up_proj`` (GGUF ``ffn_up``, gate rows first on both sides). A GGUF
-whose q/k/v are fused where the Hugging Face model splits them, or the reverse, has no PEFT
-counterpart and is refused.
+(GGUF ``attn_qkv``) and ``gate_up_proj`` (GGUF ``ffn_up``, gate rows first on both sides); qwen2moe's
+shared expert is ``mlp.shared_expert.*_proj``. A GGUF whose q/k/v are fused where the Hugging Face model
+splits them, or the reverse, has no PEFT counterpart and is refused, as are routed experts' adapters
+(transformers keeps experts as fused 3-D parameters, not modules).
 
 Three layout differences between the two worlds:
 
@@ -68,16 +69,27 @@ HF_MODULES: dict[str, str] = {
     "ffn_up": "model.layers.{bid}.mlp.up_proj",
     "ffn_down": "model.layers.{bid}.mlp.down_proj",
 }
+_NO_FFN: dict[str, str] = {kind: path for kind, path in HF_MODULES.items() if not kind.startswith("ffn_")}
 FAMILY_HF_MODULES: dict[str, dict[str, str]] = {
     "phi3": {"token_embd": "model.embed_tokens", "output": "lm_head",
              "attn_qkv": "model.layers.{bid}.self_attn.qkv_proj",
              "attn_output": "model.layers.{bid}.self_attn.o_proj",
              "ffn_up": "model.layers.{bid}.mlp.gate_up_proj",
              "ffn_down": "model.layers.{bid}.mlp.down_proj"},
+    "qwen3moe": _NO_FFN,
+    "qwen2moe": _NO_FFN | {"ffn_gate_shexp": "model.layers.{bid}.mlp.shared_expert.gate_proj",
+                           "ffn_up_shexp": "model.layers.{bid}.mlp.shared_expert.up_proj",
+                           "ffn_down_shexp": "model.layers.{bid}.mlp.shared_expert.down_proj"},
 }
-"""Architectures whose Hugging Face module names differ from HF_MODULES: Phi3ForCausalLM's."""
+"""Architectures whose Hugging Face module names differ from HF_MODULES: Phi3ForCausalLM's, and the MoE
+models', whose routed experts are no modules (below) and whose FFN is qwen2moe's shared expert."""
+EXPERT_REFUSAL = ("transformers stores a MoE's routed experts as fused 3-D parameters (mlp.experts.gate_up_proj, "
+                  "mlp.experts.down_proj), not as modules a PEFT LoRA can target, so expert adapters have no "
+                  "PEFT counterpart: train with --rank-exps 0 for a PEFT export, or merge the adapter into the "
+                  "model with export-lora")
 HF_CLASSES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                              "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 """The Hugging Face model class of each family, for messages."""
 HF_LEAVES: dict[str, str] = {path.rsplit(".", 1)[-1]: kind for kind, path in HF_MODULES.items()}
 """``q_proj`` -> ``attn_q``: the names PEFT's ``target_modules`` usually lists."""
@@ -109,7 +121,7 @@ _REFUSED_OPTIONS: tuple[tuple[str, Any, str], ...] = (
 
 
 def _fusion_hint(architecture: str) -> str:
-    if architecture in FAMILY_HF_MODULES:
+    if architecture == "phi3":
         return (f"; Hugging Face's {architecture} fuses q/k/v (qkv_proj) and gate/up (gate_up_proj), so a "
                 "LoRA on separate attn_q/attn_k/attn_v or ffn_gate has no PEFT counterpart")
     return (f"; Hugging Face's {architecture} has separate q_proj/k_proj/v_proj, so a LoRA on a fused "
@@ -120,6 +132,8 @@ def hf_module_name(gguf_name: str, architecture: str = "llama") -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj`` (GGTorchError if not adaptable)."""
     modules = hf_modules(architecture)
     parsed = names.parse_gguf_name(gguf_name)
+    if parsed is not None and parsed[0] in names.EXPERT_KINDS:
+        raise GGTorchError(f"'{gguf_name}': {EXPERT_REFUSAL}")
     if parsed is None or parsed[0] not in modules:
         raise GGTorchError(f"'{gguf_name}' has no LoRA counterpart in a Hugging Face {architecture}; "
                            f"adaptable tensors: {', '.join(modules)}{_fusion_hint(architecture)}")

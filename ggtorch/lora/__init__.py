@@ -11,6 +11,9 @@ the family's extra norms (q/k norms, post norms) are not adapted.
 - :class:`LoRAEmbedding` around ``nn.Embedding`` or ``QuantEmbedding``, laid out as llama.cpp
   lays out ``token_embd``'s pair: ``lora_a (n_vocab, r)``, ``lora_b (n_embd, r)``,
   ``emb[t] += s · lora_b @ lora_a[t]``.
+- :class:`LoRAExperts` around a stack of expert matrices (``Experts`` or ``QuantExperts``): one pair per
+  expert, ``lora_a (E, r, in)``, ``lora_b (E, out, r)``, the layout llama.cpp's loader takes for
+  ``*_exps``; only routed experts are computed. Routers are never adapted.
 - :class:`LoRANorm` around an RMSNorm gain g (off by default): ``g + lora_b @ lora_a`` with
   ``lora_a (r, n_embd)``, ``lora_b (1, r)``, trained with scale 1 as the old finetune did.
   Today's llama.cpp adapter files cannot carry norm deltas (its loader skips ``*_norm``
@@ -51,11 +54,11 @@ from ggtorch.lora.attach import (
     unmerge_lora,
 )
 from ggtorch.lora.config import ALL_KINDS, LAYER_ORDER, MATRIX_KINDS, NORM_KINDS, LoraConfig
-from ggtorch.lora.layers import LoRAEmbedding, LoRALinear, LoRANorm
+from ggtorch.lora.layers import LoRAEmbedding, LoRAExperts, LoRALinear, LoRANorm
 from ggtorch.lora.product import frozen_float_weight
 
 __all__ = [
-    "ADAPTER_DTYPES", "ALL_KINDS", "LAYER_ORDER", "MATRIX_KINDS", "NORM_KINDS", "LoRAEmbedding", "LoRALinear",
+    "ADAPTER_DTYPES", "ALL_KINDS", "LAYER_ORDER", "MATRIX_KINDS", "NORM_KINDS", "LoRAEmbedding", "LoRAExperts", "LoRALinear",
     "LoRANorm", "LoraAdapter", "LoraConfig", "LoraPair", "adapter_from_model", "attach_lora", "combine_adapters",
     "count_trainable_parameters", "frozen_float_weight", "load_adapter_into", "load_lora_tensors", "lora_modules",
     "lora_pairs", "lora_state_dict", "lora_tensors_by_gguf_name", "merge_lora", "read_adapter", "trainable_parameters",

@@ -27,7 +27,7 @@ from ggtorch.errors import BadGGUF, GGTorchError, Unsupported
 from ggtorch.io.encode import encode
 from ggtorch.io.gguf import GGUFFile, TensorOut, read_gguf, write_gguf
 from ggtorch.lora.attach import lora_modules, lora_pairs
-from ggtorch.lora.layers import LoRAEmbedding, LoRALinear, LoRANorm
+from ggtorch.lora.layers import LoRAEmbedding, LoRAExperts, LoRALinear, LoRANorm, _LoRA
 from ggtorch.models import names
 from ggtorch.quant import dequantize
 
@@ -77,16 +77,18 @@ class LoraAdapter:
         if name == TOKEN_EMBD:
             d = pair.a @ pair.b.T  # (n_vocab, r) @ (r, n_embd)
         else:
-            d = pair.b @ pair.a  # (n_out, r) @ (r, n_in)
+            d = pair.b @ pair.a  # (n_out, r) @ (r, n_in), per expert for a stack
         return d * self.scale(name, user_scale)
 
 
-def expected_pair_shapes(name: str, base_shape: tuple[int, ...], rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Torch shapes of (lora_a, lora_b) for a base tensor, as llama.cpp checks them."""
-    n_rows, n_cols = base_shape
+def expected_pair_shapes(name: str, base_shape: tuple[int, ...],
+                         rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Torch shapes of (lora_a, lora_b) for a base tensor, as llama.cpp checks them; an expert stack
+    (E, out, in) has one pair per expert, (E, r, in) and (E, out, r)."""
+    *experts, n_rows, n_cols = base_shape
     if name == TOKEN_EMBD:
         return (n_rows, rank), (n_cols, rank)
-    return (rank, n_cols), (n_rows, rank)
+    return (*experts, rank, n_cols), (*experts, n_rows, rank)
 
 
 def validate_against_base(adapter: LoraAdapter, base: GGUFFile, source: str = "adapter") -> None:
@@ -103,12 +105,12 @@ def validate_against_base(adapter: LoraAdapter, base: GGUFFile, source: str = "a
             raise GGTorchError(f"{source}: adapter targets tensor '{name}', which the base model "
                                f"{base.path} does not have (tied output? another model?)")
         base_shape = base.tensors[name].shape
-        if len(base_shape) != 2:
-            raise GGTorchError(f"{source}: adapter targets '{name}' of shape {base_shape}; only matrices can "
-                               "carry a LoRA in llama.cpp's format")
-        if pair.a.dim() != 2 or pair.b.dim() != 2:
-            raise GGTorchError(f"{source}: '{name}' lora_a/lora_b must be 2-D")
-        a_rank = pair.a.shape[1] if name == TOKEN_EMBD else pair.a.shape[0]
+        if len(base_shape) not in (2, 3):
+            raise GGTorchError(f"{source}: adapter targets '{name}' of shape {base_shape}; only matrices and "
+                               "expert stacks can carry a LoRA in llama.cpp's format")
+        if pair.a.dim() != len(base_shape) or pair.b.dim() != len(base_shape):
+            raise GGTorchError(f"{source}: '{name}' lora_a/lora_b must be {len(base_shape)}-D like the base tensor")
+        a_rank = pair.a.shape[1] if name == TOKEN_EMBD else pair.a.shape[-2]
         if a_rank != pair.rank:
             raise GGTorchError(f"{source}: '{name}' has lora_a of rank {a_rank} but lora_b of rank "
                                f"{pair.rank}; the file is inconsistent")
@@ -223,8 +225,8 @@ def combine_adapters(adapters: list[tuple[LoraAdapter, float]]) -> LoraAdapter:
     for name, ps in pieces.items():
         if name == TOKEN_EMBD:
             pairs[name] = LoraPair(torch.cat([p.a for p in ps], dim=1), torch.cat([p.b for p in ps], dim=1))
-        else:
-            pairs[name] = LoraPair(torch.cat([p.a for p in ps], dim=0), torch.cat([p.b for p in ps], dim=1))
+        else:  # the rank axis: A's rows, B's columns (per expert for a stack)
+            pairs[name] = LoraPair(torch.cat([p.a for p in ps], dim=-2), torch.cat([p.b for p in ps], dim=-1))
     return LoraAdapter(arch, 0.0, pairs)
 
 
@@ -241,7 +243,12 @@ def load_adapter_into(model: torch.nn.Module, base: GGUFFile,
         for name, pair in combined.pairs.items():
             path = names.gguf_to_module(name)
             target = model.get_submodule(path)
-            module = (LoRAEmbedding(target, pair.rank) if name == TOKEN_EMBD else LoRALinear(target, pair.rank))
+            if name == TOKEN_EMBD:
+                module: _LoRA = LoRAEmbedding(target, pair.rank)
+            elif pair.a.dim() == 3:
+                module = LoRAExperts(target, pair.rank)
+            else:
+                module = LoRALinear(target, pair.rank)
             module.gguf_name = name
             module.scale = combined.scale(name)
             module.lora_a.copy_(pair.a)

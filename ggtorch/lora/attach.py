@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from ggtorch.errors import BadFlag, Unsupported
-from ggtorch.lora.config import GLOBAL_ORDER, LAYER_ORDER, NORM_KINDS, TIED_KINDS, LoraConfig
-from ggtorch.lora.layers import LoRAEmbedding, LoRALinear, LoRANorm, _linear_shape, _LoRA
+from ggtorch.lora.config import EXPERT_KINDS, GLOBAL_ORDER, LAYER_ORDER, NORM_KINDS, TIED_KINDS, LoraConfig
+from ggtorch.lora.layers import LoRAEmbedding, LoRAExperts, LoRALinear, LoRANorm, _linear_shape, _LoRA
 from ggtorch.models import names
 from ggtorch.rng import MT19937, libstdcpp_normal
 
@@ -78,6 +78,8 @@ def attach_lora(model: nn.Module, config: LoraConfig | None = None, seed: int = 
             module: _LoRA = LoRANorm(base, rank)
         elif kind == "token_embd":
             module = LoRAEmbedding(base, rank, config.lora_alpha)
+        elif kind in EXPERT_KINDS:
+            module = LoRAExperts(base, rank, config.lora_alpha, config.dropout)
         else:
             module = LoRALinear(base, rank, config.lora_alpha, config.dropout)
         module.gguf_name = names.gguf_name(kind, bid)
@@ -92,42 +94,47 @@ def _initialize(model: nn.Module, plan: list[tuple[str, int | None, int]], confi
     """A tensors as randomize_lora fills them, B = 0 (already zero)."""
     # Values per tensor in the old layout order. Skipped kinds still consume their draws (norms
     # with the old default rank 1), so a default run's A values equal the old program's.
-    shapes = []  # (kind, bid, old ne0 = r, old ne1 = n_in)
+    # An expert stack draws one A per expert, expert after expert (the old program had none).
+    shapes = []  # (kind, bid, rank, old ne0 = r, old ne1 = n_in, experts)
     for kind, bid, rank in plan:
         draw_rank = rank or (1 if kind in NORM_KINDS else config.rank_of(kind))
-        n_in = _old_a_width(model, kind, bid)
-        shapes.append((kind, bid, rank, draw_rank, n_in))
-    counts = [r * n for _, _, _, r, n in shapes]
+        n_in, n_expert = _old_a_width(model, kind, bid)
+        shapes.append((kind, bid, rank, draw_rank, n_in, n_expert))
+    counts = [r * n * e for _, _, _, r, n, e in shapes]
     if config.init == "ggml":
         values = libstdcpp_normal(MT19937(seed & 0xFFFFFFFF), sum(counts))
     else:
         gen = torch.Generator().manual_seed(seed)
         values = torch.randn(sum(counts), generator=gen).numpy()
     offset = 0
-    for (kind, bid, rank, draw_rank, n_in), count in zip(shapes, counts, strict=True):
+    for (kind, bid, rank, draw_rank, n_in, n_expert), count in zip(shapes, counts, strict=True):
         chunk = values[offset:offset + count]
         offset += count
         if rank == 0:
             continue
         scale = np.float32(1.0) / np.sqrt(np.float32(draw_rank) + np.float32(n_in), dtype=np.float32)
-        old_a = (np.clip(chunk, np.float32(-1), np.float32(1)).astype(np.float32) * scale).reshape(n_in, draw_rank)
+        old_a = np.clip(chunk, np.float32(-1), np.float32(1)).astype(np.float32) * scale
         module = model.get_submodule(names.module_path(kind, bid))
         with torch.no_grad():
-            t = torch.from_numpy(old_a).to(module.lora_a.device)
+            if kind in EXPERT_KINDS:
+                module.lora_a.copy_(torch.from_numpy(old_a.reshape(n_expert, draw_rank, n_in)))
+                continue
+            t = torch.from_numpy(old_a.reshape(n_in, draw_rank)).to(module.lora_a.device)
             if kind == "token_embd":
                 module.lora_b.copy_(t)  # new lora_b (n_embd, r) is the old A, same layout
             else:
                 module.lora_a.copy_(t.T)  # new lora_a (r, n_in) is the old A transposed
 
 
-def _old_a_width(model: nn.Module, kind: str, bid: int | None) -> int:
-    """ne1 of the old finetune's A tensor for ``kind``: the base's input width (n_embd for
-    token_embd and the norms)."""
+def _old_a_width(model: nn.Module, kind: str, bid: int | None) -> tuple[int, int]:
+    """(ne1 of the old finetune's A tensor for ``kind``, the number of A's): the base's input width
+    (n_embd for token_embd and the norms), and 1 or the experts of a stack."""
     module = model.get_submodule(names.module_path(kind, bid))
     base = module.base if isinstance(module, _LoRA) else module
     if kind in NORM_KINDS:
-        return int(base.weight.shape[0])
-    return _linear_shape(base)[1]
+        return int(base.weight.shape[0]), 1
+    shape = _linear_shape(base)
+    return (shape[-1], shape[0]) if kind in EXPERT_KINDS else (shape[1], 1)
 
 
 # --- queries and bulk operations -------------------------------------------------------------
@@ -152,13 +159,14 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter, int]
     """(parameter name, parameter, ggml n_dims) of every LoRA tensor, in the old finetune's order.
 
     n_dims is what ``ggml_n_dims`` gave for the tensor in the old layout (trailing size-1 axes
-    dropped): 2 for every matrix pair and norm A, 1 for a norm B ``ne=[r, 1]``: the old finetune's
+    dropped): 2 for every matrix pair and norm A, 1 for a norm B ``ne=[r, 1]``, 3 for an expert stack's
+    pair (which the old finetune never had): the old finetune's
     ``--adam-decay-min-ndim`` decides weight decay from it.
     """
     out = []
     for path, m in _ordered(model):
         for pname, p in m.lora_parameters():
-            ndim = 1 if isinstance(m, LoRANorm) and pname == "lora_b" else 2
+            ndim = 1 if isinstance(m, LoRANorm) and pname == "lora_b" else p.dim()
             out.append((f"{path}.{pname}", p, ndim))
     return out
 

@@ -15,29 +15,36 @@ import numpy as np
 
 from ggtorch.errors import BadFlag, flag
 
+EXPERT_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_down_exps", "ffn_up_exps")
+"""Routed experts' stacks: each expert gets its own A and B (lora.layers.LoRAExperts)."""
+SHARED_EXPERT_KINDS: tuple[str, ...] = ("ffn_gate_shexp", "ffn_down_shexp", "ffn_up_shexp")
+"""qwen2moe's shared expert: a dense FFN, sized by the ffn_gate/ffn_down/ffn_up ranks."""
 MATRIX_KINDS: tuple[str, ...] = ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output",
-                                 "ffn_gate", "ffn_down", "ffn_up", "attn_qkv")
+                                 "ffn_gate", "ffn_down", "ffn_up", "attn_qkv") + EXPERT_KINDS + SHARED_EXPERT_KINDS
 NORM_KINDS: tuple[str, ...] = ("attn_norm", "ffn_norm", "output_norm")
 ALL_KINDS: tuple[str, ...] = MATRIX_KINDS + NORM_KINDS
 TIED_KINDS: tuple[str, ...] = ("token_embd", "output")
 GLOBAL_ORDER: tuple[str, ...] = ("token_embd", "output_norm", "output")
 LAYER_ORDER: tuple[str, ...] = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_norm",
-                                "ffn_gate", "ffn_down", "ffn_up")
+                                "ffn_gate", "ffn_down", "ffn_up") + EXPERT_KINDS + SHARED_EXPERT_KINDS
 """The old finetune's tensor order (randomize_lora, checkpoints): globals, then per layer. A model
-lacks some kinds (attn_q/k/v or attn_qkv; phi3 has no ffn_gate): they are skipped, so a llama
-model's order is the old one."""
-OLD_KINDS: tuple[str, ...] = tuple(k for k in GLOBAL_ORDER + LAYER_ORDER if k != "attn_qkv")
+lacks some kinds (attn_q/k/v or attn_qkv; phi3 has no ffn_gate; a MoE has experts in place of
+ffn_gate/down/up): they are skipped, so a llama model's order is the old one. The routers
+(``ffn_gate_inp``, ``ffn_gate_inp_shexp``) are never adapted: routing stays the base model's."""
+OLD_KINDS: tuple[str, ...] = ("token_embd", "output_norm", "output", "attn_norm", "attn_q", "attn_k", "attn_v",
+                              "attn_output", "ffn_norm", "ffn_gate", "ffn_down", "ffn_up")
 """The kinds the old finetune had: every checkpoint records their ranks."""
 
 LoraInit = Literal["ggml", "torch"]
 
-FINETUNE_RANK_FIELDS: dict[str, str] = {
-    "rank_tok_embd": "token_embd", "rank_out": "output", "rank_wq": "attn_q", "rank_wk": "attn_k",
-    "rank_wv": "attn_v", "rank_wo": "attn_output", "rank_ffn_gate": "ffn_gate", "rank_ffn_down": "ffn_down",
-    "rank_ffn_up": "ffn_up", "rank_att_norm": "attn_norm", "rank_ffn_norm": "ffn_norm",
-    "rank_out_norm": "output_norm", "rank_qkv": "attn_qkv",
+FINETUNE_RANK_FIELDS: dict[str, tuple[str, ...]] = {
+    "rank_tok_embd": ("token_embd",), "rank_out": ("output",), "rank_wq": ("attn_q",), "rank_wk": ("attn_k",),
+    "rank_wv": ("attn_v",), "rank_wo": ("attn_output",), "rank_ffn_gate": ("ffn_gate", "ffn_gate_shexp"),
+    "rank_ffn_down": ("ffn_down", "ffn_down_shexp"), "rank_ffn_up": ("ffn_up", "ffn_up_shexp"),
+    "rank_att_norm": ("attn_norm",), "rank_ffn_norm": ("ffn_norm",), "rank_out_norm": ("output_norm",),
+    "rank_qkv": ("attn_qkv",), "rank_exps": EXPERT_KINDS,
 }
-"""Run option (FinetuneConfig field, the old --rank-* flag) -> the tensor kind whose rank it sets."""
+"""Run option (FinetuneConfig field, the old --rank-* flag) -> the tensor kinds whose rank it sets."""
 
 OPTION_NAMES: dict[str, str] = {"rank": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout"}
 """LoraConfig field -> the run option that sets it; messages name that option's flag."""
@@ -67,9 +74,10 @@ class LoraConfig:
         unknown = sorted(set(self.ranks) - set(ALL_KINDS))
         if unknown:
             raise BadFlag(f"unknown LoRA tensor kind '{unknown[0]}'; kinds are {', '.join(ALL_KINDS)}")
-        for option, kind in FINETUNE_RANK_FIELDS.items():
-            if self.ranks.get(kind, 0) < 0:
-                raise BadFlag(f"{flag(option)} must be >= 0, got {self.ranks[kind]} (the LoRA rank of {kind})")
+        for option, kinds in FINETUNE_RANK_FIELDS.items():
+            for kind in kinds:
+                if self.ranks.get(kind, 0) < 0:
+                    raise BadFlag(f"{flag(option)} must be >= 0, got {self.ranks[kind]} (the LoRA rank of {kind})")
         if self.alpha is not None and not (math.isfinite(self.alpha) and self.alpha > 0):
             raise BadFlag(f"{flag(OPTION_NAMES['alpha'])} must be a positive number, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
@@ -94,17 +102,17 @@ class LoraConfig:
     @classmethod
     def from_finetune(cls, c: Any) -> LoraConfig:
         """From a FinetuneConfig: the options of OPTION_NAMES and FINETUNE_RANK_FIELDS (None: not given)."""
-        ranks = {kind: getattr(c, option) for option, kind in FINETUNE_RANK_FIELDS.items()
+        ranks = {kind: getattr(c, option) for option, kinds in FINETUNE_RANK_FIELDS.items() for kind in kinds
                  if getattr(c, option) is not None}
         return cls(**{name: getattr(c, option) for name, option in OPTION_NAMES.items()}, ranks=ranks)
 
     def metadata(self) -> dict[str, int | float]:
-        """``training.lora.rank.<kind>`` for every old kind (as the old checkpoints), for attn_qkv when
-        its rank was given, and ``training.lora.alpha``.
+        """``training.lora.rank.<kind>`` for every old kind (as the old checkpoints), for newer kinds
+        (attn_qkv, the experts) when their rank was given, and ``training.lora.alpha``.
 
-        Otherwise attn_qkv has the default rank, which the entries of kinds without an override
+        Otherwise a newer kind has the default rank, which the entries of kinds without an override
         record too; leaving it out keeps a llama checkpoint's keys those of the old finetune."""
-        kinds = OLD_KINDS + (("attn_qkv",) if "attn_qkv" in self.ranks else ())
+        kinds = OLD_KINDS + tuple(k for k in MATRIX_KINDS if k not in OLD_KINDS and k in self.ranks)
         meta: dict[str, int | float] = {f"training.lora.rank.{k}": self.rank_of(k) for k in kinds}
         # rounded to f32 as GGUF stores it, so a value read back from a checkpoint compares equal
         meta["training.lora.alpha"] = float(np.float32(self.lora_alpha))

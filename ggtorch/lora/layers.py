@@ -1,4 +1,4 @@
-"""The LoRA wrappers: LoRALinear, LoRAEmbedding and LoRANorm around a base module.
+"""The LoRA wrappers: LoRALinear, LoRAEmbedding, LoRAExperts and LoRANorm around a base module.
 
 Each holds the original module as ``base`` (``models/`` stays untouched) and ``lora_a``,
 ``lora_b`` in GGUF LoRA orientation; ``merge()``/``unmerge()`` fold the delta in and out.
@@ -14,20 +14,23 @@ from torch import nn
 from torch.func import functional_call
 
 from ggtorch.errors import Unsupported
-from ggtorch.lora.product import _frozen_products, _LoRAProduct
+from ggtorch.lora.product import _expert_products, _frozen_products, _LoRAProduct
 from ggtorch.models.model import RMSNorm
+from ggtorch.ops.experts import Experts, grouped
 from ggtorch.quant.autograd import compute_dtype
-from ggtorch.quant.modules import QuantEmbedding, QuantLinear, float_module
+from ggtorch.quant.modules import QuantEmbedding, QuantExperts, QuantLinear, float_twin
 
 LINEAR_BASES = (nn.Linear, QuantLinear)
 EMBEDDING_BASES = (nn.Embedding, QuantEmbedding)
+EXPERT_BASES = (Experts, QuantExperts)
+QUANT_BASES = (QuantLinear, QuantEmbedding, QuantExperts)
 
 
 class _LoRA(nn.Module):
     """Shared state of the wrappers: base, pair, scale, merged flag."""
 
-    def __init__(self, base: nn.Module, rank: int, alpha: float | None, a_shape: tuple[int, int],
-                 b_shape: tuple[int, int]) -> None:
+    def __init__(self, base: nn.Module, rank: int, alpha: float | None, a_shape: tuple[int, ...],
+                 b_shape: tuple[int, ...]) -> None:
         """A zero pair of the given shapes on the base's device, scaled by alpha / rank (default 1)."""
         if rank < 1:
             raise ValueError(f"LoRA rank must be at least 1, got {rank}")
@@ -56,9 +59,9 @@ class _LoRA(nn.Module):
         if self.merged:
             return
         with torch.no_grad():
-            if isinstance(self.base, QuantLinear | QuantEmbedding):
+            if isinstance(self.base, QUANT_BASES):
                 self._unmerged_base = self.base
-                self.base = _float_module(self.base, self.base.dequantized_weight(torch.float32) + self.delta_weight())
+                self.base = float_twin(self.base, self.base.dequantized_weight(torch.float32) + self.delta_weight())
             else:
                 w = self.base.weight
                 self._unmerged_weight = w
@@ -79,10 +82,6 @@ class _LoRA(nn.Module):
     def lora_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         yield "lora_a", self.lora_a
         yield "lora_b", self.lora_b
-
-
-def _float_module(quant: QuantLinear | QuantEmbedding, weight: torch.Tensor) -> nn.Module:
-    return float_module(nn.Parameter(weight, requires_grad=False), embedding=isinstance(quant, QuantEmbedding))
 
 
 def _supported(base: nn.Module, bases: tuple[type, ...], what: str) -> None:
@@ -130,6 +129,44 @@ class LoRALinear(_LoRA):
         return (self.lora_b.float() @ self.lora_a.float()) * self.scale  # (out, in)
 
 
+class LoRAExperts(_LoRA):
+    """Per-expert LoRA around a stack of expert matrices (Experts or QuantExperts): expert e computes
+    ``x @ W[e].T + scale · (x @ A[e].T) @ B[e].T`` on its own rows.
+
+    ``lora_a`` (E, r, in) and ``lora_b`` (E, out, r) are the layout llama.cpp's adapter loader takes for
+    ``*_exps`` (its build_lora_mm_id multiplies them with ggml_mul_mat_id, expert by expert). Each
+    expert's product is the one-node LoRA product of a LoRALinear over that expert's matrix, so only
+    routed experts are computed (and, quantized, dequantized), and the gradients of A and B are
+    assembled once per step, zero for experts nothing was routed to.
+    """
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float | None = None, dropout: float = 0.0) -> None:
+        _supported(base, EXPERT_BASES, "LoRAExperts")
+        n_expert, n_out, n_in = base.shape
+        super().__init__(base, rank, alpha, (n_expert, rank, n_in), (n_expert, n_out, rank))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        if self.merged:
+            return self.base(x, counts)
+        dtype = compute_dtype(x)
+        a, b = self.lora_a.unbind(0), self.lora_b.unbind(0)
+        frozen = isinstance(self.base, QuantExperts) or not self.base.weight.requires_grad
+        dropout = self.training and isinstance(self.dropout, nn.Dropout)
+        if frozen and not dropout and (dtype == self.lora_a.dtype or torch.is_autocast_enabled(x.device.type)):
+            return grouped(x, counts, lambda e, rows: _LoRAProduct.apply(
+                rows, a[e], b[e], self.scale, _expert_products(self.base, e, dtype), dtype))
+        y = self.base(x, counts)
+        x = self.dropout(x)
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.lora_a.dtype)
+        delta = grouped(x, counts, lambda e, rows: F.linear(F.linear(rows, a[e]), b[e].to(rows.dtype)))
+        return y + (delta * self.scale).to(y.dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        return torch.bmm(self.lora_b.float(), self.lora_a.float()) * self.scale  # (E, out, in)
+
+
 class LoRAEmbedding(_LoRA):
     """``base(ids) + scale · lora_a[ids] @ lora_b.T`` around an nn.Embedding or QuantEmbedding."""
 
@@ -167,11 +204,11 @@ class LoRANorm(_LoRA):
         return (self.lora_b.float() @ self.lora_a.float())[0] * self.scale  # (n_embd,)
 
 
-def _linear_shape(base: nn.Module) -> tuple[int, int]:
-    if isinstance(base, QuantLinear | QuantEmbedding):
+def _linear_shape(base: nn.Module) -> tuple[int, ...]:
+    if isinstance(base, QUANT_BASES):
         return base.shape
-    return tuple(base.weight.shape)  # type: ignore[return-value]
+    return tuple(base.weight.shape)
 
 
 def _device_of(base: nn.Module) -> torch.device:
-    return base.raw.device if isinstance(base, QuantLinear | QuantEmbedding) else base.weight.device
+    return base.raw.device if isinstance(base, QUANT_BASES) else base.weight.device

@@ -9,7 +9,7 @@ from torch import nn
 
 from ggtorch.ops.matmul import Linear, mm, mm_t
 from ggtorch.quant.autograd import quant_mm, quant_mm_t
-from ggtorch.quant.modules import QuantLinear
+from ggtorch.quant.modules import QuantExperts, QuantLinear
 
 Products = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
 """(x -> x @ W.T, g -> g @ W) for 2-D operands in one dtype, without autograd."""
@@ -28,6 +28,17 @@ def _frozen_products(base: nn.Module, dtype: torch.dtype) -> Products | None:
     w = frozen_float_weight(base, dtype)  # (out, in); a cast only under autocast, as F.linear's would be
     if w is None:
         return None
+    return (lambda x: mm_t(x, w)), (lambda g: mm(g, w))
+
+
+def _expert_products(base: nn.Module, e: int, dtype: torch.dtype) -> Products:
+    """The products of expert ``e`` of a frozen stack (Experts or QuantExperts) in ``dtype``: a quantized
+    expert is dequantized in each call, so forward and backward decode it only when it has rows."""
+    if isinstance(base, QuantExperts):
+        raw, ggml_type, n_in, chunk_bytes = base.raw[e], base.ggml_type, base.shape[2], base.chunk_bytes
+        return (lambda x: quant_mm_t(x, raw, ggml_type, n_in, chunk_bytes),
+                lambda g: quant_mm(g, raw, ggml_type, n_in, chunk_bytes))
+    w = base.weight[e].to(dtype)  # (out, in)
     return (lambda x: mm_t(x, w)), (lambda g: mm(g, w))
 
 

@@ -79,6 +79,15 @@ class ModelConfig:
     """q, k and v come from one ``attn_qkv`` matrix."""
     biases: tuple[str, ...] = ()
     """Matrix kinds with a ``.bias`` in the file (``attn_q``, ``output``, ...)."""
+    n_expert: int = 0
+    """Routed experts per layer (``expert_count``; 0: a dense FFN)."""
+    n_expert_used: int = 0
+    """Experts each token is routed to (``expert_used_count``, the top k)."""
+    n_ff_exp: int | None = None
+    """Hidden width of one expert (``expert_feed_forward_length``; default as llama.cpp: n_ff for
+    llama, n_ff / n_expert_used for the qwen MoE families)."""
+    n_ff_shexp: int | None = None
+    """Hidden width of qwen2moe's shared expert (``expert_shared_feed_forward_length``; default n_ff)."""
 
     def __post_init__(self) -> None:
         if self.arch not in FAMILIES:
@@ -102,10 +111,34 @@ class ModelConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise BadGGUF(f"{self.arch} hyperparameter {name} = {value!r} must be positive")
+        self._check_experts()
         if self.swa_layers and len(self.swa_layers) != self.n_layer:
             raise BadGGUF(f"the sliding-window pattern has {len(self.swa_layers)} layers, the model {self.n_layer}")
         if any(self.swa_layers) and self.sliding_window <= 0:
             raise BadGGUF(f"sliding-window layers need a positive window, got {self.sliding_window}")
+
+    def _check_experts(self) -> None:
+        """The expert counts llama.cpp asserts (GGML_ASSERT there; one message here)."""
+        experts = self.family.experts
+        count, used = Keys.LLM.EXPERT_COUNT.format(arch=self.arch), Keys.LLM.EXPERT_USED_COUNT.format(arch=self.arch)
+        if experts == "none":
+            if self.n_expert:
+                raise Unsupported(f"'{count}' = {self.n_expert}: ggtorch's {self.arch} has no experts "
+                                  f"(MoE families: {', '.join(a for a, f in FAMILIES.items() if f.experts != 'none')})")
+            return
+        if experts == "required" and self.n_expert <= 0:
+            raise BadGGUF(f"a {self.arch} model needs '{count}' > 0, got {self.n_expert}")
+        if self.n_expert < 0 or (self.n_expert and not 0 < self.n_expert_used <= self.n_expert):
+            raise BadGGUF(f"'{used}' = {self.n_expert_used} must be between 1 and '{count}' = {self.n_expert}")
+        if self.n_expert:
+            if self.n_ff_exp is None:
+                self.n_ff_exp = self.n_ff if self.arch == "llama" else self.n_ff // self.n_expert_used
+            if self.n_ff_shexp is None and self.family.shared_expert:
+                self.n_ff_shexp = self.n_ff
+            for name in ("n_ff_exp", "n_ff_shexp"):
+                value = getattr(self, name)
+                if value is not None and (not isinstance(value, int) or value <= 0):
+                    raise BadGGUF(f"{self.arch} hyperparameter {name} = {value!r} must be a positive integer")
 
     @property
     def family(self) -> Family:
@@ -241,6 +274,7 @@ class ModelConfig:
             rope_attn_factor=float(optional(Keys.Rope.SCALING_ATTN_FACTOR, 1.0)),
             fused_qkv=fused_qkv,
             biases=biases,
+            **_experts(f, family, integer, optional),
         )
 
 
@@ -253,6 +287,16 @@ def _optional_int(f: GGUFFile, template: str, optional: Any) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
         raise BadGGUF(f"{f.path}: '{template.format(arch=f.architecture)}' = {value!r} must be an integer")
     return value
+
+
+def _experts(f: GGUFFile, family: Family, integer: Any, optional: Any) -> dict[str, int | None]:
+    """The expert keys of a MoE family (a dense family's graph never reads them, nor does ggtorch)."""
+    if family.experts == "none":
+        return {}
+    return {"n_expert": integer(Keys.LLM.EXPERT_COUNT, optional(Keys.LLM.EXPERT_COUNT, 0)),
+            "n_expert_used": integer(Keys.LLM.EXPERT_USED_COUNT, optional(Keys.LLM.EXPERT_USED_COUNT, 0)),
+            "n_ff_exp": _optional_int(f, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, optional),
+            "n_ff_shexp": _optional_int(f, Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, optional)}
 
 
 def _bias_names(kind: str, n_layer: int) -> list[str]:

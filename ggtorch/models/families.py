@@ -5,16 +5,24 @@ Each row is read from llama.cpp's own graph and loader for that architecture
 parts its blocks have, and the defaults llama.cpp takes when a key is missing. ModelConfig.from_gguf
 turns a row plus the file's metadata and tensors into the numbers the model runs with.
 
-| family | rope | q/k norm | post norms | embd scale   | FFN    | attn cap | final cap | sliding window               |
-|--------|------|----------|------------|--------------|--------|----------|-----------|------------------------------|
-| llama  | norm | -        | -          | -            | SwiGLU | -        | -         | - (a window key is ignored)  |
-| qwen2  | neox | -        | -          | -            | SwiGLU | -        | -         | -                            |
-| qwen3  | neox | yes      | -          | -            | SwiGLU | -        | -         | -                            |
-| gemma2 | neox | -        | yes        | sqrt(n_embd) | GeGLU  | 50       | 30        | 1 layer in 2 global, 4096    |
-| gemma3 | neox | yes      | yes        | sqrt(n_embd) | GeGLU  | -        | if keyed  | 1 in 6 global, own rope base |
-| phi3   | neox | -        | -          | -            | SwiGLU*| -        | -         | - (a window key is ignored)  |
+| family   | rope | qk norm | post norm | embd x  | FFN     | experts        | caps attn/final | sliding window       |
+|----------|------|---------|-----------|---------|---------|----------------|-----------------|----------------------|
+| llama    | norm | -       | -         | -       | SwiGLU  | if keyed, norm | -               | - (key ignored)      |
+| qwen2    | neox | -       | -         | -       | SwiGLU  | -              | -               | -                    |
+| qwen2moe | neox | -       | -         | -       | SwiGLU  | yes, + shared  | -               | -                    |
+| qwen3    | neox | yes     | -         | -       | SwiGLU  | -              | -               | -                    |
+| qwen3moe | neox | yes     | -         | -       | SwiGLU  | yes, norm      | -               | -                    |
+| gemma2   | neox | -       | yes       | √n_embd | GeGLU   | -              | 50 / 30         | 1 in 2 global, 4096  |
+| gemma3   | neox | yes     | yes       | √n_embd | GeGLU   | -              | - / if keyed    | 1 in 6 global, base  |
+| phi3     | neox | -       | -         | -       | SwiGLU* | -              | -               | - (key ignored)      |
 
-\* over one fused ``ffn_up``. Defaults apply when the file has no key for them.
+\* over one fused ``ffn_up``. Defaults apply when the file has no key for them. gemma3's sliding layers have
+their own rope base.
+
+Experts (llama.cpp's ``build_moe_ffn`` with softmax gating): each token's FFN is the sum of its top
+``expert_used_count`` experts of ``expert_count``, weighted by their softmax probabilities, renormalized
+to sum 1 where the row says "norm" (llama.cpp hard-codes this per family; no key changes it).
+qwen2moe adds a dense shared expert scaled by sigmoid(``ffn_gate_inp_shexp`` · x).
 
 Every family takes q, k and v as separate tensors or as one fused ``attn_qkv`` (llama.cpp's
 ``create_tensor_qkv``), each with optional biases.
@@ -66,6 +74,12 @@ class Family:
     """Per-layer matrices whose ``.bias`` the loader accepts (llama.cpp's optional biases)."""
     output_bias: bool = False
     """An optional ``output.bias`` (qwen2)."""
+    experts: Literal["none", "optional", "required"] = "none"
+    """Routed experts: never, when the file has ``expert_count`` > 0 (llama, Mixtral-style), or always."""
+    normalize_expert_weights: bool = True
+    """The top-k softmax weights are divided by their sum (``norm_w`` of build_moe_ffn)."""
+    shared_expert: bool = False
+    """A dense SwiGLU expert beside the routed ones, scaled by a sigmoid gate (qwen2moe)."""
     large_layer_counts: tuple[int, ...] = ()
     """Layer counts of gemma's 27B models, whose attention scale llama.cpp takes as 1/sqrt(n_embd/n_head)
     instead of 1/sqrt(head_dim) (gemma_pytorch's ``query_pre_attn_scalar``)."""
@@ -73,9 +87,11 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(rope="norm", layer_biases=("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output",
-                                               "ffn_gate", "ffn_up", "ffn_down")),
+                                               "ffn_gate", "ffn_up", "ffn_down"), experts="optional"),
     "qwen2": Family(rope="neox", output_bias=True),
+    "qwen2moe": Family(rope="neox", experts="required", normalize_expert_weights=False, shared_expert=True),
     "qwen3": Family(rope="neox", qk_norm=True),
+    "qwen3moe": Family(rope="neox", qk_norm=True, experts="required"),
     "gemma2": Family(rope="neox", post_norms=True, embedding_scale=True, activation="gelu", attn_softcap=50.0,
                      final_softcap=30.0, swa_period=2, swa_window=4096, swa_rope_base="global",
                      query_prescale=True, tied_always=True, large_layer_counts=(46,)),

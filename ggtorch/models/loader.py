@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from os import PathLike
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, Keys
 from torch import nn
 
 from ggtorch.errors import BadGGUF, Unsupported
@@ -24,8 +24,9 @@ from ggtorch.models import names
 from ggtorch.models.config import ModelConfig
 from ggtorch.models.model import RMSNorm, Transformer
 from ggtorch.models.tokenizer import Tokenizer
+from ggtorch.ops.experts import Experts
 from ggtorch.quant import check_raw, dequantize
-from ggtorch.quant.modules import QuantEmbedding, QuantLinear, float_module
+from ggtorch.quant.modules import QuantEmbedding, QuantExperts, QuantLinear, float_module
 
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
@@ -53,11 +54,13 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "attn_norm": (c.n_embd,),
         "attn_output": (c.n_embd, c.n_embd_q),
         "ffn_norm": (c.n_embd,),
-        "ffn_up": (2 * c.n_ff if c.family.fused_up else c.n_ff, c.n_embd),
-        "ffn_down": (c.n_embd, c.n_ff),
     }
-    if not c.family.fused_up:
-        per_layer["ffn_gate"] = (c.n_ff, c.n_embd)
+    if c.n_expert:
+        per_layer |= _expert_shapes(c)
+    else:
+        per_layer |= {"ffn_up": (2 * c.n_ff if c.family.fused_up else c.n_ff, c.n_embd), "ffn_down": (c.n_embd, c.n_ff)}
+        if not c.family.fused_up:
+            per_layer["ffn_gate"] = (c.n_ff, c.n_embd)
     if c.fused_qkv:
         per_layer["attn_qkv"] = (c.n_embd_q + 2 * c.n_embd_kv, c.n_embd)
     else:
@@ -80,6 +83,34 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if c.rope_long_short:
         shapes[names.ROPE_FACTORS_LONG] = shapes[names.ROPE_FACTORS_SHORT] = (c.n_rot // 2,)
     return shapes
+
+
+def _expert_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Per-layer shapes of a MoE FFN: the router, the three expert stacks, qwen2moe's shared expert."""
+    assert c.n_ff_exp is not None
+    shapes: dict[str, tuple[int, ...]] = {
+        "ffn_gate_inp": (c.n_expert, c.n_embd),
+        "ffn_gate_exps": (c.n_expert, c.n_ff_exp, c.n_embd),
+        "ffn_up_exps": (c.n_expert, c.n_ff_exp, c.n_embd),
+        "ffn_down_exps": (c.n_expert, c.n_embd, c.n_ff_exp),
+    }
+    if c.family.shared_expert:
+        assert c.n_ff_shexp is not None
+        shapes |= {"ffn_gate_inp_shexp": (c.n_embd,), "ffn_gate_shexp": (c.n_ff_shexp, c.n_embd),
+                   "ffn_up_shexp": (c.n_ff_shexp, c.n_embd), "ffn_down_shexp": (c.n_embd, c.n_ff_shexp)}
+    return shapes
+
+
+def _shape_error(f: GGUFFile, config: ModelConfig, name: str, shape: tuple[int, ...],
+                 expected: tuple[int, ...]) -> BadGGUF:
+    """The message for a tensor of the wrong shape; for an expert stack, the count it disagrees with."""
+    kind = names.parse_gguf_name(name)
+    if kind is not None and kind[0] in names.EXPERT_KINDS and len(shape) == 3 and shape[0] != expected[0]:
+        key = Keys.LLM.EXPERT_COUNT.format(arch=config.arch)
+        return BadGGUF(f"{f.path}: tensor '{name}' holds {shape[0]} experts, but '{key}' is {config.n_expert}; "
+                       "the file is inconsistent (re-convert it)")
+    return BadGGUF(f"{f.path}: tensor '{name}' has shape {shape}, expected {expected} "
+                   "from the model's hyperparameters")
 
 
 def _check_biases(f: GGUFFile, config: ModelConfig) -> None:
@@ -145,14 +176,13 @@ def build_llama(f: GGUFFile, config: ModelConfig, device: torch.device | str = "
             continue
         info = f.tensors[name]
         if info.shape != shape:
-            raise BadGGUF(f"{f.path}: tensor '{name}' has shape {info.shape}, expected {shape} "
-                          "from the model's hyperparameters")
+            raise _shape_error(f, config, name, info.shape, shape)
         if name in names.ROPE_BUFFERS:
             setattr(model, names.ROPE_BUFFERS[name],
                     dequantize(info.raw().to(device), info.ggml_type, info.shape, torch.float32, name))
             continue
         kind, _ = names.parse_gguf_name(name)
-        if kind in names.BIAS_KINDS:
+        if kind in names.VECTOR_KINDS:
             bias = dequantize(info.raw().to(device), info.ggml_type, info.shape, torch.float32, name)
             _set_module(model, names.gguf_to_module(name), nn.Parameter(bias, requires_grad=False))
             release_pages(info)
@@ -179,11 +209,15 @@ def _make_module(info: TensorInfo, kind: str, device: torch.device, dtype: torch
                                    requires_grad=False)
         return norm
     if keep_quantized and info.ggml_type not in FLOAT_TYPES:
-        raw = raw.reshape(info.shape[0], -1)  # whole rows of blocks
+        raw = raw.reshape(*info.shape[:-1], -1)  # whole rows of blocks
         if kind == "token_embd":
             return QuantEmbedding(raw, info.ggml_type, info.shape)
+        if kind in names.EXPERT_KINDS:
+            return QuantExperts(raw, info.ggml_type, info.shape)
         return QuantLinear(raw, info.ggml_type, info.shape)
     weight = nn.Parameter(_float_weight(raw, info, dtype), requires_grad=False)
+    if kind in names.EXPERT_KINDS:
+        return Experts.holding(weight)
     return float_module(weight, embedding=kind == "token_embd")
 
 

@@ -1,9 +1,9 @@
 """One transformer in plain torch for every supported family, computing what llama.cpp's graphs compute.
 
-One file, nanoGPT style: RMSNorm, rope, Attention, MLP, Block, Transformer. What a family changes
+One file, nanoGPT style: RMSNorm, rope, Attention, MLP, MoE, Block, Transformer. What a family changes
 (models/families.py) arrives through ModelConfig switches: rope layout and partial rope, q/k norms,
 fused q/k/v, biases, post norms, GeGLU, embedding scale, soft-capping, sliding-window layers,
-rope factors. Module paths follow ``ggtorch.models.names`` (``layers.{i}.attn.q`` ...), so GGUF
+rope factors, routed experts. Module paths follow ``ggtorch.models.names`` (``layers.{i}.attn.q`` ...), so GGUF
 tensors map one-to-one onto modules. Linear layers are ``ggtorch.ops.matmul.Linear`` (an
 ``nn.Linear``) or, for weights kept in their ggml blocks, ``ggtorch.quant.modules.QuantLinear``: this
 file only calls them, and keeps biases as separate parameters so every Linear is bias-free.
@@ -24,6 +24,7 @@ from torch import nn
 
 from ggtorch.models.attention import attention
 from ggtorch.models.config import ModelConfig
+from ggtorch.ops.experts import Experts
 from ggtorch.ops.fused import recompute_outputs, rms_norm, swiglu
 from ggtorch.ops.matmul import Linear
 
@@ -286,17 +287,20 @@ class MLP(nn.Module):
     """Gated feed-forward: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or GELU (GeGLU); phi3 keeps
     gate and up in one matrix (``fused_up``: the gate is its first half)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, n_ff: int | None = None) -> None:
+        """``n_ff``: another hidden width than the config's (qwen2moe's shared expert, which has no biases)."""
         super().__init__()
         c = config
+        shared = n_ff is not None
+        n_ff = c.n_ff if n_ff is None else n_ff
         self.fused = c.family.fused_up
         if not self.fused:
-            self.gate = Linear(c.n_embd, c.n_ff, bias=False)
-            self.gate_bias = _bias(c, "ffn_gate", c.n_ff)
-        self.up = Linear(c.n_embd, 2 * c.n_ff if self.fused else c.n_ff, bias=False)
-        self.up_bias = _bias(c, "ffn_up", c.n_ff)
-        self.down = Linear(c.n_ff, c.n_embd, bias=False)
-        self.down_bias = _bias(c, "ffn_down", c.n_embd)
+            self.gate = Linear(c.n_embd, n_ff, bias=False)
+            self.gate_bias = None if shared else _bias(c, "ffn_gate", n_ff)
+        self.up = Linear(c.n_embd, 2 * n_ff if self.fused else n_ff, bias=False)
+        self.up_bias = None if shared else _bias(c, "ffn_up", n_ff)
+        self.down = Linear(n_ff, c.n_embd, bias=False)
+        self.down_bias = None if shared else _bias(c, "ffn_down", c.n_embd)
         self.gelu = c.family.activation == "gelu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -306,6 +310,83 @@ class MLP(nn.Module):
             gate, up = _with_bias(self.gate(x), self.gate_bias), _with_bias(self.up(x), self.up_bias)
         hidden = gelu(gate) * up if self.gelu else swiglu(gate, up)
         return _with_bias(self.down(hidden), self.down_bias)
+
+
+class MoE(nn.Module):
+    """Routed experts as llama.cpp's build_moe_ffn computes them with softmax gating, plus qwen2moe's
+    gated shared expert.
+
+    Per token: probabilities = softmax(router(x)) in f32; the top ``n_expert_used`` experts (ties as
+    torch.topk breaks them; llama.cpp's argsort may pick the other of two exactly equal ones);
+    their probabilities, divided by their sum (clamped to 2^-14, llama.cpp's guard) when the family
+    normalizes; the output is the weighted sum of those experts' SwiGLU FFNs. Gradients reach x
+    through the experts and through the weights (the router's softmax), not through the choice.
+
+    Only routed experts run (``routed_only``): the token rows are grouped by expert once, each expert
+    multiplies its own rows (ggtorch.ops.experts.grouped) and the results go back to their tokens.
+    ``routed_only = False`` runs every expert on every token and keeps the routed results: the same
+    numbers at n_expert / n_expert_used times the cost, the baseline the MoE benchmark compares with.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        assert c.n_ff_exp is not None
+        self.router = Linear(c.n_embd, c.n_expert, bias=False)
+        self.gate_exps = Experts(c.n_expert, c.n_ff_exp, c.n_embd)
+        self.up_exps = Experts(c.n_expert, c.n_ff_exp, c.n_embd)
+        self.down_exps = Experts(c.n_expert, c.n_embd, c.n_ff_exp)
+        self.n_expert, self.n_used = c.n_expert, c.n_expert_used
+        self.normalize = c.family.normalize_expert_weights
+        self.routed_only = True
+        self.shared: MLP | None = None
+        if c.family.shared_expert:
+            assert c.n_ff_shexp is not None
+            self.shared = MLP(c, c.n_ff_shexp)
+            self.shared_gate = nn.Parameter(torch.zeros(c.n_embd))
+            """``ffn_gate_inp_shexp``: the shared expert's output is scaled by sigmoid(shared_gate · x)."""
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights (N, k) f32, experts (N, k)) of the rows of x (N, C), best expert first."""
+        probs = torch.softmax(self.router(x).float(), dim=-1)  # (N, E)
+        weights, experts = torch.topk(probs, self.n_used, dim=-1)  # (N, k)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=6.103515625e-5)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, C)
+        weights, experts = self.route(x)
+        if self.routed_only:
+            y = self._routed(x, experts)
+        else:
+            y = self._dense(x, experts)  # (N, k, C)
+        out = (y.float() * weights.unsqueeze(-1)).sum(dim=1)  # (N, C), f32 as llama.cpp's ggml_mul
+        if self.shared is not None:
+            gate = torch.sigmoid((x.float() @ self.shared_gate.float()).unsqueeze(-1))  # (N, 1)
+            out = out + self.shared(x).float() * gate
+        return out.to(y.dtype).reshape(shape)
+
+    def _ffn(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return self.down_exps(swiglu(self.gate_exps(rows, counts), self.up_exps(rows, counts)), counts)
+
+    def _routed(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """(N, k, C): each token's chosen experts' outputs, computing only routed experts."""
+        N, k = experts.shape
+        flat = experts.reshape(-1)  # (N·k), slot j of token n at n·k + j
+        order = torch.argsort(flat, stable=True)  # slots grouped by expert
+        counts = torch.bincount(flat, minlength=self.n_expert).tolist()
+        y = self._ffn(x[order // k], counts)  # (N·k, C) in expert order
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        return y[back].reshape(N, k, -1)
+
+    def _dense(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """(N, k, C) as :meth:`_routed`, with every expert run on every token."""
+        N = x.shape[0]
+        y = self._ffn(x.repeat(self.n_expert, 1), [N] * self.n_expert).reshape(self.n_expert, N, -1)  # (E, N, C)
+        return y[experts, torch.arange(N, device=x.device).unsqueeze(-1)]  # (N, k, C)
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
@@ -328,7 +409,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(c.n_embd, c.rms_eps)
         self.attn = Attention(c, layer)
         self.ffn_norm = RMSNorm(c.n_embd, c.rms_eps)
-        self.ffn = MLP(c)
+        self.ffn = MoE(c) if c.n_expert else MLP(c)
         self.post_norms = c.family.post_norms
         if self.post_norms:
             self.attn_post_norm = RMSNorm(c.n_embd, c.rms_eps)
@@ -487,5 +568,5 @@ def segment_mask(segments: torch.Tensor) -> torch.Tensor:
 
 def _init_weights(module: nn.Module) -> None:
     """Small normal init for a model built from a config alone (training from scratch)."""
-    if isinstance(module, nn.Linear | nn.Embedding):
+    if isinstance(module, nn.Linear | nn.Embedding | Experts):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)

@@ -30,6 +30,14 @@ TENSOR_KINDS: dict[str, tuple[str, str]] = {
     "attn_k_norm": ("blk.{bid}.attn_k_norm.weight", "layers.{bid}.attn.k_norm"),
     "attn_post_norm": ("blk.{bid}.post_attention_norm.weight", "layers.{bid}.attn_post_norm"),
     "ffn_post_norm": ("blk.{bid}.post_ffw_norm.weight", "layers.{bid}.ffn_post_norm"),
+    "ffn_gate_inp": ("blk.{bid}.ffn_gate_inp.weight", "layers.{bid}.ffn.router"),
+    "ffn_gate_exps": ("blk.{bid}.ffn_gate_exps.weight", "layers.{bid}.ffn.gate_exps"),
+    "ffn_down_exps": ("blk.{bid}.ffn_down_exps.weight", "layers.{bid}.ffn.down_exps"),
+    "ffn_up_exps": ("blk.{bid}.ffn_up_exps.weight", "layers.{bid}.ffn.up_exps"),
+    "ffn_gate_inp_shexp": ("blk.{bid}.ffn_gate_inp_shexp.weight", "layers.{bid}.ffn.shared_gate"),
+    "ffn_gate_shexp": ("blk.{bid}.ffn_gate_shexp.weight", "layers.{bid}.ffn.shared.gate"),
+    "ffn_down_shexp": ("blk.{bid}.ffn_down_shexp.weight", "layers.{bid}.ffn.shared.down"),
+    "ffn_up_shexp": ("blk.{bid}.ffn_up_shexp.weight", "layers.{bid}.ffn.shared.up"),
     "output_bias": ("output.bias", "output_bias"),
     "attn_q_bias": ("blk.{bid}.attn_q.bias", "layers.{bid}.attn.q_bias"),
     "attn_k_bias": ("blk.{bid}.attn_k.bias", "layers.{bid}.attn.k_bias"),
@@ -61,7 +69,12 @@ NORM_KINDS: tuple[str, ...] = ("attn_norm", "ffn_norm", "output_norm", "attn_q_n
 """RMS norm gains: 1-D, always kept in float."""
 BIAS_KINDS: tuple[str, ...] = tuple(k for k in TENSOR_KINDS if k.endswith("_bias"))
 """Biases: 1-D, always kept in float; ``bias_of("attn_q") == "attn_q_bias"``."""
-MATRIX_KINDS: tuple[str, ...] = tuple(k for k in TENSOR_KINDS if k not in NORM_KINDS + BIAS_KINDS)
+VECTOR_KINDS: tuple[str, ...] = BIAS_KINDS + ("ffn_gate_inp_shexp",)
+"""1-D parameters that are no norm gain: biases and qwen2moe's shared-expert gate (llama.cpp multiplies
+it with the hidden state as a one-row matrix; it is never quantized), kept in float and never adapted."""
+EXPERT_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_down_exps", "ffn_up_exps")
+"""Stacks of per-expert matrices, (n_expert, out, in) in torch order."""
+MATRIX_KINDS: tuple[str, ...] = tuple(k for k in TENSOR_KINDS if k not in NORM_KINDS + VECTOR_KINDS)
 
 
 def bias_of(kind: str) -> str:

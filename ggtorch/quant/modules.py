@@ -1,7 +1,8 @@
 """Modules that keep a frozen base weight as its raw ggml blocks.
 
 ``QuantLinear`` / ``QuantEmbedding`` hold W as a registered uint8 buffer ``raw`` of shape
-(n_rows, row_nbytes) plus its ggml type and torch-order shape, and dequantize on the fly
+(n_rows, row_nbytes) plus its ggml type and torch-order shape (``QuantExperts``: a stack of E
+matrices, (E, n_rows, row_nbytes)), and dequantize on the fly
 (:mod:`ggtorch.quant.autograd`). The buffer moves with ``.to(device)`` (``.to(dtype)`` leaves
 it alone: it is not a float tensor) and is saved in ``state_dict``; the ggml type and shape
 travel as the module's extra state, so a state dict is self-describing.
@@ -15,12 +16,14 @@ projection is a QuantLinear built on the embedding's own buffer (same tensor, no
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from ggtorch.ops.experts import Experts, grouped
 from ggtorch.ops.matmul import Linear
 from ggtorch.quant import dequantize, row_nbytes
 from ggtorch.quant.autograd import quant_embedding, quant_linear
@@ -31,10 +34,10 @@ class _QuantWeight(nn.Module):
 
     raw: torch.Tensor
 
-    def __init__(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType | int, shape: tuple[int, int]) -> None:
+    def __init__(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType | int, shape: tuple[int, ...]) -> None:
         super().__init__()
         self.ggml_type = GGMLQuantizationType(ggml_type)
-        self.shape = (int(shape[0]), int(shape[1]))
+        self.shape = tuple(int(n) for n in shape)
         self.register_buffer("raw", self._rows_view(raw))
         self.chunk_bytes: int | None = None
         """Per-module override of ``quant.autograd.CHUNK_BYTES`` (None: the module-level value)."""
@@ -42,15 +45,15 @@ class _QuantWeight(nn.Module):
     def _rows_view(self, raw: torch.Tensor) -> torch.Tensor:
         if raw.dtype != torch.uint8:
             raise TypeError(f"raw ggml blocks must be a uint8 tensor, got {raw.dtype}")
-        n_rows, n_cols = self.shape
-        nbytes = row_nbytes(self.ggml_type, n_cols)
+        nbytes = row_nbytes(self.ggml_type, self.shape[-1])
+        n_rows = math.prod(self.shape[:-1])
         if raw.numel() != n_rows * nbytes:
             raise ValueError(f"{self.ggml_type.name} {self.shape} takes {n_rows * nbytes} bytes, "
                              f"the raw buffer holds {raw.numel()}")
-        return raw.reshape(n_rows, nbytes)
+        return raw.reshape(*self.shape[:-1], nbytes)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The full float W (n_rows, n_cols): a new tensor, for merging and tests."""
+        """The full float W of ``shape``: a new tensor, for merging and tests."""
         return dequantize(self.raw, self.ggml_type, self.shape, dtype)
 
     def get_extra_state(self) -> dict[str, Any]:
@@ -58,7 +61,7 @@ class _QuantWeight(nn.Module):
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self.ggml_type = GGMLQuantizationType(state["ggml_type"])
-        self.shape = (int(state["shape"][0]), int(state["shape"][1]))
+        self.shape = tuple(int(n) for n in state["shape"])
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         # A state dict may hold another ggml type (other byte count): take its buffer size.
@@ -95,6 +98,33 @@ class QuantEmbedding(_QuantWeight):
         return quant_embedding(ids, self.raw, self.ggml_type, self.shape, self.dtype)
 
 
+class QuantExperts(_QuantWeight):
+    """E expert matrices (E, out, in) kept as ggml blocks: one ``ffn_*_exps`` tensor.
+
+    ``forward(x, counts)`` runs expert e on its ``counts[e]`` rows of x (grouped by expert) through
+    the quantized matmul: an expert is dequantized, in forward and in backward, only when some row
+    was routed to it, one expert at a time.
+    """
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        n_out, n_in = self.shape[1:]
+        return grouped(x, counts, lambda e, rows: quant_linear(rows, self.raw[e], self.ggml_type, (n_out, n_in),
+                                                               self.chunk_bytes))
+
+    def expert_weight(self, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """W[e] (out, in) dequantized to ``dtype``."""
+        return dequantize(self.raw[e], self.ggml_type, self.shape[1:], dtype)
+
+
+def float_twin(quant: _QuantWeight, weight: torch.Tensor) -> nn.Module:
+    """The float module that replaces ``quant`` (merged or dequantized) holding ``weight``, frozen (a
+    Parameter given is used as it is, so modules given one stay tied)."""
+    param = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+    if isinstance(quant, QuantExperts):
+        return Experts.holding(param)
+    return float_module(param, embedding=isinstance(quant, QuantEmbedding))
+
+
 def float_module(weight: nn.Parameter, embedding: bool) -> nn.Module:
     """A Linear (or nn.Embedding) holding ``weight`` (rows, cols) as it is: the same Parameter,
     so modules given one stay tied. Built on the meta device without the random init its
@@ -110,8 +140,8 @@ def float_module(weight: nn.Parameter, embedding: bool) -> nn.Module:
 
 
 def dequantize_modules(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Replace every QuantLinear / QuantEmbedding in ``model`` by a frozen float nn.Linear /
-    nn.Embedding of ``dtype`` (in place; also returned). Modules that shared one raw buffer (a
+    """Replace every QuantLinear / QuantEmbedding / QuantExperts in ``model`` by a frozen float nn.Linear /
+    nn.Embedding / Experts of ``dtype`` (in place; also returned). Modules that shared one raw buffer (a
     tied output) share one float Parameter afterwards. The "float base" switch, for speed when
     memory allows; results equal the quantized path up to rounding.
     """
@@ -122,8 +152,7 @@ def dequantize_modules(model: nn.Module, dtype: torch.dtype = torch.float32) -> 
         key = module.raw.data_ptr()
         if key not in shared:
             shared[key] = nn.Parameter(module.dequantized_weight(dtype), requires_grad=False)
-        weight = shared[key]
-        new = float_module(weight, embedding=isinstance(module, QuantEmbedding))
+        new = float_twin(module, shared[key])
         parent_path, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, attr, new)
     return model

@@ -307,12 +307,16 @@ class FinetuneConfig(RunConfig):
     rank_qkv: int | None = option(None, "Rank for attn_qkv, the fused q|k|v matrix of models that have one "
                                   "(phi3) in place of attn_q/attn_k/attn_v.", LORA, default_text="--lora-r")
     rank_wo: int | None = option(None, "Rank for attn_output.", LORA, default_text="--lora-r")
-    rank_ffn_gate: int | None = option(None, "Rank for ffn_gate.", LORA, flags=("--rank-ffn_gate",),
-                                       default_text="--lora-r")
-    rank_ffn_down: int | None = option(None, "Rank for ffn_down.", LORA, flags=("--rank-ffn_down",),
-                                       default_text="--lora-r")
-    rank_ffn_up: int | None = option(None, "Rank for ffn_up.", LORA, flags=("--rank-ffn_up",),
+    rank_ffn_gate: int | None = option(None, "Rank for ffn_gate (and a shared expert's ffn_gate_shexp).", LORA,
+                                       flags=("--rank-ffn_gate",), default_text="--lora-r")
+    rank_ffn_down: int | None = option(None, "Rank for ffn_down (and ffn_down_shexp).", LORA,
+                                       flags=("--rank-ffn_down",), default_text="--lora-r")
+    rank_ffn_up: int | None = option(None, "Rank for ffn_up (and ffn_up_shexp).", LORA, flags=("--rank-ffn_up",),
                                      default_text="--lora-r")
+    rank_exps: int | None = option(None, "Rank for the routed experts of a MoE model (ffn_gate_exps, ffn_up_exps, "
+                                   "ffn_down_exps; each expert its own pair, so E times the parameters of one "
+                                   "matrix). 0 adapts attention and any shared expert only. Routers stay frozen.",
+                                   LORA, default_text="--lora-r")
 
     def __post_init__(self) -> None:
         super().__post_init__()

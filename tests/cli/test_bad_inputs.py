@@ -200,7 +200,7 @@ REAL_PROCESS_ROWS = [
     # in a process of their own, where nothing catches what the CLI lets through
     ("ggtorch info {truncated}", "error: {truncated}: "),
     ("ggtorch generate -m {gpt2}", "error: {gpt2}: unsupported architecture 'gpt2'; ggtorch supports "
-                                   "llama, qwen2, qwen3, gemma2, gemma3, phi3"),
+                                   "llama, qwen2, qwen2moe, qwen3, qwen3moe, gemma2, gemma3, phi3"),
     ("python -m ggtorch finetune --model-base {S} --train-data {missing}", "error: --train-data"),
 ]
 

@@ -20,7 +20,7 @@ from ggtorch.lora.config import LAYER_ORDER, MATRIX_KINDS
 from ggtorch.models import names
 from ggtorch.models.config import ModelConfig
 from ggtorch.models.loader import build_llama
-from ggtorch.quant.modules import QuantEmbedding, QuantLinear
+from ggtorch.quant.modules import QuantEmbedding, QuantExperts, QuantLinear
 from ggtorch.rng import MT19937, libstdcpp_normal
 from tests.families import eval_tokens
 from tests.helpers import losses
@@ -34,6 +34,8 @@ LLAMA_CPP_CONTEXT = 256
 """llama.cpp's context for n_ctx=64 (padded to 256): phi3 picks its rope factors from it."""
 SEPARATE = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 UNTIED = {"token_embd", "output"}
+ATTENTION = {"attn_q", "attn_k", "attn_v", "attn_output"}
+EXPERTS = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
 EXPECTED_KINDS: dict[str, set[str]] = {
     "qwen2": SEPARATE | UNTIED,  # q/k/v biases stay as they are
     "qwen3": SEPARATE,  # tied; q/k norms are not adapted
@@ -41,6 +43,9 @@ EXPECTED_KINDS: dict[str, set[str]] = {
     "gemma3": SEPARATE,
     "phi3": {"attn_qkv", "attn_output", "ffn_up", "ffn_down"} | UNTIED,  # fused q|k|v and gate|up
     "llama3_tied": SEPARATE,
+    "qwen3moe": ATTENTION | EXPERTS | UNTIED,  # routers are not adapted
+    "qwen2moe": ATTENTION | EXPERTS | {"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"} | UNTIED,
+    "llama_moe": ATTENTION | EXPERTS | UNTIED,
 }
 """Preset -> the kinds a default LoRA adapts (every matrix llama.cpp can take an adapter for)."""
 
@@ -62,7 +67,7 @@ def test_every_matrix_kind_is_adapted_on_a_quantized_base(family_model: Callable
         assert {n for n in wrapped if kind_of(n) == kind} == {names.gguf_name(kind, i) for i in range(n_layer)}
     for gguf, m in wrapped.items():  # the base stays as the file holds it: quantized blocks
         quantized = f.tensors[gguf].ggml_type.name != "F32"
-        assert isinstance(m.base, QuantLinear | QuantEmbedding) == quantized, gguf
+        assert isinstance(m.base, QuantLinear | QuantEmbedding | QuantExperts) == quantized, gguf
     assert any(isinstance(m.base, QuantLinear) for m in wrapped.values())
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.endswith((".lora_a", ".lora_b")) for n in trainable)
@@ -88,10 +93,12 @@ def test_llama_cpp_applies_the_written_adapter_as_ggtorch(family_model: Callable
     assert np.abs(ref - ref_base).max() > 5 * tol  # the adapter matters far more than the tolerance
 
 
-def test_fused_phi3_adapter_equals_llama_cpp_in_f32(family_model: Callable[..., Path], tmp_path: Path) -> None:
-    """The fused attn_qkv and gate|up ffn_up adapters at F32 precision: the rows of B land where llama.cpp
-    splits the fused products."""
-    path = family_model("phi3")
+@pytest.mark.parametrize("name", ["phi3", "qwen3moe"])
+def test_fused_and_expert_adapters_equal_llama_cpp_in_f32(family_model: Callable[..., Path], tmp_path: Path,
+                                                         name: str) -> None:
+    """At F32 precision: the rows of phi3's fused attn_qkv and gate|up adapters land where llama.cpp
+    splits the fused products; each expert's pair is the one llama.cpp's mul_mat_id picks for it."""
+    path = family_model(name)
     f, model = trained_looking_model(path)
     model.n_ctx = LLAMA_CPP_CONTEXT
     written = write_adapter(tmp_path / "adapter.gguf", adapter_from_model(model, f))
@@ -157,7 +164,7 @@ def test_rank_qkv_sets_the_fused_kind_and_is_recorded_only_when_given(family_mod
     assert not any(".attn_q." in n for n in ranks)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "qwen3moe"])
 def test_finetune_resumes_exactly_and_llama_cpp_runs_the_adapter(family_model: Callable[..., Path],
                                                                  texts: dict[str, Path], tmp_path: Path,
                                                                  name: str) -> None:

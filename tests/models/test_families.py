@@ -38,6 +38,7 @@ LLAMA_CPP_CONTEXT = 256
 PRESETS = list(FAMILY_PRESETS)
 GEMMA = [name for name, (arch, _, _) in FAMILY_PRESETS.items() if arch.startswith("gemma")]
 ONE_PER_FAMILY = ["llama3_rope_freqs", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
+MOE = ["qwen3moe", "qwen2moe", "llama_moe"]
 GELU_TABLE_TOLERANCE = 0.02
 """ggml-cpu's fp16 GELU table against the formula, through a few layers (measured up to ~5e-3)."""
 
@@ -112,7 +113,7 @@ def test_gemma_difference_from_llama_cpp_is_its_gelu_table(family_model: Callabl
 
 
 @pytest.mark.parametrize("ftype", ["Q8_0", "Q4_K_M", "Q5_0"])
-@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+@pytest.mark.parametrize("name", ONE_PER_FAMILY + MOE)
 def test_quantized_logits_equal_llama_cpp(family_model: Callable[..., Path], name: str, ftype: str) -> None:
     if ftype == "Q4_K_M":
         name += "-wide"  # rows K-quants can take
@@ -123,11 +124,14 @@ def test_quantized_logits_equal_llama_cpp(family_model: Callable[..., Path], nam
     tol = TOLERANCE["Q8_0"]
     assert np.abs(ours - ref).max() <= tol, f"{name} {ftype}: max |diff| {np.abs(ours - ref).max():.3g} > {tol}"
     assert_top1_agrees(ours, ref, tol)
-    types = {t.ggml_type.name for t in read_gguf(path).tensors.values() if len(t.shape) == 2}
-    assert {"Q4_K_M": "Q4_K", "Q8_0": "Q8_0", "Q5_0": "Q5_0"}[ftype] in types, types
+    matrices = {t.ggml_type.name for t in read_gguf(path).tensors.values() if len(t.shape) == 2}
+    experts = {t.ggml_type.name for t in read_gguf(path).tensors.values() if len(t.shape) == 3}
+    wanted = {"Q4_K_M": "Q4_K", "Q8_0": "Q8_0", "Q5_0": "Q5_0"}[ftype]
+    assert wanted in matrices, matrices
+    assert name.split("-")[0] not in MOE or wanted in experts, experts
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "qwen3"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "qwen3", "qwen2moe"])
 def test_kv_cache_equals_full_forward(family_model: Callable[..., Path], name: str) -> None:
     """Generation through the cache (sliding windows, per-layer rope, q/k norms) computes the full forward."""
     model = load(family_model(name))
@@ -178,6 +182,9 @@ EXPECTED_CONFIG = {
                    rope_freq_base_swa=10000.0, rope_freq_scale_swa=1.0, final_softcap=0.0),
     "gemma3_pattern": dict(swa_layers=(True, False, True, False), rope_freq_base_swa=5000.0, tied_output=False),
     "phi3": dict(fused_qkv=True, n_rot=16, rope_long_short=True, n_ctx_orig=4096, sliding_window=0),
+    "qwen3moe": dict(n_expert=8, n_expert_used=2, n_ff_exp=64, n_ff_shexp=None),
+    "qwen2moe": dict(n_expert=6, n_expert_used=2, n_ff_exp=32, n_ff_shexp=64, biases=("attn_q", "attn_k", "attn_v")),
+    "llama_moe": dict(n_expert=4, n_expert_used=2, n_ff_exp=64),  # llama's experts are n_ff wide
 }
 
 
@@ -211,6 +218,22 @@ BROKEN = {
     "gemma2 sliding window pattern too short": ("gemma2", dict(set_keys={"gemma2.attention.sliding_window_pattern":
                                                                          [True, False]}),
                                                 BadGGUF, r"sliding_window_pattern' has 2 entries for 4 layers"),
+    "expert stack with the wrong number of experts": (
+        "qwen3moe", dict(add_tensors={"blk.1.ffn_up_exps.weight": np.zeros((7, 64, 64), np.float32)}), BadGGUF,
+        r"'blk\.1\.ffn_up_exps\.weight' holds 7 experts, but 'qwen3moe\.expert_count' is 8"),
+    "more experts used than there are": ("llama_moe", dict(set_keys={"llama.expert_used_count": 5}), BadGGUF,
+                                         r"'llama\.expert_used_count' = 5 must be between 1 and "
+                                         r"'llama\.expert_count' = 4"),
+    "no experts used": ("qwen3moe", dict(set_keys={"qwen3moe.expert_used_count": 0}), BadGGUF,
+                        r"'qwen3moe\.expert_used_count' = 0 must be between 1"),
+    "qwen3moe without experts": ("qwen3moe", dict(drop_keys=("qwen3moe.expert_count",)), BadGGUF,
+                                 r"qwen3moe model needs 'qwen3moe\.expert_count' > 0"),
+    "MoE without its router": ("qwen3moe", dict(drop_tensors=("blk.0.ffn_gate_inp.weight",)), BadGGUF,
+                               r"'blk\.0\.ffn_gate_inp\.weight' is missing"),
+    "MoE without an expert gate": ("llama_moe", dict(drop_tensors=("blk.1.ffn_gate_exps.weight",)), BadGGUF,
+                                   r"'blk\.1\.ffn_gate_exps\.weight' is missing"),
+    "qwen2moe without its shared-expert gate": ("qwen2moe", dict(drop_tensors=("blk.0.ffn_gate_inp_shexp.weight",)),
+                                                BadGGUF, r"'blk\.0\.ffn_gate_inp_shexp\.weight' is missing"),
     "qwen2 without a head count": ("qwen2", dict(drop_keys=("qwen2.attention.head_count",)), BadGGUF,
                                    r"qwen2\.attention\.head_count"),
 }
@@ -229,13 +252,19 @@ def test_broken_family_file_names_the_tensor_or_key(family_model: Callable[..., 
 def transformers_overrides(name: str, model: reference_forward.Model) -> dict:
     """Config values transformers' GGUF loader (5.x) drops for a family, passed back by hand.
 
-    Its loader maps too few keys: qwen3's head size, gemma's query scale, soft-caps, layer pattern and
-    local rope, phi3's partial rope and LongRoPE factors, Llama 3's rope_freqs schedule. Its modeling
+    Its loader maps too few keys: qwen3's head size, the MoE expert widths, gemma's query scale, soft-caps,
+    layer pattern and local rope, phi3's partial rope and LongRoPE factors, Llama 3's rope_freqs schedule. Its modeling
     code computes these families correctly once told, which makes it a second, independent forward.
     """
     c = model.config
     if name == "qwen3":
         return {"head_dim": c.head_dim_k}
+    if name == "qwen3moe":  # and llama.cpp always normalizes the top-k weights of qwen3moe
+        return {"head_dim": c.head_dim_k, "moe_intermediate_size": model.meta["qwen3moe.expert_feed_forward_length"],
+                "norm_topk_prob": True}
+    if name == "qwen2moe":
+        return {"moe_intermediate_size": model.meta["qwen2moe.expert_feed_forward_length"],
+                "shared_expert_intermediate_size": model.meta["qwen2moe.expert_shared_feed_forward_length"]}
     if name.startswith("gemma2"):
         return {"query_pre_attn_scalar": c.head_dim_k, "attn_logit_softcapping": c.attn_softcap,
                 "final_logit_softcapping": c.final_softcap}
@@ -262,7 +291,7 @@ def transformers_overrides(name: str, model: reference_forward.Model) -> dict:
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma2", "gemma3", "phi3", "llama3_rope_freqs",
-                                  "mistral_headdim"])
+                                  "mistral_headdim", "qwen3moe", "qwen2moe"])
 def test_logits_equal_transformers_on_the_same_gguf(family_model: Callable[..., Path], name: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -297,7 +326,7 @@ def test_perplexity_equals_the_float64_forward(family_model: Callable[..., Path]
     assert ours.nll == pytest.approx(nll / ours.n_scored, rel=1e-5)
 
 
-@pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "gemma3", "phi3", "qwen3moe"])
 def test_info_generate_and_perplexity_commands_run(family_model: Callable[..., Path], shared: Path, tmp_path: Path,
                                                    name: str) -> None:
     from tests.helpers import run_cli
@@ -313,7 +342,7 @@ def test_info_generate_and_perplexity_commands_run(family_model: Callable[..., P
     assert gen.exit_code == 0 and "6 tokens in" in gen.output, gen.output
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3", "llama3_tied"])
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "llama3_tied", "llama_moe"])
 def test_greedy_generation_equals_llama_cpps(family_model: Callable[..., Path], name: str) -> None:
     """Token by token through the KV cache, ggtorch and llama.cpp pick the same argmax."""
     from ggtorch.models.generate import generate_tokens

@@ -30,6 +30,9 @@ def test_tensor_kinds_follow_gguf_py_names() -> None:
         "ffn_norm": T.FFN_NORM, "ffn_gate": T.FFN_GATE, "ffn_down": T.FFN_DOWN, "ffn_up": T.FFN_UP,
         "attn_qkv": T.ATTN_QKV, "attn_q_norm": T.ATTN_Q_NORM, "attn_k_norm": T.ATTN_K_NORM,
         "attn_post_norm": T.ATTN_POST_NORM, "ffn_post_norm": T.FFN_POST_NORM,
+        "ffn_gate_inp": T.FFN_GATE_INP, "ffn_gate_exps": T.FFN_GATE_EXP, "ffn_up_exps": T.FFN_UP_EXP,
+        "ffn_down_exps": T.FFN_DOWN_EXP, "ffn_gate_inp_shexp": T.FFN_GATE_INP_SHEXP,
+        "ffn_gate_shexp": T.FFN_GATE_SHEXP, "ffn_up_shexp": T.FFN_UP_SHEXP, "ffn_down_shexp": T.FFN_DOWN_SHEXP,
     }
     biases = {f"{kind}_bias": gguf_py[kind] for kind in
               ("output", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}

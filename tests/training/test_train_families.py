@@ -17,7 +17,7 @@ from tests.models.test_model import TOLERANCE
 from tests.training.test_finetune import run
 
 
-@pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "gemma2", "gemma3_pattern", "phi3"])
+@pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "gemma2", "gemma3_pattern", "phi3", "qwen3moe"])
 def test_full_finetune_writes_a_model_llama_cpp_runs_equally(family_model: Callable[..., Path],
                                                              texts: dict[str, Path], tmp_path: Path,
                                                              name: str) -> None:
@@ -74,3 +74,17 @@ def test_training_runs_longrope_with_the_factors_llama_cpp_picks_at_its_context(
     expected, _ = rope_angles(0, 4, model.config.n_rot, model.config.rope_freq_base, 1.0, torch.device("cpu"),
                               getattr(model, f"rope_factors_{factors}"), model.config.rope_attn_factor)
     torch.testing.assert_close(ropes.cos, expected, rtol=0, atol=0)
+
+
+def test_moe_lora_finetune_on_two_ranks_equals_one_process(family_model: Callable[..., Path],
+                                                           texts: dict[str, Path], tmp_path: Path) -> None:
+    """A qwen2moe base kept in Q8_0 blocks, LoRA on attention, routed experts and the shared expert, block
+    checkpointing, data parallelism: 2 ranks (each routing its own micro-batch) train what one process with
+    --grad-acc 2 trains."""
+    from tests.training.test_distributed import assert_two_ranks_train_as_one_process
+
+    common = ["finetune", "--model-base", str(family_model("qwen2moe", "Q8_0")), "--train-data", str(texts["train"]),
+              "-c", "32", "-b", "1", "--warmup", "0", "--adam-alpha", "0.01", "--seed", "3", "--threads", "1",
+              "-n", "3", "--save-every", "0", "--checkpoint-in", "none.gguf", "--rank-exps", "2"]
+    out = assert_two_ranks_train_as_one_process(common, tmp_path)
+    assert "qwen2moe" in out, out

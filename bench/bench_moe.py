@@ -1,0 +1,164 @@
+"""A mixture-of-experts LoRA step: routed-only experts vs every expert computed, and vs transformers + peft.
+
+Not a test. Builds a random-weight qwen3moe GGUF (16 experts, top 2; n_embd 512, 8 layers, experts 1024
+wide, llama's 32,000-token vocabulary: as in Qwen3-30B-A3B, the routed experts are most of a token's
+work), quantizes it to Q4_K_M with llama.cpp, then times LoRA steps
+in child processes, one configuration each, and prints the median step time and the child's peak RSS:
+
+- ggtorch, quantized base kept quantized, block checkpointing, LoRA on attention and on every expert,
+  with only routed experts computed (what ggtorch runs) and with every expert run on every token
+  (``MoE.routed_only = False``: the same numbers, E/k times the expert work);
+- ggtorch (quantized base, and ``--base-dtype f32``: dequantized on load) and the peer with LoRA on
+  attention only (q, k, v, o: what peft can target on transformers' fused experts), the peer being
+  transformers (which dequantizes the GGUF to f32 on load) + peft with gradient checkpointing, on the
+  same file and the same random batches.
+
+    python bench/bench_moe.py --batch 2 --ctx 256 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+COMMON = r"""
+import json, resource, statistics, sys, time
+import torch
+spec = json.loads(sys.argv[1])
+torch.set_num_threads(spec["threads"])
+gen = torch.Generator().manual_seed(0)
+
+def measure(step):
+    times, loss = [], None
+    for i in range(spec["steps"] + 1):
+        tokens = torch.randint(0, spec["n_vocab"], (spec["batch"], spec["ctx"] + 1), generator=gen)
+        start = time.perf_counter()
+        loss = step(tokens)
+        if i:
+            times.append(time.perf_counter() - start)
+    print(json.dumps({"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                      "step_s": statistics.median(times), "loss": loss}))
+"""
+
+GGTORCH = COMMON + r"""
+from ggtorch.io.gguf import read_gguf
+from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
+from ggtorch.models.config import ModelConfig
+from ggtorch.models.loader import build_llama
+from ggtorch.models.model import MoE
+from ggtorch.training.loss import model_cross_entropy
+from ggtorch.training.optim import AdamConfig, GGMLAdamW
+from ggtorch.training.run import enable_block_checkpointing
+
+f = read_gguf(spec["model"])
+model = build_llama(f, ModelConfig.from_gguf(f), keep_quantized=spec["base"] == "quantized")
+no_experts = {k: 0 for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "token_embd", "output")}
+attach_lora(model, LoraConfig(rank=8, ranks=no_experts if spec["lora"] == "attention"
+                              else {"token_embd": 0, "output": 0}), seed=0)
+for m in model.modules():
+    if isinstance(m, MoE):
+        m.routed_only = spec["experts"] == "routed"
+enable_block_checkpointing(model)
+optimizer = GGMLAdamW(trainable_parameters(model), AdamConfig())
+
+def step(tokens):
+    optimizer.zero_grad()
+    loss = model_cross_entropy(model, model(tokens[:, :-1], hidden_only=True), tokens[:, 1:])
+    loss.backward()
+    optimizer.step()
+    return float(loss)
+
+measure(step)
+"""
+
+PEER = COMMON + r"""
+from pathlib import Path
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+path = Path(spec["model"])
+model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                             head_dim=spec["head_dim"], moe_intermediate_size=spec["n_ff_exp"],
+                                             norm_topk_prob=True)
+model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+model = get_peft_model(model, LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+model.train()
+params = [p for p in model.parameters() if p.requires_grad]
+optimizer = torch.optim.AdamW(params, lr=1e-3)
+
+def step(tokens):
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(input_ids=tokens[:, :-1]).logits
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    optimizer.step()
+    return float(loss)
+
+measure(step)
+"""
+
+CONFIGS = [  # (label, child, experts, lora, base)
+    ("ggtorch, LoRA on attention + experts, routed experts only", GGTORCH, "routed", "all", "quantized"),
+    ("ggtorch, LoRA on attention + experts, every expert computed", GGTORCH, "dense", "all", "quantized"),
+    ("ggtorch, LoRA on attention", GGTORCH, "routed", "attention", "quantized"),
+    ("ggtorch --base-dtype f32, LoRA on attention", GGTORCH, "routed", "attention", "f32"),
+    ("transformers + peft (f32), LoRA on attention", PEER, "routed", "attention", "f32"),
+]
+
+
+def build(folder: Path, ftype: str) -> tuple[Path, dict[str, int]]:
+    from tests.families import VOCABULARIES, Shape, write_random_model
+    from tests.llama_models import quantize_with_llama_cpp
+
+    shape = Shape(n_embd=512, n_ff=2048, n_layer=8, n_head=8, n_head_kv=4, head_dim=64, n_ctx=4096,
+                  rope_freq_base=1e6, n_expert=16, n_expert_used=2, n_ff_exp=1024)
+    vocab = ROOT.parent / "shared" / "vocab" / VOCABULARIES["llama-spm"]
+    f32 = write_random_model(folder / "qwen3moe-f32.gguf", "qwen3moe", vocab, shape)
+    path = quantize_with_llama_cpp(f32, folder / f"qwen3moe-{ftype}.gguf", ftype)
+    return path, {"n_vocab": 32000, "head_dim": 64, "n_ff_exp": 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ftype", default="Q4_K_M")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--ctx", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="ggtorch-bench-moe-") as tmp:
+        path, dims = build(Path(tmp), args.ftype)
+        size = path.stat().st_size / 2**20
+        for label, child, experts, lora, base in CONFIGS:
+            spec = {"model": str(path), "batch": args.batch, "ctx": args.ctx, "steps": args.steps,
+                    "threads": args.threads, "experts": experts, "lora": lora, "base": base, **dims}
+            out = subprocess.run([sys.executable, "-c", child, json.dumps(spec)], capture_output=True, text=True,
+                                 cwd=ROOT)
+            if out.returncode:
+                sys.exit(f"{label} failed:\n{out.stderr[-3000:]}")
+            results[label] = json.loads(out.stdout.strip().splitlines()[-1])
+    tokens = args.batch * args.ctx
+    print(f"qwen3moe, 16 experts top 2, {args.ftype} ({size:.0f} MiB file), batch {args.batch} x ctx {args.ctx}, "
+          f"{args.threads} threads, median of {args.steps} steps\n")
+    print("| configuration | s/step | tok/s | peak RSS GiB |\n|---|---:|---:|---:|")
+    for label, r in results.items():
+        print(f"| {label} | {r['step_s']:.2f} | {tokens / r['step_s']:.0f} | {r['peak_rss_gib']:.2f} |")
+    (routed, dense, ours, ours_f32, peer) = (results[c[0]] for c in CONFIGS)
+    print(f"\nrouted-only vs every expert: {dense['step_s'] / routed['step_s']:.2f}x the speed, "
+          f"{routed['peak_rss_gib'] / dense['peak_rss_gib']:.0%} of the peak RSS")
+    for label, r in (("quantized base", ours), ("f32 base", ours_f32)):
+        print(f"ggtorch ({label}) vs transformers + peft, attention LoRA: {peer['step_s'] / r['step_s']:.2f}x the "
+              f"speed, {r['peak_rss_gib'] / peer['peak_rss_gib']:.0%} of the peak RSS")
+
+
+if __name__ == "__main__":
+    main()
