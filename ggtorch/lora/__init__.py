@@ -58,9 +58,9 @@ from ggtorch.lora.layers import LoRAEmbedding, LoRAExperts, LoRALinear, LoRANorm
 from ggtorch.lora.product import frozen_float_weight
 
 __all__ = [
-    "ADAPTER_DTYPES", "ALL_KINDS", "LAYER_ORDER", "MATRIX_KINDS", "NORM_KINDS", "LoRAEmbedding", "LoRAExperts", "LoRALinear",
-    "LoRANorm", "LoraAdapter", "LoraConfig", "LoraPair", "adapter_from_model", "attach_lora", "combine_adapters",
-    "count_trainable_parameters", "frozen_float_weight", "load_adapter_into", "load_lora_tensors", "lora_modules",
-    "lora_pairs", "lora_state_dict", "lora_tensors_by_gguf_name", "merge_lora", "read_adapter", "trainable_parameters",
-    "unmerge_lora", "validate_against_base", "write_adapter",
+    "ADAPTER_DTYPES", "ALL_KINDS", "LAYER_ORDER", "MATRIX_KINDS", "NORM_KINDS", "LoRAEmbedding", "LoRAExperts",
+    "LoRALinear", "LoRANorm", "LoraAdapter", "LoraConfig", "LoraPair", "adapter_from_model", "attach_lora",
+    "combine_adapters", "count_trainable_parameters", "frozen_float_weight", "load_adapter_into", "load_lora_tensors",
+    "lora_modules", "lora_pairs", "lora_state_dict", "lora_tensors_by_gguf_name", "merge_lora", "read_adapter",
+    "trainable_parameters", "unmerge_lora", "validate_against_base", "write_adapter",
 ]
