@@ -26,8 +26,8 @@ from gguf import GGMLQuantizationType
 from ggtorch.errors import BadGGUF, GGTorchError, Unsupported
 from ggtorch.io.encode import encode
 from ggtorch.io.gguf import GGUFFile, TensorOut, read_gguf, write_gguf
-from ggtorch.lora.attach import lora_modules, lora_pairs
-from ggtorch.lora.layers import LoRAEmbedding, LoRAExperts, LoRALinear, LoRANorm, _LoRA
+from ggtorch.lora.attach import lora_modules, lora_pairs, wrap
+from ggtorch.lora.layers import LoRANorm
 from ggtorch.models import names
 from ggtorch.quant import dequantize
 
@@ -241,19 +241,10 @@ def load_adapter_into(model: torch.nn.Module, base: GGUFFile,
             raise GGTorchError(f"adapter tensor '{name}' is not a llama weight")
     with torch.no_grad():
         for name, pair in combined.pairs.items():
-            path = names.gguf_to_module(name)
-            target = model.get_submodule(path)
-            if name == TOKEN_EMBD:
-                module: _LoRA = LoRAEmbedding(target, pair.rank)
-            elif pair.a.dim() == 3:
-                module = LoRAExperts(target, pair.rank)
-            else:
-                module = LoRALinear(target, pair.rank)
-            module.gguf_name = name
+            kind, bid = names.parse_gguf_name(name)  # type: ignore[misc]  # checked above
+            module = wrap(model, kind, bid, pair.rank)
             module.scale = combined.scale(name)
             module.lora_a.copy_(pair.a)
             module.lora_b.copy_(pair.b)
             module.requires_grad_(False)
-            parent_path, _, attr = path.rpartition(".")
-            setattr(model.get_submodule(parent_path) if parent_path else model, attr, module)
     return model

@@ -72,22 +72,29 @@ def attach_lora(model: nn.Module, config: LoraConfig | None = None, seed: int = 
     for kind, bid, rank in plan:
         if rank == 0:
             continue
-        path = names.module_path(kind, bid)
-        base = model.get_submodule(path)
-        if kind in NORM_KINDS:
-            module: _LoRA = LoRANorm(base, rank)
-        elif kind == "token_embd":
-            module = LoRAEmbedding(base, rank, config.lora_alpha)
-        elif kind in EXPERT_KINDS:
-            module = LoRAExperts(base, rank, config.lora_alpha, config.dropout)
-        else:
-            module = LoRALinear(base, rank, config.lora_alpha, config.dropout)
-        module.gguf_name = names.gguf_name(kind, bid)
-        parent_path, _, attr = path.rpartition(".")
-        setattr(model.get_submodule(parent_path) if parent_path else model, attr, module)
-        wrapped.append(module)
+        wrapped.append(wrap(model, kind, bid, rank, config.lora_alpha, config.dropout))
     _initialize(model, plan, config, seed)
     return model
+
+
+def wrap(model: nn.Module, kind: str, bid: int | None, rank: int, alpha: float | None = None,
+         dropout: float = 0.0) -> _LoRA:
+    """Replace the module holding tensor (kind, bid) by the LoRA wrapper for its kind; return the wrapper."""
+    path = names.module_path(kind, bid)
+    base = model.get_submodule(path)
+    module: _LoRA
+    if kind in NORM_KINDS:
+        module = LoRANorm(base, rank)
+    elif kind == "token_embd":
+        module = LoRAEmbedding(base, rank, alpha)
+    elif kind in EXPERT_KINDS:
+        module = LoRAExperts(base, rank, alpha, dropout)
+    else:
+        module = LoRALinear(base, rank, alpha, dropout)
+    module.gguf_name = names.gguf_name(kind, bid)
+    parent_path, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, attr, module)
+    return module
 
 
 def _initialize(model: nn.Module, plan: list[tuple[str, int | None, int]], config: LoraConfig, seed: int) -> None:

@@ -19,9 +19,7 @@ def _frozen_products(base: nn.Module, dtype: torch.dtype) -> Products | None:
     """A base layer's products in ``dtype`` when its weight takes no gradient (a bias-free float
     Linear whose weight is frozen, or a QuantLinear); None for anything else."""
     if isinstance(base, QuantLinear):
-        raw, ggml_type, n_in, chunk_bytes = base.raw, base.ggml_type, base.shape[1], base.chunk_bytes
-        return (lambda x: quant_mm_t(x, raw, ggml_type, n_in, chunk_bytes),
-                lambda g: quant_mm(g, raw, ggml_type, n_in, chunk_bytes))
+        return _quant_products(base, base.raw)
     if (isinstance(base, nn.Linear) and base.weight.dtype != dtype
             and not torch.is_autocast_enabled(base.weight.device.type)):
         return None  # a half-precision base without autocast: the plain path keeps the delta in f32
@@ -35,11 +33,16 @@ def _expert_products(base: nn.Module, e: int, dtype: torch.dtype) -> Products:
     """The products of expert ``e`` of a frozen stack (Experts or QuantExperts) in ``dtype``: a quantized
     expert is dequantized in each call, so forward and backward decode it only when it has rows."""
     if isinstance(base, QuantExperts):
-        raw, ggml_type, n_in, chunk_bytes = base.raw[e], base.ggml_type, base.shape[2], base.chunk_bytes
-        return (lambda x: quant_mm_t(x, raw, ggml_type, n_in, chunk_bytes),
-                lambda g: quant_mm(g, raw, ggml_type, n_in, chunk_bytes))
+        return _quant_products(base, base.raw[e])
     w = base.weight[e].to(dtype)  # (out, in)
     return (lambda x: mm_t(x, w)), (lambda g: mm(g, w))
+
+
+def _quant_products(base: QuantLinear | QuantExperts, raw: torch.Tensor) -> Products:
+    """The products of one matrix of ``base`` whose blocks are ``raw`` (out, row_nbytes), dequantized per call."""
+    ggml_type, n_in, chunk_bytes = base.ggml_type, base.shape[-1], base.chunk_bytes
+    return (lambda x: quant_mm_t(x, raw, ggml_type, n_in, chunk_bytes),
+            lambda g: quant_mm(g, raw, ggml_type, n_in, chunk_bytes))
 
 
 def frozen_float_weight(base: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:

@@ -51,10 +51,6 @@ class Experts(nn.Module):
         """(E, out, in), as QuantExperts has it."""
         return tuple(self.weight.shape)  # type: ignore[return-value]
 
-    def expert_weight(self, e: int, dtype: torch.dtype) -> torch.Tensor:
-        """W[e] (out, in) in ``dtype``."""
-        return self.weight[e].to(dtype)
-
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         weights = self.weight.unbind(0)
         return grouped(x, counts, lambda e, rows: linear(rows, weights[e]))

@@ -111,10 +111,6 @@ class QuantExperts(_QuantWeight):
         return grouped(x, counts, lambda e, rows: quant_linear(rows, self.raw[e], self.ggml_type, (n_out, n_in),
                                                                self.chunk_bytes))
 
-    def expert_weight(self, e: int, dtype: torch.dtype) -> torch.Tensor:
-        """W[e] (out, in) dequantized to ``dtype``."""
-        return dequantize(self.raw[e], self.ggml_type, self.shape[1:], dtype)
-
 
 def float_twin(quant: _QuantWeight, weight: torch.Tensor) -> nn.Module:
     """The float module that replaces ``quant`` (merged or dequantized) holding ``weight``, frozen (a

@@ -24,8 +24,8 @@ from tests.helpers import run_cli
 from tests.llama_models import llama_cpp_logits
 from tests.lora.test_adapter_file import ggtorch_logits, llama_cpp_with_adapter, trained_looking_model
 from tests.lora.test_families import EXPECTED_KINDS, kind_of
-from tests.models.test_experts import load, routing_margins
-from tests.models.test_families import GELU_TABLE_TOLERANCE, float64_model, transformers_overrides
+from tests.models.test_experts import routing_margins
+from tests.models.test_families import GELU_TABLE_TOLERANCE, float64_model, load, transformers_overrides
 from tests.models.test_model import TOLERANCE
 
 N_TOKENS = 24
@@ -121,7 +121,7 @@ def hf_model(family_model: Callable[..., Path]) -> Callable[[str], torch.nn.Modu
 
     cache: dict[str, torch.nn.Module] = {}
 
-    def load(name: str) -> torch.nn.Module:
+    def load_hf(name: str) -> torch.nn.Module:
         if name not in cache:
             path = family_model(name)
             cache[name] = AutoModelForCausalLM.from_pretrained(
@@ -129,7 +129,7 @@ def hf_model(family_model: Callable[..., Path]) -> Callable[[str], torch.nn.Modu
                 **transformers_overrides(name, float64_model(path))).eval()
         return cache[name]
 
-    return load
+    return load_hf
 
 
 def hf_logits(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:

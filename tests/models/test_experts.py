@@ -14,21 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ggtorch.io.gguf import read_gguf
 from ggtorch.lora import LoraConfig, attach_lora
-from ggtorch.models.config import ModelConfig
-from ggtorch.models.loader import build_llama
 from ggtorch.models.model import MoE, Transformer
 from ggtorch.quant import autograd
 from ggtorch.quant.modules import QuantExperts
 from tests.families import eval_tokens
+from tests.models.test_families import load
 
 NO_EXPERT_LORA = {"ffn_gate_exps": 0, "ffn_up_exps": 0, "ffn_down_exps": 0}
-
-
-def load(path: Path, keep_quantized: bool = True) -> Transformer:
-    f = read_gguf(path)
-    return build_llama(f, ModelConfig.from_gguf(f), keep_quantized=keep_quantized)
 
 
 def routing_margins(model: Transformer, tokens: list[int]) -> torch.Tensor:
