@@ -25,6 +25,10 @@ class BadData(GGTorchError):
     """Training or evaluation data that cannot be used as given."""
 
 
+class OutOfMemory(GGTorchError):
+    """A step needed more memory than the machine (or the device, or a limit set on the process) gave."""
+
+
 def flag(option: str) -> str:
     """The long flag of a run option (``adam_alpha`` -> ``--adam-alpha``): what every message calls it."""
     return "--" + option.replace("_", "-")

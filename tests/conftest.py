@@ -7,10 +7,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
+from ggtorch.ops.threads import pin_threads
 from tests.llama_models import RandomLlamaShape, plain_cpu_reference, quantize_with_llama_cpp, write_random_llama
 
 plain_cpu_reference()
+pin_threads(torch.get_num_threads())
+"""The CLI tests run in this process: a thread count that followed the machine's load could change
+the summation order between two runs a test compares byte for byte. tests/ops/test_threads.py and
+tests/cli/test_under_load.py test the load-following default, in their own objects and processes."""
 
 SHARED = Path(os.environ.get("GGTORCH_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 

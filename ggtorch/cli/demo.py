@@ -28,6 +28,7 @@ import click
 from gguf import GGUFValueType, Keys, TokenType
 
 from ggtorch.api import GGUFModel, finetune, load_model, train
+from ggtorch.cli.options import threads_option
 from ggtorch.errors import BadFlag
 from ggtorch.io.gguf import write_gguf
 from ggtorch.io.model_file import write_model
@@ -243,7 +244,7 @@ def next_steps(result: DemoResult) -> list[str]:
               show_default=True, help="Training steps of the base model from scratch.")
 @click.option("--lora-iterations", type=click.IntRange(min=1), default=DemoSettings.lora_iterations,
               show_default=True, help="LoRA finetune steps.")
-@click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="torch threads. [torch's choice]")
+@threads_option
 @click.option("-s", "--seed", type=int, default=DemoSettings.seed, show_default=True, help="Seed of every random draw.")
 def demo(out_dir: str, base_iterations: int, lora_iterations: int, threads: int | None, seed: int) -> None:
     """Offline demo (about a minute): train a small GGUF model, quantize it, LoRA-finetune it, compare.

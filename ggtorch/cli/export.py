@@ -10,14 +10,15 @@ from __future__ import annotations
 import time
 
 import click
-import torch
 
 from ggtorch.api import merge_adapters
+from ggtorch.cli.options import threads_option
 from ggtorch.errors import BadFlag
 from ggtorch.export.merge import OUTTYPES
 from ggtorch.export.old_formats import convert_old
 from ggtorch.io.gguf import read_gguf
 from ggtorch.lora.adapter_file import ADAPTER_DTYPES, validate_against_base, write_adapter
+from ggtorch.ops.threads import pin_threads
 
 _SCALED = "--lora-scaled"
 
@@ -85,12 +86,12 @@ def _file_scale(spec: str) -> tuple[str, float]:
 @click.option("--outtype", type=click.Choice(sorted(OUTTYPES)), default="same", show_default=True,
               help="Type of the merged tensors; untouched tensors are copied as they are. 'same' keeps each base "
                    "type where ggtorch quantizes it exactly like llama.cpp, else Q8_0 (K-quants, IQ types).")
-@click.option("-t", "--threads", type=int, default=None, help="torch CPU threads.")
+@threads_option
 def export_lora(model_path: str, out_path: str, lora_plain: tuple[str, ...], lora_scaled: tuple[str, ...],
                 outtype: str, threads: int | None) -> None:
     """Merge LoRA adapters into a GGUF model: W + Σ scale·(alpha/r)·B·A (llama.cpp's export-lora)."""
     if threads:
-        torch.set_num_threads(threads)
+        pin_threads(threads)
     specs = [_file_scale(s) for s in lora_scaled]
     if not specs:
         raise BadFlag("no adapter given; pass --lora FILE or --lora-scaled FILE:SCALE")

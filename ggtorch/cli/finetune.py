@@ -120,6 +120,7 @@ def run_trainer(ctx: click.Context, trainer: Trainer, only_write: str, output: s
     resumed = f"; resumed from {trainer.resumed_from} at iteration {trainer.iteration}" if trainer.resumed_from else ""
     echo(f"data: {trainer.data.summary()}{resumed}")
     ranks = f" per rank x {world} ranks (torch.distributed {trainer.dist.backend})" if world > 1 else ""
+    echo(trainer.run.memory.describe())
     echo(f"batch: {config.batch} x grad-acc {config.grad_acc}{ranks} = {config.batch * config.grad_acc * world} "
          "sequences per optimizer step")
     start = time.perf_counter()

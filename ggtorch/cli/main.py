@@ -22,6 +22,7 @@ from ggtorch.cli.allocator import relaunch_on_jemalloc
 from ggtorch.cli.demo import demo
 from ggtorch.cli.export import convert_old_lora, export_lora
 from ggtorch.cli.finetune import finetune, plot
+from ggtorch.cli.options import threads_option
 from ggtorch.cli.peft import convert_lora, export_peft_cmd
 from ggtorch.cli.train import train
 from ggtorch.errors import BadData, GGTorchError
@@ -29,6 +30,7 @@ from ggtorch.io.gguf import read_gguf
 from ggtorch.models.config import ModelConfig
 from ggtorch.models.generate import SamplingParams, iter_tokens
 from ggtorch.ops.dtypes import DTYPES
+from ggtorch.ops.threads import follow_free_cores, pin_threads
 from ggtorch.training.distributed import env_rank, env_world_size
 
 
@@ -70,11 +72,13 @@ def entry() -> None:
         except GGTorchError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
+    follow_free_cores()  # the first reading of the other processes' CPU use: the command starts meanwhile
     main()
 
 
 def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Flags every command that loads a model shares."""
+    fn = threads_option(fn)
     fn = click.option("--keep-quantized", is_flag=True,
                       help="Keep quantized weights as ggml blocks (less memory, slower).")(fn)
     fn = click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="f32", show_default=True,
@@ -126,9 +130,11 @@ def info(model_path: str) -> None:
 @click.option("--top-p", type=float, default=0.95, show_default=True, help="Top-p (1 disables); used when --temp > 0.")
 @click.option("-s", "--seed", type=int, default=-1, show_default=True, help="Sampling seed; -1 picks one at random.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating after an end-of-generation token (EOS, EOT).")
-def generate(model_path: str, device: str, dtype: str, keep_quantized: bool, prompt: str, n_predict: int,
-             temp: float, top_k: int, top_p: float, seed: int, ignore_eos: bool) -> None:
+def generate(model_path: str, device: str, dtype: str, keep_quantized: bool, threads: int | None, prompt: str,
+             n_predict: int, temp: float, top_k: int, top_p: float, seed: int, ignore_eos: bool) -> None:
     """Continue a prompt, printing the text as it is generated."""
+    if threads:
+        pin_threads(threads)
     params = SamplingParams(temp, top_k, top_p, None if seed < 0 else seed)
     loaded = load_model(model_path, device=device, dtype=dtype, keep_quantized=keep_quantized)
     tok = loaded.tokenizer
@@ -160,9 +166,11 @@ def generate(model_path: str, device: str, dtype: str, keep_quantized: bool, pro
               help="Tokens per chunk (llama-perplexity's -c); the second half of each chunk is scored.")
 @click.option("-b", "--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Chunks evaluated per forward.")
-def perplexity_cmd(model_path: str, device: str, dtype: str, keep_quantized: bool, text_file: str, n_ctx: int,
-                   batch_size: int) -> None:
+def perplexity_cmd(model_path: str, device: str, dtype: str, keep_quantized: bool, threads: int | None, text_file: str,
+                   n_ctx: int, batch_size: int) -> None:
     """Perplexity of a text, as llama.cpp's llama-perplexity computes it."""
+    if threads:
+        pin_threads(threads)
     text = _read_text(text_file)
     loaded = load_model(model_path, device=device, dtype=dtype, keep_quantized=keep_quantized)
     n_tokens = len(loaded.tokenizer.encode(text, add_special=True))

@@ -110,6 +110,14 @@ def config_command(config_cls: type[RunConfig], groups: Sequence[str]) -> Callab
                          context_settings={"help_option_names": ["-h", "--help"]})
 
 
+def threads_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``-t/--threads`` of the commands not generated from a run config, as the run config's field says it."""
+    f = next(f for f in dataclasses.fields(RunConfig) if f.name == "threads")
+    info = option_info(f)
+    return click.option(*info.flags, flag(f.name), "threads", type=click.IntRange(min=1), default=None,
+                        show_default=info.default_text, help=info.help)(fn)
+
+
 def config_from_cli(ctx: click.Context, values: dict[str, Any], config_cls: type[C]) -> tuple[C, list[str]]:
     """Field defaults < --config file < flags given on the command line; notes for ignored flags."""
     def given(name: str) -> bool:

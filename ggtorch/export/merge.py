@@ -32,6 +32,7 @@ from ggtorch.io.gguf import GGUFFile, read_gguf, write_gguf_streaming
 from ggtorch.io.model_file import FILE_TYPES
 from ggtorch.io.model_file import OUTTYPES as MODEL_OUTTYPES
 from ggtorch.lora.adapter_file import NORM_SUFFIX, LoraAdapter, LoraPair, read_adapter, validate_against_base
+from ggtorch.ops.threads import follow_free_cores
 from ggtorch.quant import dequantize
 
 T = GGMLQuantizationType
@@ -158,6 +159,7 @@ def _file_type(base: GGUFFile, merged: dict[str, tuple[GGMLQuantizationType, GGM
 
 def merged_weight(base: GGUFFile, name: str, sources: list[MergeSource]) -> torch.Tensor:
     """The base tensor in f32 plus every source's delta, added in order as llama.cpp does."""
+    follow_free_cores()
     info = base.tensors[name]
     w = dequantize(info.raw(), info.ggml_type, info.shape, torch.float32, name=name)
     for src in sources:

@@ -16,6 +16,7 @@ import torch
 from ggtorch.errors import BadData, BadFlag
 from ggtorch.models.model import Llama
 from ggtorch.models.tokenizer import Tokenizer
+from ggtorch.ops.threads import follow_free_cores
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ def iter_tokens(model: Llama, prompt_tokens: Sequence[int], n_tokens: int, param
     cache = model.new_cache(1, len(prompt_tokens) + n_tokens)
     tokens = torch.tensor([list(prompt_tokens)], dtype=torch.long, device=device)  # (1, T)
     for _ in range(n_tokens):
+        follow_free_cores()
         logits = model(tokens, cache=cache, last_only=True)[:, -1]  # (1, V)
         tokens = sample(logits, params, generator)[:, None]  # (1, 1)
         token = int(tokens[0, 0])
@@ -176,6 +178,7 @@ def perplexity(model: Llama, tokens: Sequence[int], n_ctx: int, bos_id: int | No
     saved_ctx, model.n_ctx = model.n_ctx, llama_cpp_context(n_ctx)  # LongRoPE's factors follow the context
     try:
         for start in range(0, n_chunks, batch_size):
+            follow_free_cores()
             hidden = model(chunks[start:start + batch_size], hidden_only=True)[:, first:n_ctx - 1]  # (b, n, C)
             hidden, scored = hidden.reshape(-1, hidden.shape[-1]), targets[start:start + batch_size].reshape(-1)
             for r0 in range(0, hidden.shape[0], rows):

@@ -163,14 +163,17 @@ class RunConfig:
     epochs: int = option(-1, "Stop after N epochs over the samples (<= 0: no limit).", TRAINING)
     seed: int = option(-1, "Seed of the initial weights (LoRA or a new model) and the shuffling; -1 uses the time.",
                        TRAINING, flags=("-s",))
-    threads: int | None = option(None, "torch CPU threads.", TRAINING, flags=("-t",), minimum=1,
-                                 default_text="torch's default")
+    threads: int | None = option(None, "torch CPU threads, kept as given (as is OMP_NUM_THREADS).", TRAINING,
+                                 flags=("-t",), minimum=1,
+                                 default_text="the cores other processes leave free, checked as it runs")
     use_checkpointing: bool = option(True, "Gradient checkpointing per transformer block (less memory, more "
                                      "compute).", TRAINING, off="--no-checkpointing")
     device: str = option("cpu", "cpu, cuda, cuda:N or mps.", TRAINING)
     dtype: DTypeName = option("f32", "Compute dtype (bf16/f16: autocast).", TRAINING)
     dist_backend: str | None = option(None, "torch.distributed backend under torchrun.", TRAINING, choices=BACKENDS,
                                       default_text="nccl on CUDA, else gloo")
+    force: bool = option(False, "Start even when the expected peak memory exceeds the memory available.",
+                         TRAINING)
     on_nan: Literal["stop", "skip"] = option(
         "stop", "A NaN/inf loss: stop (keeping the last saved checkpoint), or skip that step's update (stops after "
         f"{NAN_SKIP_LIMIT} in a row).", TRAINING)

@@ -35,15 +35,19 @@ from ggtorch.data import (
 from ggtorch.errors import BadFlag
 from ggtorch.io.checkpoint import Checkpoint, load_checkpoint
 from ggtorch.io.gguf import GGUFFile
+from ggtorch.lora import LoraConfig
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.generate import llama_cpp_context
 from ggtorch.models.loader import build_llama
 from ggtorch.models.model import Block
 from ggtorch.models.tokenizer import Tokenizer
+from ggtorch.ops.dtypes import DTYPES
+from ggtorch.ops.threads import follow_free_cores, pin_threads
 from ggtorch.training.config import RunConfig
 from ggtorch.training.distributed import setup
+from ggtorch.training.memory import GIB, available_bytes, estimate_memory, ways_to_lower
 from ggtorch.training.optim import AdamConfig, GGMLAdamW
-from ggtorch.training.weights import Weights, weights_kind
+from ggtorch.training.weights import LoraWeights, Weights, weights_kind
 
 
 def output_name(template: str, pattern: str, value: str) -> str:
@@ -113,7 +117,8 @@ class Run:
                  val_records: Sequence[Mapping[str, Any]] | None = None) -> None:
         self.config = c = config
         if c.threads:
-            torch.set_num_threads(c.threads)
+            pin_threads(c.threads)
+        follow_free_cores()  # the first reading of the other processes' CPU use: the model loads meanwhile
         self.dist, self.device = setup(resolve_device(c.device), c.dist_backend)
         # under torchrun every rank trains the same order: rank 0's seed (drawn from the clock for -1)
         self.seed = self.dist.broadcast_int(c.seed if c.seed >= 0 else int(time.time()) & 0xFFFFFFFF, self.device)
@@ -138,20 +143,27 @@ class Run:
         self.base, self._scratch_dir = kind.open_base(c, self.seed)
         self.model_config = dataclasses.replace(LlamaConfig.from_gguf(self.base), **self._model_overrides())
         self.tokenizer = Tokenizer.from_gguf(self.base)
+        self.warnings = []
+        self.data = self._open_data(records)  # before the model: the estimate below sees the tokenized data
+        self.warnings += self.data.warnings
+        self.val_batches = self._validation_batches(val_records)
         matrix_dtype, embedding_dtype, keep_quantized = kind.base_dtypes(c)
+        self.memory = estimate_memory(
+            self.base, self.model_config, batch=c.batch, ctx=c.ctx, checkpointing=c.use_checkpointing,
+            compute_dtype=DTYPES[c.dtype], matrix_dtype=matrix_dtype, embedding_dtype=embedding_dtype,
+            keep_quantized=keep_quantized, lora=LoraConfig.from_finetune(c) if kind is LoraWeights else None,
+            device=self.device)
+        if not c.force:
+            self._check_memory()
         self.model = build_llama(self.base, self.model_config, self.device, dtype=matrix_dtype,
                                  keep_quantized=keep_quantized, embedding_dtype=embedding_dtype)
         self.model.n_ctx = llama_cpp_context(c.ctx)  # LongRoPE's factors: those llama.cpp uses at this context
         n_ctx_train = self.model_config.n_ctx_train
-        self.warnings = []
         if c.ctx > n_ctx_train:
             self.warnings.append(f"--ctx {c.ctx} is above the model's training context {n_ctx_train}; "
                                  "quality beyond it is not what the model learned")
         self.weights = kind(c, self.model, self.base, self.seed, self.device)
         self.optimizer = GGMLAdamW(self.weights.params, AdamConfig.from_finetune(c))
-        self.data = self._open_data(records)
-        self.warnings += self.data.warnings
-        self.val_batches = self._validation_batches(val_records)
         self.counters = {"iteration": 0, "samples": 0, "tokens": 0, "epochs": 0}
         self.resumed_from = None
         if c.checkpoint_in and Path(c.checkpoint_in).is_file():
@@ -163,6 +175,23 @@ class Run:
         c = self.config
         return {k: v for k, v in (("rms_eps", c.norm_rms_eps), ("rope_freq_base", c.rope_freq_base),
                                   ("rope_freq_scale", c.rope_freq_scale)) if v is not None}
+
+    def _check_memory(self) -> None:
+        """Refuse a run whose expected peak exceeds what is available, before loading anything.
+
+        Processes of one machine (torchrun's local ranks) share its memory: each needs its own."""
+        available = available_bytes(self.device)
+        if available is None:
+            return
+        share = 1 if self.device.type == "cuda" else max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        need = share * (self.memory.total - self.memory.runtime)
+        if need <= available:
+            return
+        where = f"{self.device}'s free memory" if self.device.type == "cuda" else "the memory available (MemAvailable)"
+        ranks = f" for its {share} processes on this machine" if share > 1 else ""
+        raise BadFlag(f"this run needs about {need / GIB:.2f} GiB{ranks} more than is loaded now "
+                      f"({self.memory.parts()} GiB), and {where} is {available / GIB:.2f} GiB; "
+                      f"lower it with {ways_to_lower(self.config)}, or pass --force to start anyway")
 
     # --- data ----------------------------------------------------------------------------------
     def _open_data(self, records: Sequence[Mapping[str, Any]] | None) -> DataStream:

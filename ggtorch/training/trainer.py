@@ -15,6 +15,7 @@ Differences from the old program, on purpose (also in ``--help`` and the docs):
 from __future__ import annotations
 
 import math
+import re
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,13 +27,15 @@ from typing import Any
 import torch
 
 from ggtorch.data import Batch
-from ggtorch.errors import GGTorchError
+from ggtorch.errors import GGTorchError, OutOfMemory
 from ggtorch.io.checkpoint import save_checkpoint
 from ggtorch.ops.dtypes import DTYPES
+from ggtorch.ops.threads import follow_free_cores
 from ggtorch.training.config import NAN_SKIP_LIMIT, RunConfig
 from ggtorch.training.distributed import RankFailed
 from ggtorch.training.log import TrainLog
 from ggtorch.training.loss import model_cross_entropy
+from ggtorch.training.memory import ways_to_lower
 from ggtorch.training.run import (
     Run,
     disable_block_checkpointing,
@@ -69,6 +72,16 @@ class StepResult:
     seconds: float
     tokens_per_second: float
     eta_seconds: float
+
+
+OUT_OF_MEMORY_MESSAGES = ("can't allocate memory", "not enough memory", "out of memory")
+"""How torch's allocators word a failed allocation in a RuntimeError (CPU, MPS; CUDA's is OutOfMemoryError)."""
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in OUT_OF_MEMORY_MESSAGES)
 
 
 class Callback:
@@ -236,6 +249,7 @@ class Trainer:
         world_size / global count; only the last micro-batch's backward synchronizes.
         """
         c = self.config
+        follow_free_cores()
         t0 = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad()
@@ -338,6 +352,10 @@ class Trainer:
             while self.iteration < self._target_iteration and not self._stopping():
                 try:
                     results.append(self.step())
+                except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+                    if not _is_out_of_memory(e):
+                        raise
+                    raise self._out_of_memory(e) from None
                 except NonFiniteLoss:
                     if c.on_nan != "skip":
                         raise
@@ -363,6 +381,21 @@ class Trainer:
             raise Interrupted(f"interrupted at iteration {self.iteration}; saved, resume with "
                               f"--checkpoint-in {output_name(c.checkpoint_out, c.pattern_fn_it, c.fn_latest)}")
         return results
+
+    def _out_of_memory(self, e: BaseException) -> OutOfMemory:
+        """The error of a step that ran out of memory: what was kept, how to resume with less."""
+        c = self.config
+        latest = output_name(c.checkpoint_out, c.pattern_fn_it, c.fn_latest) if c.checkpoint_out else None
+        if latest and Path(latest).is_file():
+            kept = (f"the last checkpoint, {latest} (iteration {self._last_save_iteration}), is kept: resume with "
+                    f"--checkpoint-in {latest} and")
+        else:
+            kept = "no checkpoint of this run was saved yet; start again with"
+        asked = re.search(r"tried to allocate (\d+) bytes", str(e))
+        detail = f"{int(asked.group(1)) / 2**20:.0f} MiB more could not be allocated" if asked else \
+            " ".join(str(e).split())[:200]
+        return OutOfMemory(f"out of memory in iteration {self.iteration + 1} ({detail}); {kept} "
+                           f"{ways_to_lower(c)}")
 
     def _skip_step(self) -> None:
         """--on-nan skip: drop this step's gradients (no update; its batches are used up) and go on."""

@@ -20,7 +20,7 @@ from torch import nn
 
 from ggtorch.errors import BadFlag, flag
 from ggtorch.io.checkpoint import Checkpoint
-from ggtorch.io.gguf import GGUFFile, read_gguf
+from ggtorch.io.gguf import GGUFFile, read_gguf, release_pages
 from ggtorch.io.model_file import ggml_n_dims, write_model
 from ggtorch.lora import LoraConfig, attach_lora, load_lora_tensors, lora_tensors_by_gguf_name, trainable_parameters
 from ggtorch.lora.adapter_file import adapter_from_model, write_adapter
@@ -135,6 +135,8 @@ class FullWeights:
         self.lora_config: LoraConfig | None = None
         model.to(device)
         self.params: Params = full_trainable_parameters(model)
+        for info in base.tensors.values():  # every weight is a copy now: the file's pages need not stay resident
+            release_pages(info)
 
     # --- before the model exists ---------------------------------------------------------------
     @staticmethod

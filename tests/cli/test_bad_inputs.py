@@ -55,6 +55,15 @@ ROWS: list[tuple[str, str]] = [
     ("finetune --model-base {S} --train-data {text} --lora-out {text}/a.gguf", "does not exist"),
     ("finetune --model-base {S} --train-data {text} --config {missing}.yaml", "--config"),
     ("finetune --model-base {S} --train-data {text} --config {text}", "expected a mapping"),
+    # finetune: memory (the estimate before loading, against MemAvailable)
+    ("finetune --model-base {S} --train-data {text} -b 1000000",
+     "and the memory available (MemAvailable) is"),
+    ("finetune --model-base {S} --train-data {text} -b 1000000 -c 64",
+     "lower it with a smaller --batch or --ctx, or pass --force"),
+    ("finetune --model-base {S} --train-data {text} -b 1000000 --no-checkpointing --base-dtype f32",
+     "--use-checkpointing, --base-dtype quantized, or pass --force"),
+    ("train --vocab-model {S} --train-data {text} -b 1000000",
+     "lower it with a smaller --batch or --ctx, or pass --force"),
     # finetune: values
     ("finetune --model-base {S} --train-data {text} --lora-r 0", "--lora-r must be at least 1"),
     ("finetune --model-base {S} --train-data {text} --rank-wq -1", "--rank-wq must be >= 0"),

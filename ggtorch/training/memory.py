@@ -1,0 +1,203 @@
+"""The peak memory a training run will need, known before its model is loaded.
+
+A run that does not fit is killed by the kernel (or CUDA) after minutes of loading, or pushes the
+machine into swap; the numbers that decide it are all known from the GGUF's header and the flags.
+:func:`estimate_memory` adds what a step holds at its peak:
+
+- the process as it runs now (Python, torch and their libraries), on CPU;
+- the base weights as the run holds them: quantized bytes as stored (memory-mapped, resident once
+  read), float matrices in the compute dtype, dequantized embeddings in theirs;
+- the trained tensors with their gradients and two AdamW moments (f32);
+- the activations backward needs for the batch and context (every layer's, or with checkpointing
+  only each block's input plus one block recomputed), and one layer's again for backward's
+  temporaries;
+- the loss: the final hidden states, the chunked logits and, where the loss dequantizes a quantized
+  output matrix, that matrix in the compute dtype.
+
+The per-token counts follow what the modules save for backward (models/model.py, attention.py, the
+LoRA products, training/loss.py); tests/training/test_memory_estimate.py checks the total against
+measured peaks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ggtorch.io.gguf import GGUFFile
+from ggtorch.lora.config import LoraConfig
+from ggtorch.models import names
+from ggtorch.models.attention import PRODUCTS_MAX_TOKENS
+from ggtorch.models.config import ModelConfig
+from ggtorch.models.loader import FLOAT_TYPES
+from ggtorch.training.loss import FUSED_CHUNK_BYTES
+
+GIB = float(1 << 30)
+
+RUNTIME_GROWTH = 96 << 20
+"""What torch adds to a CPU process after the estimate: the compiler stack torch.optim imports, the
+kernels and thread pools of a first step."""
+
+ADAM_COPIES = 4
+"""A trained f32 tensor, its gradient and AdamW's two moments."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Expected peak bytes of a run, by part."""
+
+    runtime: int
+    """This process before loading (0 on a CUDA device: the estimate is the device's)."""
+    weights: int
+    trained: int
+    activations: int
+    loss: int
+    device: str = "cpu"
+
+    @property
+    def total(self) -> int:
+        return self.runtime + self.weights + self.trained + self.activations + self.loss
+
+    def parts(self) -> str:
+        """The parts, in GiB."""
+        return (f"weights {self.weights / GIB:.2f}, trained tensors + AdamW {self.trained / GIB:.2f}, "
+                f"activations {self.activations / GIB:.2f}, loss {self.loss / GIB:.2f}, "
+                f"runtime {self.runtime / GIB:.2f}")
+
+    def describe(self) -> str:
+        """One line: the total and its parts, in GiB."""
+        where = "" if self.device == "cpu" else f" on {self.device}"
+        return f"expected peak memory{where}: {self.total / GIB:.2f} GiB ({self.parts()})"
+
+
+def estimate_memory(base: GGUFFile, config: ModelConfig, *, batch: int, ctx: int, checkpointing: bool,
+                    compute_dtype: torch.dtype, matrix_dtype: torch.dtype, embedding_dtype: torch.dtype | None,
+                    keep_quantized: bool, lora: LoraConfig | None, device: torch.device) -> MemoryEstimate:
+    """The expected peak of one training process (``lora`` None: every weight is trained)."""
+    weights = sum(_held_bytes(base, name, matrix_dtype, embedding_dtype, keep_quantized) for name in base.tensors)
+    elements = [_trained_elements(base, name, lora) for name in base.tensors]
+    trained = sum(elements) * 4 * ADAM_COPIES
+    if lora is None:
+        trained -= weights  # the f32 weights are the trained tensors themselves
+    # AdamW's update: temporaries of two tensors at a time on CPU (torch's per-tensor loop), of the
+    # whole list on CUDA (its foreach path)
+    trained += 4 * (2 * max(elements, default=0) if device.type == "cpu" else sum(elements))
+    tokens = batch * ctx
+    e = torch.empty((), dtype=compute_dtype).element_size()
+    layer = _layer_bytes_per_token(config, ctx, e, compute_dtype, device) * tokens
+    block_input = 4 * config.n_embd * tokens
+    if checkpointing:
+        activations = config.n_layer * block_input + 2 * layer
+    else:
+        activations = config.n_layer * layer + layer
+    activations += 2 * block_input  # the embedding rows and the residual stream's last sum
+    runtime = current_rss() + RUNTIME_GROWTH if device.type == "cpu" else 0
+    return MemoryEstimate(runtime=runtime, weights=weights, trained=trained, activations=activations,
+                          loss=_loss_bytes(base, config, tokens, e, keep_quantized), device=str(device))
+
+
+def _held_bytes(base: GGUFFile, name: str, matrix_dtype: torch.dtype, embedding_dtype: torch.dtype | None,
+                keep_quantized: bool) -> int:
+    """Bytes of one GGUF tensor as build_llama holds it."""
+    info = base.tensors[name]
+    if len(info.shape) == 1 or name in names.ROPE_BUFFERS:
+        return info.n_elements * 4
+    if keep_quantized and info.ggml_type not in FLOAT_TYPES:
+        return info.nbytes
+    kind, _ = names.parse_gguf_name(name)
+    dtype = embedding_dtype if kind == "token_embd" and embedding_dtype is not None else matrix_dtype
+    return info.n_elements * torch.empty((), dtype=dtype).element_size()
+
+
+def _trained_elements(base: GGUFFile, name: str, lora: LoraConfig | None) -> int:
+    """Elements trained for one GGUF tensor: all of it, or its LoRA pair."""
+    info = base.tensors[name]
+    if lora is None:
+        return info.n_elements
+    if name in names.ROPE_BUFFERS:
+        return 0
+    kind, _ = names.parse_gguf_name(name)
+    if kind in names.VECTOR_KINDS or kind in ("ffn_gate_inp",):
+        return 0
+    rank = lora.rank_of(kind)
+    if len(info.shape) == 1:
+        return rank * (info.shape[0] + 1)
+    *stack, n_out, n_in = info.shape
+    experts = stack[0] if stack else 1
+    return rank * (n_in + n_out) * experts
+
+
+def _layer_bytes_per_token(c: ModelConfig, ctx: int, e: int, compute_dtype: torch.dtype,
+                           device: torch.device) -> int:
+    """Bytes one block saves for backward per token: norms' inputs (f32 residual stream) and outputs,
+    q/k/v after rope, the attention output (and its probabilities on the products path), the FFN's
+    gate, up and activation (the routed experts' per routed row, the router's probabilities)."""
+    norms = 4 if c.family.post_norms else 2
+    saved = norms * (8 + (e if e < 4 else 0)) * c.n_embd  # f32 input and output; autocast's copy of the output
+    saved += (2 * c.n_embd_q + 2 * c.n_embd_kv) * e
+    if c.family.qk_norm:
+        saved += (c.n_embd_q + c.n_embd_kv) * 2 * e
+    if c.attn_softcap:
+        saved += c.n_head * ctx * (4 + 4 + e)  # the capped scores, their softmax (f32) and the probabilities
+    elif device.type == "cpu" and ctx <= PRODUCTS_MAX_TOKENS.get(compute_dtype, 0):
+        saved += c.n_head * ctx * e
+    if c.n_expert:
+        saved += c.n_expert_used * (c.n_embd + 3 * (c.n_ff_exp or c.n_ff)) * e + c.n_expert * 4
+        saved += 3 * (c.n_ff_shexp or 0) * e
+    else:
+        saved += 3 * c.n_ff * e
+    return saved
+
+
+def _loss_bytes(base: GGUFFile, c: ModelConfig, tokens: int, e: int, keep_quantized: bool) -> int:
+    """The fused output projection + cross-entropy: the normed hidden states and their gradient, a
+    chunk of logits (and its f32 copy), and a quantized output matrix dequantized for the call."""
+    out = base.tensors.get(names.gguf_name("output")) or base.tensors[names.gguf_name("token_embd")]
+    rows = max(1, min(tokens, FUSED_CHUNK_BYTES // (4 * c.n_vocab)))
+    held = 3 * tokens * c.n_embd * 4 + rows * c.n_vocab * (4 + e)
+    if keep_quantized and out.ggml_type not in FLOAT_TYPES and c.n_embd * e <= 4 * tokens:
+        held += out.n_elements * e
+    return held
+
+
+def ways_to_lower(config: Any) -> str:
+    """The flags that lower a run's peak memory from where ``config`` (a RunConfig) sets it."""
+    fixes = "a smaller --batch or --ctx"
+    if not config.use_checkpointing:
+        fixes += ", --use-checkpointing"
+    if getattr(config, "base_dtype", "quantized") != "quantized":  # LoRA runs only
+        fixes += ", --base-dtype quantized"
+    return fixes
+
+
+def current_rss() -> int:
+    """Resident bytes of this process now (Linux's /proc; elsewhere the peak so far)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if os.uname().sysname == "Darwin" else peak * 1024
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a run can still take: MemAvailable on CPU, the device's free memory on CUDA; None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
