@@ -30,8 +30,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     big = torch.ones(args.rows, 768)
-    print(f"torch {torch.__version__}, {args.threads} threads, f32; ggtorch.ops.matmul on oneDNN: "
-          f"{matmul.uses_onednn(big, torch.ones(768, 768))}")
+    print(f"torch {torch.__version__}, {args.threads} threads, f32, CPU vendor {matmul.cpu_vendor() or '?'}; "
+          f"ggtorch's f32 products on oneDNN here: {matmul.uses_onednn(big, torch.ones(768, 768))} "
+          "(the ggtorch column below is oneDNN either way)")
+    matmul.ONEDNN_F32 = True
     print(f"{'model':>8} {'product (rows x in -> out)':>28} {'torch.mm GF/s':>14} {'ggtorch GF/s':>13} {'ratio':>6}")
     ratios = []
     for name, shapes in SHAPES.items():

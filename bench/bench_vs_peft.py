@@ -333,6 +333,7 @@ def child_gemm(spec: dict[str, Any]) -> dict[str, Any]:
     from ggtorch.ops import matmul
 
     torch.set_num_threads(spec["threads"])
+    matmul.ONEDNN_F32 = True  # the oneDNN column measures oneDNN, whichever ggtorch picks on this CPU
     n = spec["rows"]
     out: dict[str, Any] = {}
     kernels = {"torch.mm": torch.mm, "ggtorch.ops.matmul": matmul.mm}

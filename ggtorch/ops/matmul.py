@@ -1,9 +1,11 @@
-"""The f32 matrix products of training and inference, through oneDNN on CPU.
+"""The f32 matrix products of training and inference, through oneDNN on CPUs where it beats MKL.
 
 torch's f32 ``mm`` on CPU is MKL's sgemm. oneDNN's f32 inner product, the library torch already
-routes bf16 matmuls through, runs a llama's products faster on AVX-512 CPUs (``python
-bench/bench_gemm.py``; figures in BENCHMARKS.md). Its results are ordinary f32 GEMM results in
-another summation order.
+routes bf16 matmuls through, runs a llama's products faster on AMD's AVX-512 CPUs, where MKL does
+not take its fastest paths; on Intel's, MKL's own vendor, MKL is the faster one (``python
+bench/bench_gemm.py`` shows both on a machine; figures in BENCHMARKS.md and the commit that made
+the choice per vendor). Both give ordinary f32 GEMM results, in different summation orders; the
+choice is fixed per CPU (not measured per process), so two runs on one machine compute alike.
 
 Everything else takes torch's own ops: other devices, bf16/f16 (whose CPU mm is oneDNN
 already), builds without oneDNN, and ``torch.backends.mkldnn.enabled = False``. ``mm_t``, ``mm``
@@ -14,14 +16,17 @@ loss) define their own backward; ``linear`` and ``Linear`` (the float base layer
 from __future__ import annotations
 
 import functools
+import platform
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-ONEDNN_F32 = True
-"""Route CPU f32 products through oneDNN when torch has it (False: always torch.mm)."""
+ONEDNN_F32: bool | None = None
+"""Route CPU f32 products through oneDNN when torch has it: True always, False never (torch.mm),
+None on every CPU but Intel's (:func:`onednn_by_default`)."""
 
 ONEDNN_MIN_MACS = 1 << 20
 ONEDNN_MIN_DIM = 512
@@ -47,9 +52,27 @@ def _call(op: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor) -> 
     return op(x, w, None, "none", [None], "")
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...), or '' when unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()  # Windows names the vendor here; elsewhere an architecture
+
+
+@functools.cache
+def onednn_by_default() -> bool:
+    """Whether f32 products take oneDNN when :data:`ONEDNN_F32` is None: not on Intel CPUs."""
+    return "GenuineIntel" not in cpu_vendor()
+
+
 def uses_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``mm_t(x, w)`` (x @ w.T) runs on oneDNN rather than torch's default GEMM."""
-    return (ONEDNN_F32 and x.device.type == "cpu" and w.device.type == "cpu"
+    enabled = onednn_by_default() if ONEDNN_F32 is None else ONEDNN_F32
+    return (enabled and x.device.type == "cpu" and w.device.type == "cpu"
             and x.dtype == torch.float32 and w.dtype == torch.float32
             and max(w.shape) >= ONEDNN_MIN_DIM and x.numel() * w.shape[0] >= ONEDNN_MIN_MACS
             and torch.backends.mkldnn.enabled and _onednn_linear() is not None)

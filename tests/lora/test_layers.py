@@ -371,6 +371,7 @@ def test_lora_product_against_the_formula_in_float64(base_kind: str, x_grad: boo
 
         if matmul._onednn_linear() is None:
             pytest.skip("this torch build has no oneDNN")
+        monkeypatch.setattr(matmul, "ONEDNN_F32", True)
         monkeypatch.setattr(matmul, "ONEDNN_MIN_MACS", 0)
         monkeypatch.setattr(matmul, "ONEDNN_MIN_DIM", 0)
     m, gen = _lora_product_module(base_kind, seed=4)

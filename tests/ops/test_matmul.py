@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,9 +18,34 @@ MIN_MACS, MIN_DIM = matmul.ONEDNN_MIN_MACS, matmul.ONEDNN_MIN_DIM  # the shipped
 
 @pytest.fixture(autouse=True)
 def _every_size_on_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The small shapes below take the oneDNN path too (the size rule has its own test)."""
+    """The oneDNN path on any CPU, small shapes included (the size rule and the per-vendor default
+    have their own tests)."""
+    monkeypatch.setattr(matmul, "ONEDNN_F32", True)
     monkeypatch.setattr(matmul, "ONEDNN_MIN_MACS", 0)
     monkeypatch.setattr(matmul, "ONEDNN_MIN_DIM", 0)
+
+
+@pytest.mark.parametrize(("vendor", "onednn"), [("GenuineIntel", False), ("AuthenticAMD", True),
+                                                 ("HygonGenuine", True), ("", True)])
+def test_f32_products_take_onednn_except_on_intel_cpus(vendor: str, onednn: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """MKL is the faster f32 GEMM on Intel's CPUs, oneDNN on AMD's (bench/bench_gemm.py)."""
+    monkeypatch.setattr(matmul, "ONEDNN_F32", None)
+    monkeypatch.setattr(matmul, "cpu_vendor", lambda: vendor)
+    matmul.onednn_by_default.cache_clear()
+    try:
+        assert matmul.onednn_by_default() is onednn
+        x, w = _randn(64, 768), _randn(768, 768, seed=1)
+        assert matmul.uses_onednn(x, w) is (onednn and ONEDNN)
+        _close_to_f64(matmul.mm_t(x, w), x.double() @ w.double().T)
+    finally:
+        matmul.onednn_by_default.cache_clear()
+
+
+def test_the_cpu_vendor_is_read() -> None:
+    if not Path("/proc/cpuinfo").is_file() or "vendor_id" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("no vendor_id in /proc/cpuinfo")
+    assert matmul.cpu_vendor() in Path("/proc/cpuinfo").read_text() and matmul.cpu_vendor()
 
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
