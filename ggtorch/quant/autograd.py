@@ -19,7 +19,10 @@ Functions switch autocast off inside and cast explicitly, on any device; ``torch
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 
 import torch
 from gguf import GGMLQuantizationType
@@ -30,6 +33,38 @@ from ggtorch.quant import dequantize, row_nbytes
 CHUNK_BYTES = 8 << 20
 """Upper bound on the dequantized temporary per chunk (bytes in the compute dtype); change
 it here, or per call with ``chunk_bytes``, to trade memory against per-chunk overhead."""
+
+
+KEEP_DEQUANTIZED_BYTES = 64 << 20
+"""Largest dequantized matrix (bytes in the compute dtype) a product keeps for its own backward
+inside :func:`keeping_dequantized`; bigger ones are decoded again, chunk by chunk."""
+
+_keeping = contextvars.ContextVar("ggtorch_keeping_dequantized", default=False)
+
+
+@contextlib.contextmanager
+def keeping_dequantized() -> Iterator[None]:
+    """Inside, a quantized product that takes a gradient saves W as decoded for its backward instead
+    of decoding it there again.
+
+    For code that runs again in backward (a checkpointed block): its first forward's saved tensors
+    are dropped, and those of the recomputation live only until the block's backward, so one
+    block's decoded matrices exist at a time and each W is decoded twice per step, not three times.
+    """
+    token = _keeping.set(True)
+    try:
+        yield
+    finally:
+        _keeping.reset(token)
+
+
+def kept_dequantized(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, int],
+                     dtype: torch.dtype) -> torch.Tensor | None:
+    """W (out, in) decoded in ``dtype`` when a product should keep it (see :func:`keeping_dequantized`), else
+    None. For products whose input takes a gradient (the caller checks: a Function's forward runs without grad)."""
+    if not _keeping.get() or dequantized_nbytes(shape, dtype) > KEEP_DEQUANTIZED_BYTES:
+        return None
+    return _dequantize_rows(raw, ggml_type, 0, shape[0], shape[1], dtype)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -52,38 +87,41 @@ def _chunks(n_rows: int, step: int) -> list[tuple[int, int]]:
 
 
 def _dequantize_rows(raw: torch.Tensor, ggml_type: GGMLQuantizationType, r0: int, r1: int, n_cols: int,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """Rows r0..r1 of W from the (n_rows, row_nbytes) view of its blocks."""
+                     dtype: torch.dtype, decoded: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows r0..r1 of W from the (n_rows, row_nbytes) view of its blocks, or of W ``decoded`` already."""
+    if decoded is not None:
+        return decoded[r0:r1]
     return dequantize(raw[r0:r1], ggml_type, (r1 - r0, n_cols), dtype)
 
 
 def quant_mm_t(x2: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType, n_in: int,
-               chunk_bytes: int | None = None) -> torch.Tensor:
+               chunk_bytes: int | None = None, decoded: torch.Tensor | None = None) -> torch.Tensor:
     """``x2 @ W.T`` (N, out) for 2-D ``x2`` (N, in) in the dtype it computes in; W's blocks ``raw``
-    viewed as (out, row_nbytes); no autograd."""
+    viewed as (out, row_nbytes); no autograd. ``decoded``: W decoded already (kept_dequantized), used in
+    the same chunks, so the result is the same bit for bit."""
     n_out, dtype = raw.shape[0], x2.dtype
     chunks = _chunks(n_out, rows_per_chunk(n_in, dtype, chunk_bytes))
     if len(chunks) == 1:
-        return mm_t(x2, _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype))  # (N, out)
+        return mm_t(x2, _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype, decoded))  # (N, out)
     y = torch.empty(x2.shape[0], n_out, dtype=dtype, device=x2.device)  # (N, out)
     for r0, r1 in chunks:
-        y[:, r0:r1] = mm_t(x2, _dequantize_rows(raw, ggml_type, r0, r1, n_in, dtype))
+        y[:, r0:r1] = mm_t(x2, _dequantize_rows(raw, ggml_type, r0, r1, n_in, dtype, decoded))
     return y
 
 
 def quant_mm(g: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType, n_in: int,
-             chunk_bytes: int | None = None) -> torch.Tensor:
+             chunk_bytes: int | None = None, decoded: torch.Tensor | None = None) -> torch.Tensor:
     """``g @ W`` (N, in) for 2-D ``g`` (N, out), dequantizing W in g's dtype; no autograd. Summed
     over row chunks in at least f32 (bf16 partial sums would lose bits), so a split bf16 product
-    comes back in f32."""
+    comes back in f32. ``decoded``: as for :func:`quant_mm_t`."""
     n_out, dtype = raw.shape[0], g.dtype
     chunks = _chunks(n_out, rows_per_chunk(n_in, dtype, chunk_bytes))
     if len(chunks) == 1:
-        return mm(g, _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype))  # (N, in)
+        return mm(g, _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype, decoded))  # (N, in)
     acc_dtype = torch.promote_types(dtype, torch.float32)
     acc = torch.zeros(g.shape[0], n_in, dtype=acc_dtype, device=g.device)  # (N, in)
     for r0, r1 in chunks:
-        w = _dequantize_rows(raw, ggml_type, r0, r1, n_in, dtype)  # (rows, in)
+        w = _dequantize_rows(raw, ggml_type, r0, r1, n_in, dtype, decoded)  # (rows, in)
         if acc_dtype == dtype:
             add_mm_(acc, g[:, r0:r1], w)
         else:
@@ -100,22 +138,24 @@ class QuantMatmul(torch.autograd.Function):
         n_out, n_in = shape
         dtype = compute_dtype(x)
         raw = raw.reshape(n_out, row_nbytes(ggml_type, n_in))
-        ctx.save_for_backward(raw)
+        decoded = kept_dequantized(raw, ggml_type, (n_out, n_in), dtype) if ctx.needs_input_grad[0] else None
+        ctx.save_for_backward(raw, decoded)
         ctx.meta = (ggml_type, n_in, dtype, x.dtype, chunk_bytes)
         with torch.autocast(x.device.type, enabled=False):
-            y = quant_mm_t(x.reshape(-1, n_in).to(dtype), raw, ggml_type, n_in, chunk_bytes)  # (N, out)
+            y = quant_mm_t(x.reshape(-1, n_in).to(dtype), raw, ggml_type, n_in, chunk_bytes, decoded)  # (N, out)
         return y.reshape(*x.shape[:-1], n_out)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):  # type: ignore[override]
-        (raw,) = ctx.saved_tensors
+        raw, decoded = ctx.saved_tensors
         ggml_type, n_in, dtype, x_dtype, chunk_bytes = ctx.meta
         n_out = raw.shape[0]
         grad_x = None
         if ctx.needs_input_grad[0]:
             with torch.autocast(grad_y.device.type, enabled=False):
                 g = grad_y.reshape(-1, n_out).to(dtype)  # (N, out)
-                grad_x = quant_mm(g, raw, ggml_type, n_in, chunk_bytes).to(x_dtype).reshape(*grad_y.shape[:-1], n_in)
+                grad_x = quant_mm(g, raw, ggml_type, n_in, chunk_bytes, decoded)
+                grad_x = grad_x.to(x_dtype).reshape(*grad_y.shape[:-1], n_in)
         return grad_x, None, None, None, None
 
 

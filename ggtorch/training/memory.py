@@ -34,6 +34,7 @@ from ggtorch.models import names
 from ggtorch.models.attention import PRODUCTS_MAX_TOKENS
 from ggtorch.models.config import ModelConfig
 from ggtorch.models.loader import FLOAT_TYPES
+from ggtorch.quant.autograd import KEEP_DEQUANTIZED_BYTES
 from ggtorch.training.loss import FUSED_CHUNK_BYTES
 
 GIB = float(1 << 30)
@@ -92,6 +93,8 @@ def estimate_memory(base: GGUFFile, config: ModelConfig, *, batch: int, ctx: int
     block_input = 4 * config.n_embd * tokens
     if checkpointing:
         activations = config.n_layer * block_input + 2 * layer
+        if keep_quantized:  # the recomputed block keeps its decoded matrices for their backward
+            activations += _kept_block_bytes(base, e)
     else:
         activations = config.n_layer * layer + layer
     activations += 2 * block_input  # the embedding rows and the residual stream's last sum
@@ -129,6 +132,18 @@ def _trained_elements(base: GGUFFile, name: str, lora: LoraConfig | None) -> int
     *stack, n_out, n_in = info.shape
     experts = stack[0] if stack else 1
     return rank * (n_in + n_out) * experts
+
+
+def _kept_block_bytes(base: GGUFFile, e: int) -> int:
+    """Bytes of the quantized matrices one checkpointed block keeps decoded during its backward
+    (quant.autograd.keeping_dequantized): the first block's, those within the size a product keeps."""
+    kept = 0
+    for name, info in base.tensors.items():
+        parsed = names.parse_gguf_name(name)
+        if parsed and parsed[1] == 0 and len(info.shape) == 2 and info.ggml_type not in FLOAT_TYPES:
+            size = info.n_elements * e
+            kept += size if size <= KEEP_DEQUANTIZED_BYTES else 0
+    return kept
 
 
 def _layer_bytes_per_token(c: ModelConfig, ctx: int, e: int, compute_dtype: torch.dtype,

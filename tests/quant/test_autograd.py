@@ -6,6 +6,8 @@ llama.cpp's ``to_float``, so every expected value is independent of ggtorch's de
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -108,9 +110,34 @@ def test_only_the_raw_blocks_are_saved_for_backward(ggml_quantize, ggml_to_float
     m = QuantLinear(raw, T.Q4_0, (64, 64))
     y = m(torch.randn(3, 64, requires_grad=True))
     saved = y.grad_fn.saved_tensors
-    assert len(saved) == 1 and saved[0].dtype == torch.uint8
+    assert len(saved) == 2 and saved[0].dtype == torch.uint8 and saved[1] is None
     assert saved[0].data_ptr() == raw.data_ptr()  # a reference, no copy, no float W
     assert not m.raw.requires_grad
+
+
+def test_inside_keeping_dequantized_the_decoded_matrix_is_saved_and_backward_equals(ggml_quantize,
+                                                                                   ggml_to_float) -> None:
+    """keeping_dequantized (a checkpointed block's recomputation): W decoded in forward is saved for
+    backward, which then decodes nothing; the gradient is the same bit for bit."""
+    from ggtorch.quant import autograd
+
+    raw, w = _blocks(T.Q4_0, 64, 64, ggml_quantize, ggml_to_float)
+    m = QuantLinear(raw, T.Q4_0, (64, 64))
+    x, g = torch.randn(3, 64), torch.randn(3, 64)
+    grads = []
+    for keep in (False, True):
+        xi = x.clone().requires_grad_()
+        with autograd.keeping_dequantized() if keep else contextlib.nullcontext():
+            y = m(xi)
+        saved = y.grad_fn.saved_tensors
+        assert (saved[1] is not None) is keep
+        if keep:
+            torch.testing.assert_close(saved[1], w, rtol=0, atol=0)
+        y.backward(g)
+        grads.append(xi.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    with autograd.keeping_dequantized():  # no gradient for x: nothing to keep
+        assert m(x).grad_fn is None or m(x).grad_fn.saved_tensors[1] is None
 
 
 def test_chunk_size_bounds_rows() -> None:

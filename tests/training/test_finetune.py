@@ -340,3 +340,57 @@ def test_block_checkpointing_on_and_off_gives_the_same_gradients(stories260k: Pa
         assert a.abs().max() > 0
         torch.testing.assert_close(b, a, rtol=0, atol=0)
         torch.testing.assert_close(c, a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 4096], ids=["whole matrices", "row chunks"])
+def test_checkpointing_decodes_a_quantized_base_twice_per_step_with_the_same_gradients(
+        stories_q8: Path, chunk_bytes: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a checkpointed block, each quantized matrix decoded by the recomputation is kept for its own
+    backward: per step every block matrix is decoded twice (forward, recomputation), not three times, and
+    the gradients are the same bit for bit (also when W is multiplied in row chunks)."""
+    from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
+    from ggtorch.models.loader import load_llama
+    from ggtorch.models.model import Block
+    from ggtorch.quant import autograd
+    from ggtorch.quant.modules import QuantLinear
+    from ggtorch.training.trainer import enable_block_checkpointing
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(autograd, "CHUNK_BYTES", chunk_bytes)  # 16 rows of 64 f32 values per chunk
+    model = load_llama(stories_q8, keep_quantized=True).model
+    attach_lora(model, LoraConfig(rank=2), seed=1)
+    params = [p for _, p, _ in trainable_parameters(model)]
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
+    blocks = [b for b in model.modules() if isinstance(b, Block)]
+    block_rows = sum(m.shape[0] for b in blocks for m in b.modules() if isinstance(m, QuantLinear))
+    # the first block's q/k/v read the frozen embedding's rows, which take no gradient: their backward
+    # never needs W, so they are decoded twice either way
+    assert not any(p.requires_grad for p in model.tok_embd.parameters())
+    first_qkv_rows = sum(getattr(blocks[0].attn, n).base.shape[0] for n in ("q", "k", "v"))
+    decoded_rows = [0]
+    real = autograd.dequantize
+
+    def counting(raw, ggml_type, shape, dtype=torch.float32, name=None):  # noqa: ANN001, ANN202
+        decoded_rows[0] += shape[0]
+        return real(raw, ggml_type, shape, dtype, name)
+
+    monkeypatch.setattr(autograd, "dequantize", counting)
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2], [1, 4, 8, 16, 32, 64]])
+    enable_block_checkpointing(model)
+
+    def step() -> tuple[list[torch.Tensor], int]:
+        for p in params:
+            p.grad = None
+        decoded_rows[0] = 0
+        model(ids).float().logsumexp(-1).sum().backward()
+        return [p.grad.clone() for p in params], decoded_rows[0]
+
+    kept, kept_rows = step()
+    monkeypatch.setattr(autograd, "KEEP_DEQUANTIZED_BYTES", 0)  # decode again in backward, as before
+    again, again_rows = step()
+    assert again_rows - kept_rows == block_rows - first_qkv_rows  # one decode of every other block matrix saved
+    for a, b in zip(kept, again, strict=True):
+        assert a.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
