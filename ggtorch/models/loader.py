@@ -146,16 +146,9 @@ def load_llama(path: str | PathLike[str], device: torch.device | str = "cpu", dt
     return LoadedLlama(model, config, tokenizer, f)
 
 
-def build_llama(f: GGUFFile, config: ModelConfig, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
-                embedding_dtype: torch.dtype | None = None) -> Transformer:
-    """The weights of ``f`` placed into a Transformer of ``config`` (see load_llama).
-
-    ``embedding_dtype``: the dtype of a float token_embd (default ``dtype``). An embedding's
-    rows start the residual stream, which autocast leaves in f32, so a trainer computing in
-    bf16 keeps it f32 while holding the other float matrices in bf16.
-    """
-    device = torch.device(device)
+def check_tensor_names(f: GGUFFile, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Refuse a file with a tensor ``config``'s model has no place for, or without one it needs;
+    returns the expected shapes (each tensor's own shape is checked as it is loaded)."""
     _check_biases(f, config)
     expected = expected_shapes(config)
     unexpected = sorted(set(f.tensors) - expected.keys())
@@ -166,7 +159,20 @@ def build_llama(f: GGUFFile, config: ModelConfig, device: torch.device | str = "
     missing = [name for name in expected if name not in f.tensors and name not in optional]
     if missing:
         raise BadGGUF(f"{f.path}: required tensor '{missing[0]}' is missing ({len(missing)} missing)")
+    return expected
 
+
+def build_llama(f: GGUFFile, config: ModelConfig, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
+                embedding_dtype: torch.dtype | None = None) -> Transformer:
+    """The weights of ``f`` placed into a Transformer of ``config`` (see load_llama).
+
+    ``embedding_dtype``: the dtype of a float token_embd (default ``dtype``). An embedding's
+    rows start the residual stream, which autocast leaves in f32, so a trainer computing in
+    bf16 keeps it f32 while holding the other float matrices in bf16.
+    """
+    device = torch.device(device)
+    expected = check_tensor_names(f, config)
     with torch.device("meta"):
         model = Transformer(config, init_weights=False)
     for name, shape in expected.items():

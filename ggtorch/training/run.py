@@ -38,7 +38,7 @@ from ggtorch.io.gguf import GGUFFile
 from ggtorch.lora import LoraConfig
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.generate import llama_cpp_context
-from ggtorch.models.loader import build_llama
+from ggtorch.models.loader import build_llama, check_tensor_names
 from ggtorch.models.model import Block
 from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.ops.dtypes import DTYPES
@@ -157,6 +157,7 @@ class Run:
         self.warnings += self.data.warnings
         self.val_batches = self._validation_batches(val_records)
         matrix_dtype, embedding_dtype, keep_quantized = kind.base_dtypes(c)
+        check_tensor_names(self.base, self.model_config)  # the estimate reads them: a bad file fails here, named
         self.memory = estimate_memory(
             self.base, self.model_config, batch=c.batch, ctx=c.ctx, checkpointing=c.use_checkpointing,
             compute_dtype=DTYPES[c.dtype], matrix_dtype=matrix_dtype, embedding_dtype=embedding_dtype,

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,6 +56,10 @@ ROWS: list[tuple[str, str]] = [
     ("finetune --model-base {S} --train-data {text} --lora-out {text}/a.gguf", "does not exist"),
     ("finetune --model-base {S} --train-data {text} --config {missing}.yaml", "--config"),
     ("finetune --model-base {S} --train-data {text} --config {text}", "expected a mapping"),
+    # finetune/train: tensors (checked before the memory estimate reads them)
+    ("finetune --model-base {extra_tensor} --train-data {text}", "tensor 'blk.0.bogus.weight' is not part of a llama"),
+    ("finetune --model-base {no_embd} --train-data {text}", "required tensor 'token_embd.weight' is missing"),
+    ("train --model-base {no_embd} --train-data {text}", "required tensor 'token_embd.weight' is missing"),
     # finetune: memory (the estimate before loading, against MemAvailable)
     ("finetune --model-base {S} --train-data {text} -b 1000000",
      "and the memory available (MemAvailable) is"),
@@ -162,6 +167,8 @@ def inputs(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     (root / "bad.jinja").write_text("{{ raise_exception('no roles here') }}", encoding="utf-8")
     pair = LoraPair(torch.zeros(2, 64), torch.zeros(64, 2))
     write_adapter(root / "adapter.gguf", LoraAdapter("llama", 4.0, {"blk.0.attn_q.weight": pair}))
+    rewrite_gguf(stories260k, root / "extra.gguf", add_tensors={"blk.0.bogus.weight": np.zeros((4, 64))})
+    rewrite_gguf(stories260k, root / "noembd.gguf", drop_tensors=("token_embd.weight",))
     return {"S": str(stories260k), "tmp": str(root), "missing": str(root / "missing"),
             "text": str(root / "text.txt"), "latin1": str(root / "latin1.txt"), "empty": str(root / "empty.txt"),
             "truncated": str(root / "truncated.gguf"), "adapter": str(root / "adapter.gguf"),
@@ -169,7 +176,8 @@ def inputs(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
             "log_nokeys": str(root / "nokeys.jsonl"), "log_ok": str(root / "ok.jsonl"),
             "empty_dir": str(root / "empty_dir"), "bad_json": str(root / "bad.jsonl"),
             "no_response": str(root / "noresp.jsonl"), "empty_response": str(root / "emptyresp.jsonl"),
-            "chat": str(root / "chat.jsonl"), "bad_template": str(root / "bad.jinja")}
+            "chat": str(root / "chat.jsonl"), "bad_template": str(root / "bad.jinja"),
+            "extra_tensor": str(root / "extra.gguf"), "no_embd": str(root / "noembd.gguf")}
 
 
 def invoke(args: list[str]) -> tuple[int, str, BaseException | None]:
