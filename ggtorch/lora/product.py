@@ -58,12 +58,9 @@ def _quant_products(base: QuantLinear | QuantExperts, raw: torch.Tensor, keep_dt
     call; with ``keep_dtype``, decoded once in it and kept where kept_dequantized says so."""
     ggml_type, n_in, chunk_bytes = base.ggml_type, base.shape[-1], base.chunk_bytes
     shape = (raw.shape[0], n_in)
-    products = Products(lambda x, w: quant_mm_t(x, raw, ggml_type, n_in, chunk_bytes, w),
-                        lambda g, w: quant_mm(g, raw, ggml_type, n_in, chunk_bytes, w))
-    if keep_dtype is None:
-        return products
-    return Products(products.forward, products.input_grad,
-                    lambda: kept_dequantized(raw, ggml_type, shape, keep_dtype))
+    return Products(lambda x, w: quant_mm_t(x, raw, ggml_type, n_in, chunk_bytes, w),
+                    lambda g, w: quant_mm(g, raw, ggml_type, n_in, chunk_bytes, w),
+                    lambda: None if keep_dtype is None else kept_dequantized(raw, ggml_type, shape, keep_dtype))
 
 
 def frozen_float_weight(base: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:

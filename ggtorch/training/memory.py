@@ -189,14 +189,22 @@ def ways_to_lower(config: Any) -> str:
     return fixes
 
 
-def current_rss() -> int:
-    """Resident bytes of this process now (Linux's /proc; elsewhere the peak so far)."""
+def _proc_bytes(path: str, key: str) -> int | None:
+    """The ``key:  N kB`` line of a Linux /proc file, in bytes; None where there is none."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def current_rss() -> int:
+    """Resident bytes of this process now (Linux's /proc; elsewhere the peak so far)."""
+    rss = _proc_bytes("/proc/self/status", "VmRSS")
+    if rss is not None:
+        return rss
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -207,12 +215,4 @@ def available_bytes(device: torch.device) -> int | None:
     """Memory a run can still take: MemAvailable on CPU, the device's free memory on CUDA; None if unknown."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    if device.type != "cpu":
-        return None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _proc_bytes("/proc/meminfo", "MemAvailable") if device.type == "cpu" else None

@@ -352,7 +352,7 @@ class Trainer:
             while self.iteration < self._target_iteration and not self._stopping():
                 try:
                     results.append(self.step())
-                except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+                except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
                     if not _is_out_of_memory(e):
                         raise
                     raise self._out_of_memory(e) from None
