@@ -91,10 +91,18 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
 # --- the output projection and the loss in one pass ---------------------------------------------
 
 FUSED_CHUNK_BYTES = 32 << 20
-"""f32 logits per token chunk of :func:`output_cross_entropy` (rows x n_vocab x 4 bytes): about
-256 rows for a 32000-word vocabulary, where the chunk's GEMMs run near full speed (fewer rows
-slow the output matmul down). Buffers of this size are reused for every chunk of a call,
-except on oneDNN's path, whose logits are fresh per chunk (it has no out=)."""
+"""f32 logits per chunk of :func:`output_cross_entropy` (rows x vocabulary columns x 4 bytes). With
+a LoRA on the output, chunks are whole rows: about 256 for a 32000-word vocabulary, where the
+chunk's GEMMs run near full speed (fewer rows slow the output matmul down), and those buffers are
+reused for every chunk of a call, except on oneDNN's path, whose logits are fresh per chunk (it has
+no out=). Without one, chunks are :data:`FUSED_ROWS` rows by a slab of :data:`SLAB_BYTES`."""
+
+FUSED_ROWS = 1024
+"""Rows per chunk of the vocabulary-slab path: enough for the output GEMMs' full speed."""
+
+SLAB_BYTES = 4 << 20
+"""f32 logits per chunk of the vocabulary-slab path (rows x slab columns x 4 bytes): small enough
+that the exp and the gradient's product read them from cache."""
 
 
 IN_PLACE_SOFTMAX_DEVICES = ("cpu", "cuda")
@@ -215,6 +223,67 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gx, ga, gb, None, None, None
 
 
+class _SlabCrossEntropy(torch.autograd.Function):
+    """Sum over rows of ``cross_entropy(x @ W.T, targets)``, W taken a slab of vocabulary rows at a time.
+
+    The online softmax (as flash attention does over keys): each row keeps its running max ``m``, its
+    sum ``s`` of ``exp(logit - m)`` and the running ``sum exp(logit - m) · W[v]`` (N, C), rescaled when
+    ``m`` grows; the gradient is that sum over ``s`` minus the target's row of W, so each slab of W is
+    used once for both products and dropped. A quantized W is dequantized one slab at a time: neither
+    the whole float W nor a (rows, V) block exists, and every chunk's GEMMs have all the batch's rows
+    (at most :data:`FUSED_ROWS`), which a 262,144-word vocabulary would otherwise cut to a few dozen.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, targets: torch.Tensor, n_vocab: int,  # type: ignore[override]
+                slab: Callable[[int, int], torch.Tensor], rows_of: Callable[[torch.Tensor], torch.Tensor]
+                ) -> torch.Tensor:
+        n, c = x.shape
+        f32 = torch.float32
+        need_grad = ctx.needs_input_grad[0]
+        with torch.autocast(x.device.type, enabled=False):
+            valid = targets != IGNORE_INDEX
+            safe = torch.where(valid, targets, 0)
+            run_max = torch.full((n,), -torch.inf, dtype=f32, device=x.device)
+            run_sum = torch.zeros(n, dtype=f32, device=x.device)
+            picked = torch.zeros(n, dtype=f32, device=x.device)
+            acc = torch.zeros(n, c, dtype=f32, device=x.device) if need_grad else None
+            rows = min(n, FUSED_ROWS)
+            width = max(1, SLAB_BYTES // (4 * max(rows, c)))  # the slab of W no bigger than the logits
+            xc = None
+            for v0 in range(0, n_vocab, width):
+                v1 = min(v0 + width, n_vocab)
+                w = slab(v0, v1)  # (width, C) in the compute dtype
+                if xc is None:
+                    xc = x.to(w.dtype)
+                for r0 in range(0, n, rows):
+                    r = slice(r0, min(r0 + rows, n))
+                    logits = mm_t(xc[r], w).float()  # (rows, width)
+                    t = safe[r] - v0
+                    inside = (t >= 0) & (t < v1 - v0)
+                    picked[r] += torch.where(inside, logits.gather(1, t.clamp(0, v1 - v0 - 1)[:, None])[:, 0], 0.0)
+                    new_max = torch.maximum(run_max[r], logits.amax(dim=1))
+                    rescale = torch.exp(run_max[r] - new_max)
+                    e = logits.sub_(new_max[:, None]).exp_()
+                    run_sum[r] = run_sum[r] * rescale + e.sum(dim=1)
+                    run_max[r] = new_max
+                    if acc is not None:
+                        acc[r] = acc[r].mul_(rescale[:, None]).add_(mm(e.to(w.dtype), w))
+            losses = (run_max + torch.log(run_sum) - picked) * valid
+            grad_x = None
+            if acc is not None:
+                grad_x = acc.div_(run_sum[:, None]).sub_(rows_of(safe).float()).mul_(valid[:, None])
+        ctx.save_for_backward(grad_x)
+        ctx.x_dtype = x.dtype
+        return losses.sum()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        (grad_x,) = ctx.saved_tensors
+        gx = (grad_x * grad_out.float()).to(ctx.x_dtype) if grad_x is not None and ctx.needs_input_grad[0] else None
+        return gx, None, None, None, None
+
+
 def _output_parts(output: torch.nn.Module, x: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float] | None:
     """(W in the compute dtype, lora_a, lora_b, scale) of an output projection the fused loss handles.
@@ -247,6 +316,23 @@ def _output_parts(output: torch.nn.Module, x: torch.Tensor
     return weight, lora_a, lora_b, scale
 
 
+def _weight_slabs(output: torch.nn.Module, x: torch.Tensor
+                  ) -> tuple[int, Callable[[int, int], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]] | None:
+    """(n_vocab, W's rows [v0, v1) in the compute dtype, W's rows at given ids) of an output projection
+    without a LoRA, for :class:`_SlabCrossEntropy`; None for anything else."""
+    dtype = compute_dtype(x)
+    if isinstance(output, QuantLinear):
+        raw, ggml_type, (n_vocab, n_embd) = output.raw, output.ggml_type, output.shape
+        return (n_vocab, lambda v0, v1: dequantize(raw[v0:v1], ggml_type, (v1 - v0, n_embd), dtype),
+                lambda ids: dequantize(raw.index_select(0, ids), ggml_type, (ids.numel(), n_embd), dtype))
+    if isinstance(output, LoRALinear):
+        return None
+    weight = frozen_float_weight(output, dtype)
+    if weight is None:
+        return None
+    return weight.shape[0], lambda v0, v1: weight[v0:v1], lambda ids: weight.index_select(0, ids)
+
+
 def _has_forward_hooks(module: torch.nn.Module) -> bool:
     """Whether a forward hook would see a call of ``module`` or of a module inside it.
 
@@ -268,11 +354,15 @@ def output_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets:
     """
     x = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
-    parts = _output_parts(output, x)
-    if parts is None:
-        return cross_entropy(output(hidden).float(), targets, reduction)
-    weight, lora_a, lora_b, scale = parts
-    total = _LinearCrossEntropy.apply(x, lora_a, lora_b, weight, t, scale)
+    slabs = None if _has_forward_hooks(output) else _weight_slabs(output, x)
+    if slabs is not None:
+        total = _SlabCrossEntropy.apply(x, t, *slabs)
+    else:
+        parts = _output_parts(output, x)
+        if parts is None:
+            return cross_entropy(output(hidden).float(), targets, reduction)
+        weight, lora_a, lora_b, scale = parts
+        total = _LinearCrossEntropy.apply(x, lora_a, lora_b, weight, t, scale)
     if reduction == "sum":
         return total
     if reduction == "mean":

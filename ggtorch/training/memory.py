@@ -35,7 +35,7 @@ from ggtorch.models.attention import PRODUCTS_MAX_TOKENS
 from ggtorch.models.config import ModelConfig
 from ggtorch.models.loader import FLOAT_TYPES
 from ggtorch.quant.autograd import KEEP_DEQUANTIZED_BYTES
-from ggtorch.training.loss import FUSED_CHUNK_BYTES
+from ggtorch.training.loss import FUSED_CHUNK_BYTES, FUSED_ROWS, SLAB_BYTES
 
 GIB = float(1 << 30)
 
@@ -99,8 +99,9 @@ def estimate_memory(base: GGUFFile, config: ModelConfig, *, batch: int, ctx: int
         activations = config.n_layer * layer + layer
     activations += 2 * block_input  # the embedding rows and the residual stream's last sum
     runtime = current_rss() + RUNTIME_GROWTH if device.type == "cpu" else 0
+    slabs = lora is not None and not lora.rank_of("output")  # a frozen output: the vocabulary-slab loss
     return MemoryEstimate(runtime=runtime, weights=weights, trained=trained, activations=activations,
-                          loss=_loss_bytes(base, config, tokens, e, keep_quantized), device=str(device))
+                          loss=_loss_bytes(base, config, tokens, e, keep_quantized, slabs), device=str(device))
 
 
 def _held_bytes(base: GGUFFile, name: str, matrix_dtype: torch.dtype, embedding_dtype: torch.dtype | None,
@@ -168,12 +169,19 @@ def _layer_bytes_per_token(c: ModelConfig, ctx: int, e: int, compute_dtype: torc
     return saved
 
 
-def _loss_bytes(base: GGUFFile, c: ModelConfig, tokens: int, e: int, keep_quantized: bool) -> int:
-    """The fused output projection + cross-entropy: the normed hidden states and their gradient, a
-    chunk of logits (and its f32 copy), and a quantized output matrix dequantized for the call."""
+def _loss_bytes(base: GGUFFile, c: ModelConfig, tokens: int, e: int, keep_quantized: bool, slabs: bool) -> int:
+    """The fused output projection + cross-entropy: the normed hidden states and their gradient, and
+    with ``slabs`` (a frozen output, training.loss._SlabCrossEntropy) a chunk of logits, its exp in the
+    compute dtype and a slab of W, else a chunk of whole logit rows (and its f32 copy) and a quantized
+    output matrix dequantized for the call."""
+    held = 3 * tokens * c.n_embd * 4
+    if slabs:
+        rows = min(tokens, FUSED_ROWS)
+        width = max(1, SLAB_BYTES // (4 * max(rows, c.n_embd)))
+        return held + rows * width * (4 + e) + width * c.n_embd * e
     out = base.tensors.get(names.gguf_name("output")) or base.tensors[names.gguf_name("token_embd")]
     rows = max(1, min(tokens, FUSED_CHUNK_BYTES // (4 * c.n_vocab)))
-    held = 3 * tokens * c.n_embd * 4 + rows * c.n_vocab * (4 + e)
+    held += rows * c.n_vocab * (4 + e)
     if keep_quantized and out.ggml_type not in FLOAT_TYPES and c.n_embd * e <= 4 * tokens:
         held += out.n_elements * e
     return held

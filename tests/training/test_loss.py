@@ -97,7 +97,9 @@ def _output(kind: str, lora: bool) -> nn.Module:
 @pytest.mark.parametrize("autocast", [False, True])
 def test_fused_output_loss_equals_logits_then_cross_entropy(kind: str, lora: bool, autocast: bool,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loss_mod, "FUSED_CHUNK_BYTES", 7 * 4 * N_VOCAB)  # 7 rows per chunk
+    monkeypatch.setattr(loss_mod, "FUSED_CHUNK_BYTES", 7 * 4 * N_VOCAB)  # with LoRA: 7 rows per chunk
+    monkeypatch.setattr(loss_mod, "FUSED_ROWS", 16)  # without: 16 rows by 54 columns
+    monkeypatch.setattr(loss_mod, "SLAB_BYTES", 7 * 4 * N_VOCAB)
     output = _output(kind, lora)
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(3, 30, N_EMBD, generator=g)
@@ -136,6 +138,8 @@ def test_fused_output_loss_of_very_unlikely_targets(gap: float, lora: bool, in_p
     4 rows put such rows in later chunks too (their logits are recomputed by row index), with the
     softmax over the logits' buffer and (as on devices not known to allow that) beside it."""
     monkeypatch.setattr(loss_mod, "FUSED_CHUNK_BYTES", 4 * 4 * N_VOCAB)
+    monkeypatch.setattr(loss_mod, "SLAB_BYTES", 4 * 4 * N_VOCAB)
+    monkeypatch.setattr(loss_mod, "FUSED_ROWS", 4)
     if not in_place:
         monkeypatch.setattr(loss_mod, "IN_PLACE_SOFTMAX_DEVICES", ())
     output = _output("linear", lora)
@@ -155,6 +159,27 @@ def test_fused_output_loss_of_very_unlikely_targets(gap: float, lora: bool, in_p
     assert ref.item() > 4 * gap  # the rows really are that unlikely
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-4)
     torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_output_loss_dequantizes_a_quantized_output_one_slab_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a LoRA on it, a quantized output matrix is never dequantized whole (Gemma's 262,144 rows
+    would be 671 MB in f32): its slabs cover the vocabulary once, plus the targets' rows."""
+    monkeypatch.setattr(loss_mod, "SLAB_BYTES", 4 * 64 * 100)  # slabs of 100 vocabulary rows
+    decoded: list[tuple[int, ...]] = []
+    real = loss_mod.dequantize
+    monkeypatch.setattr(loss_mod, "dequantize",
+                        lambda raw, t, shape, dtype: decoded.append(shape) or real(raw, t, shape, dtype))
+    output = _output("quant", lora=False)
+    hidden = torch.randn(2, 10, N_EMBD, requires_grad=True)
+    targets = torch.randint(0, N_VOCAB, (2, 10))
+    loss = output_cross_entropy(output, hidden, targets)
+    loss.backward()
+    assert decoded == [(100, N_EMBD)] * 5 + [(20, N_EMBD)]
+    ref_h = hidden.detach().clone().requires_grad_()
+    ref = F.cross_entropy(output(ref_h).reshape(-1, N_VOCAB), targets.reshape(-1))
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, ref_h.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_fused_output_loss_falls_back_for_lora_with_dropout() -> None:
