@@ -1,30 +1,30 @@
 """ggtorch vs transformers+peft: LoRA finetune throughput and memory on identical work.
 
-Not a test. One command builds random-weight llamas (``tests/llama_models.py``: written by
-gguf-py, quantized by llama.cpp's own quantizer), then for every case runs one step loop per
-side, each in its own child process so that peak RSS is per side:
+Not a test. One command builds random-weight models (``tests/llama_models.py`` and
+``tests/families.py``: written by gguf-py, quantized by llama.cpp's own quantizer), then for every
+case runs one step loop per side, each in its own child process so that peak RSS is per side:
 
 - ggtorch: the real training path, :class:`ggtorch.training.trainer.Trainer` (what ``ggtorch finetune``
-  runs) on the GGUF, base kept as it is in the file (``--base-dtype quantized``, the default),
-  on the allocator ``ggtorch finetune`` runs on (jemalloc when installed, ggtorch/cli/allocator.py);
-- peer: transformers loads the same GGUF (it dequantizes every tensor), peft wraps it; on the
-  system malloc, as its users run it. One Q4_0 row swaps the allocators, for the comparison of
-  like with like.
+  runs) on the GGUF, base kept as it is in the file (``--base-dtype quantized``, the default);
+- peer: transformers loads the same GGUF (it dequantizes every tensor), peft wraps it.
 
-Both train LoRA rank 4 (alpha 4) on q/k/v/o/gate/up/down from the same token batches (ggtorch's
-data pipeline over the same text, same seed), with AdamW (lr 1e-3, decay 0.1, clip 1.0) and
-the same batch, context and threads. Tokens/s is the median over the timed optimizer steps
-after the warm-up steps; the targets that set ggtorch against itself (a Q4 base against the F32
-base, checkpointing's cost) come from one ggtorch process alternating both kinds of steps, free
-of the machine's drift between rows. ``f32``/``bf16`` is the compute dtype: ggtorch runs bf16 autocast over
-its base; the peer runs its model in bf16 (what a transformers user does), and the ggtorch bf16
-rows are also compared with the peer in f32.
+Like for like: both sides of a row run on the same allocator. Every row runs with both on the
+system malloc (what the README's setup gives a user); when jemalloc is installed, the 110M rows run
+again with both on jemalloc. Both train LoRA rank 4 (alpha 4) on q/k/v/o/gate/up/down from the same
+token batches (ggtorch's data pipeline over the same text, same seed), with AdamW (lr 1e-3, decay
+0.1, clip 1.0) and the same batch, context and threads. Tokens/s is the median over the timed
+optimizer steps after the warm-up steps. ``f32``/``bf16`` is the compute dtype: ggtorch runs bf16
+autocast over its base; the peer runs its model in bf16 (what a transformers user does), and the
+ggtorch bf16 rows are also compared with the peer in f32.
 
 GFLOP/s counts the useful matmul work of a LoRA step, 4 × (parameters of the base's matrices)
 per token (forward plus input gradient; attention, LoRA and recomputation are not counted), and
 is set against a GEMM peak measured in the same run: the best over the model's matrix shapes of
-torch.mm and of ggtorch.ops.matmul (oneDNN, which ggtorch's f32 layers run on CPU), f32 and bf16; the
-70% target is judged against torch.mm's f32 peak, the issue's reference, with both shown.
+torch.mm and of oneDNN (ggtorch.ops.matmul with oneDNN forced), f32 and bf16. For a quantized base,
+ggtorch's child times every dequantization of one more step (the share of the step it takes).
+
+The full finetune against llama.cpp's own training comes from the sibling command
+``bench/bench_full_finetune.py``, run here too.
 
 Run from the repository root: ``python bench/bench_vs_peft.py [--quick] [--threads N]``.
 It prints a table and writes ``BENCHMARKS.md`` (``--out``).
@@ -37,13 +37,15 @@ import datetime
 import json
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -61,11 +63,12 @@ TEXT_BYTES = 200_000
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_RANK = 4
 LR, DECAY, GCLIP = 1e-3, 0.1, 1.0
+ALLOCATORS = ("system", "jemalloc")
 
 
 @dataclass(frozen=True)
 class Shape:
-    """A llama shape, named; the argument of tests.llama_models.RandomLlamaShape."""
+    """A model shape, named: a llama (tests.llama_models) or another family (tests.families)."""
 
     name: str
     n_embd: int
@@ -74,13 +77,18 @@ class Shape:
     n_head: int
     n_head_kv: int
     n_ctx: int = 2048
+    arch: str = "llama"
+    head_dim: int | None = None
+    n_vocab: int = 32000
+    tied: bool = False
 
-    def matrices(self, n_vocab: int = 32000) -> list[tuple[int, int]]:
-        """(out, in) of every matrix a token passes through (untied output)."""
-        kv = self.n_embd // self.n_head * self.n_head_kv
-        layer = [(self.n_embd, self.n_embd), (kv, self.n_embd), (kv, self.n_embd), (self.n_embd, self.n_embd),
+    def matrices(self) -> list[tuple[int, int]]:
+        """(out, in) of every matrix a token passes through (the output projection, tied or not)."""
+        hd = self.head_dim or self.n_embd // self.n_head
+        q, kv = self.n_head * hd, self.n_head_kv * hd
+        layer = [(q, self.n_embd), (kv, self.n_embd), (kv, self.n_embd), (self.n_embd, q),
                  (self.n_ff, self.n_embd), (self.n_ff, self.n_embd), (self.n_embd, self.n_ff)]
-        return layer * self.n_layer + [(n_vocab, self.n_embd)]
+        return layer * self.n_layer + [(self.n_vocab, self.n_embd)]
 
     def flops_per_token(self) -> float:
         """Forward + input-gradient matmul FLOPs per token (2 per multiply-add, twice)."""
@@ -90,12 +98,15 @@ class Shape:
 SHAPES = {
     "110M": Shape("110M", n_embd=768, n_ff=2048, n_layer=12, n_head=12, n_head_kv=12),
     "1.1B": Shape("1.1B", n_embd=2048, n_ff=5632, n_layer=22, n_head=32, n_head_kv=4),
+    # Gemma 3 270M: its 262,144-token vocabulary, tied embedding, 4 heads of 256 over 1 KV head
+    "gemma3-270M": Shape("gemma3-270M", n_embd=640, n_ff=2048, n_layer=18, n_head=4, n_head_kv=1,
+                         arch="gemma3", head_dim=256, n_vocab=262144, tied=True),
 }
 
 
 @dataclass(frozen=True)
 class Case:
-    """One row of the table: the same work for both sides."""
+    """One row of the table: the same work for both sides, on the same allocator."""
 
     shape: str
     ftype: str
@@ -105,44 +116,34 @@ class Case:
     checkpointing: bool = False
     warmup: int = 1
     steps: int = 3
-    peer: bool = True
-    """Run the peer too (False: a ggtorch-only row, compared with the peer's rows of the same shape)."""
     repeat: int = 1
     """Runs per side, alternating ggtorch, peer, ggtorch, ...; the table shows each side's fastest."""
-    alternate_f32: bool = False
-    """ggtorch's child also loads the F32 base and alternates its steps with this row's: the
-    quantized-speed target compares them on the same machine state, not rows minutes apart."""
-    malloc: str = "shipped"
-    """``shipped``: ggtorch on the allocator its CLI picks (jemalloc when installed, see
-    ggtorch/cli/allocator.py), the peer on the system malloc, as its users run it. ``swapped``: each
-    side on the other one, so the two rows together compare allocator for allocator."""
+    malloc: str = "system"
+    """The allocator both sides run on: ``system`` (the C library's) or ``jemalloc``."""
 
     @property
     def label(self) -> str:
         ck = " ckpt" if self.checkpointing else ""
-        swapped = " malloc swapped" if self.malloc == "swapped" else ""
-        return f"{self.shape} {self.ftype} {self.dtype} b{self.batch}x{self.ctx}{ck}{swapped}"
+        return f"{self.shape} {self.ftype} {self.dtype} b{self.batch}x{self.ctx}{ck}"
 
 
-def full_cases() -> list[Case]:
-    base = Case("110M", "F32", "f32", ctx=256, batch=4)
-    return [
-        # the rows the speed targets compare: each side's best of two alternating runs
-        replace(base, repeat=2, steps=2),
-        replace(base, dtype="bf16", repeat=2, steps=1),
-        replace(base, ftype="Q8_0", peer=False, steps=2),  # the peer's work is the F32 row's (it dequantizes on load)
-        # the speed targets come from Q4 and F32 steps alternating in ggtorch's process, RSS from the row
-        replace(base, ftype="Q4_0", steps=1, alternate_f32=True),
-        replace(base, ftype="Q4_K_M", steps=1, alternate_f32=True),
-        replace(base, ftype="Q4_0", malloc="swapped", steps=1),  # ggtorch on glibc, the peer on jemalloc: for RSS
-        # the cost itself comes from steps with and without checkpointing alternating in ggtorch's process
+def full_cases(jemalloc: bool) -> list[Case]:
+    """The rows of a full run; the 110M rows once more on jemalloc when it is installed."""
+    base = Case("110M", "F32", "f32", ctx=256, batch=4, steps=2)
+    rows = [
+        # the f32 and bf16 targets' rows: each side's best of two alternating runs
+        replace(base, repeat=2),
+        replace(base, dtype="bf16", repeat=2),
+        replace(base, ftype="Q4_0"),
+        replace(base, ftype="Q4_K_M"),
         replace(base, checkpointing=True, steps=1),
-        # the same 1024 tokens per step at other context lengths: what attention's growth costs
-        replace(base, ctx=64, batch=16, steps=1),
-        replace(base, ctx=1024, batch=1, steps=1),
         Case("1.1B", "Q4_0", "f32", ctx=256, batch=1, steps=1),
-        Case("1.1B", "F32", "f32", ctx=256, batch=1, steps=1),
+        Case("1.1B", "Q4_K_M", "f32", ctx=256, batch=1, steps=1),
+        Case("gemma3-270M", "Q8_0", "f32", ctx=256, batch=4, steps=2),
     ]
+    if jemalloc:
+        rows += [replace(c, malloc="jemalloc") for c in rows if c.shape == "110M" and not c.checkpointing]
+    return rows
 
 
 def quick_cases() -> list[Case]:
@@ -154,17 +155,15 @@ def quick_cases() -> list[Case]:
 
 
 def model_file(workdir: Path, shape: Shape, ftype: str) -> Path:
-    """The random llama of ``shape`` in ``ftype``, built once and cached in ``workdir``."""
-    from tests.llama_models import RandomLlamaShape, quantize_with_llama_cpp, write_random_llama
+    """The random model of ``shape`` in ``ftype``, built once and cached in ``workdir``."""
+    from tests.llama_models import quantize_with_llama_cpp
 
     folder = workdir / shape.name
     folder.mkdir(parents=True, exist_ok=True)
     f32 = folder / "model-F32.gguf"
     if not f32.exists():
-        rshape = RandomLlamaShape(n_embd=shape.n_embd, n_ff=shape.n_ff, n_layer=shape.n_layer, n_head=shape.n_head,
-                                  n_head_kv=shape.n_head_kv, n_ctx=shape.n_ctx)
         tmp = folder / "model-F32.gguf.tmp"
-        write_random_llama(tmp, VOCAB, rshape, seed=0)
+        write_f32_model(tmp, shape, workdir)
         tmp.rename(f32)
     if ftype == "F32":
         return f32
@@ -173,6 +172,53 @@ def model_file(workdir: Path, shape: Shape, ftype: str) -> Path:
         tmp = folder / f"model-{ftype}.gguf.tmp"
         quantize_with_llama_cpp(f32, tmp, ftype)
         tmp.rename(path)
+    return path
+
+
+def write_f32_model(path: Path, shape: Shape, workdir: Path) -> None:
+    """A llama by tests.llama_models, any other family by tests.families (Gemma 3's own hyperparameters)."""
+    if shape.arch == "llama":
+        from tests.llama_models import RandomLlamaShape, write_random_llama
+
+        write_random_llama(path, VOCAB, RandomLlamaShape(n_embd=shape.n_embd, n_ff=shape.n_ff, n_layer=shape.n_layer,
+                                                         n_head=shape.n_head, n_head_kv=shape.n_head_kv,
+                                                         n_ctx=shape.n_ctx), seed=0)
+        return
+    from tests import families
+
+    family = families.Shape(n_embd=shape.n_embd, n_ff=shape.n_ff, n_layer=shape.n_layer, n_head=shape.n_head,
+                            n_head_kv=shape.n_head_kv, head_dim=shape.head_dim, n_ctx=shape.n_ctx,
+                            tied_output=shape.tied, sliding_window=512, rope_freq_base=1e6,
+                            rope_freq_base_swa=10000.0)
+    families.write_random_model(path, shape.arch, padded_vocab(workdir, shape.n_vocab), family, seed=0)
+
+
+def padded_vocab(workdir: Path, n_vocab: int) -> Path:
+    """The llama SPM vocabulary grown to ``n_vocab`` tokens with unused ones (``<unused_N>``, type
+    UNUSED, as Gemma's own vocabulary has thousands): the training text tokenizes as with the llama
+    vocabulary, while the embedding and the logits have the real vocabulary's size."""
+    import gguf
+
+    path = workdir / f"vocab-{n_vocab}.gguf"
+    if path.exists():
+        return path
+    reader = gguf.GGUFReader(str(VOCAB))
+    tmp = path.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if isinstance(value, list):
+            n_more = n_vocab - len(value)
+            value = value + {"tokenizer.ggml.tokens": [f"<unused_{i}>" for i in range(n_more)],
+                             "tokenizer.ggml.scores": [0.0] * n_more,
+                             "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * n_more}[key]
+        w.add_key_value(key, value, field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    tmp.rename(path)
     return path
 
 
@@ -240,14 +286,39 @@ def child_ggtorch(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["checkpointing"]:
         out["peak_rss"] = peak_rss_bytes()  # of the checkpointed steps, before any step without it
         out["alternating_s"] = alternate(checkpointing_steps(trainer), cold="plain")
-    if spec["alternate_f32"]:
-        out["peak_rss"] = peak_rss_bytes()  # of this row's model alone, before the F32 one is loaded
-        f32 = Trainer(finetune_config({**spec, "model": spec["f32_model"]}), log_records=False)
-        out["alternating_s"] = alternate({"quantized": lambda: trainer.step().seconds,
-                                          "F32": lambda: f32.step().seconds}, cold="F32")
-        f32.close()
+    if spec["ftype"] != "F32":
+        out["peak_rss"] = peak_rss_bytes()  # of the timed steps, before the timing wrappers
+        with timing_dequantization() as seconds:
+            step = trainer.step().seconds
+        out["dequant"] = {"step_s": step, "dequant_s": sum(seconds)}
     trainer.close()
     return out
+
+
+@contextmanager
+def timing_dequantization() -> Iterator[list[float]]:
+    """Time every dequantization the training path makes (the quantized products, the quantized
+    embedding's rows, the fused loss's output matrix) while the block runs: the list it yields gets
+    each call's seconds. CPU work is synchronous, so wall time around the call is its cost."""
+    from ggtorch.quant import autograd, modules
+    from ggtorch.training import loss
+
+    seconds: list[float] = []
+    saved = {m: m.dequantize for m in (autograd, modules, loss)}
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        result = saved[autograd](*args, **kwargs)
+        seconds.append(time.perf_counter() - t)
+        return result
+
+    for m in saved:
+        m.dequantize = timed
+    try:
+        yield seconds
+    finally:
+        for m, fn in saved.items():
+            m.dequantize = fn
 
 
 def alternate(steps: dict[str, Callable[[], float]], cold: str, rounds: int = 2) -> dict[str, list[float]]:
@@ -365,7 +436,7 @@ def run_child(kind: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]
         env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]),
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                    TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-        env = malloc_env(env, kind, spec.get("malloc", "shipped"))
+        env = malloc_env(env, spec.get("malloc", "system"))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--spec", json.dumps(spec),
                "--result", str(result_path)]
         t0 = time.perf_counter()
@@ -381,17 +452,16 @@ def run_child(kind: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]
         return result
 
 
-def malloc_env(env: dict[str, str], kind: str, malloc: str) -> dict[str, str]:
-    """``env`` for a side's child: on jemalloc as ``ggtorch finetune`` would relaunch itself, or on
-    the system malloc (jemalloc taken out of LD_PRELOAD)."""
+def malloc_env(env: dict[str, str], malloc: str) -> dict[str, str]:
+    """``env`` for a child on ``malloc``: jemalloc preloaded as ``ggtorch finetune`` would relaunch
+    itself, or the system malloc (jemalloc taken out of LD_PRELOAD, the CLI's relaunch turned off)."""
     from ggtorch.cli import allocator
 
-    on_jemalloc = kind == "ggtorch" if malloc == "shipped" else kind == "peer"
     preload = ":".join(p for p in env.get("LD_PRELOAD", "").split(":") if p and "libjemalloc" not in p)
     clean = {k: v for k, v in env.items() if k not in ("LD_PRELOAD", allocator.RELAUNCHED, allocator.ENV)}
     if preload:
         clean["LD_PRELOAD"] = preload
-    if not on_jemalloc:
+    if malloc == "system":
         return clean
     return allocator.relaunch_env(clean, allocator.find_jemalloc()) or clean
 
@@ -491,7 +561,10 @@ def main() -> None:
     # SIGTERM unwinds like Ctrl-C, so subprocess.run kills the running child instead of orphaning it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t_start = time.perf_counter()
-    cases = quick_cases() if args.quick else full_cases()
+    from ggtorch.cli.allocator import find_jemalloc
+
+    jemalloc = find_jemalloc()
+    cases = quick_cases() if args.quick else full_cases(jemalloc is not None)
     if args.only:
         wanted = [w for w in args.only.split(",") if w]
         cases = [c for c in cases if any(w in c.label for w in wanted)]
@@ -501,16 +574,14 @@ def main() -> None:
     if not text.exists():
         text.write_bytes(TEXT.read_bytes()[:TEXT_BYTES])
     info = machine()
-    print(f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.threads} threads", flush=True)
-
-    from ggtorch.cli.allocator import find_jemalloc
+    info["jemalloc"] = jemalloc
+    print(f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.threads} threads, "
+          f"jemalloc {jemalloc or 'not installed'}", flush=True)
 
     gemm: dict[tuple[str, int], dict[str, Any]] = {}
     rows = []
+    building = 0.0
     for case in cases:
-        if case.malloc == "swapped" and find_jemalloc() is None:
-            print(f"{case.label}: skipped, jemalloc is not installed (apt install libjemalloc2)", flush=True)
-            continue
         shape = SHAPES[case.shape]
         t = time.perf_counter()
         try:
@@ -522,6 +593,7 @@ def main() -> None:
                          **{f"{side}_tps": None for side in sides}})
             continue
         built = time.perf_counter() - t
+        building += built
         if built > 1:
             print(f"  built {path.name} for {shape.name} in {built:.0f} s", flush=True)
         n_rows = case.batch * case.ctx
@@ -529,17 +601,13 @@ def main() -> None:
             gemm[(case.shape, n_rows)] = run_child("gemm", {"threads": args.threads, "rows": n_rows,
                                                             "shapes": sorted(set(shape.matrices()))}, args.timeout)
         spec = {"model": str(path), "text": str(text), "threads": args.threads, **asdict(case)}
-        if case.alternate_f32:
-            spec["f32_model"] = str(model_file(args.workdir, shape, "F32"))
-        for model in {spec["model"], spec.get("f32_model", spec["model"])}:
-            read_into_page_cache(Path(model))
+        read_into_page_cache(path)
         row: dict[str, Any] = {"case": case, "gemm": gemm[(case.shape, n_rows)]}
         runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
         for _ in range(case.repeat):  # sides alternate, so a slow spell of the machine hits both
             for side in sides:
-                if side != "peer" or case.peer:
-                    runs[side].append(run_child(side, spec, args.timeout))
-        row["wall_s"] = time.perf_counter() - t
+                runs[side].append(run_child(side, spec, args.timeout))
+        row["wall_s"] = time.perf_counter() - t - built
         for side in sides:
             row[side] = best_run(runs[side], case)
             row[f"{side}_tps"] = tokens_per_second(row[side], case) if row[side] else None
@@ -553,10 +621,11 @@ def main() -> None:
         again = run_child("gemm", {"threads": args.threads, "rows": n_rows,
                                    "shapes": sorted(set(SHAPES[shape_name].matrices()))}, args.timeout)
         keep_faster(peak, again)
+    full = None if args.quick or args.only else full_finetune(args.threads, args.timeout)
     distributed = "" if args.no_distributed or args.quick else distributed_overhead(args.timeout)
-    total = time.perf_counter() - t_start
-    print(f"total {total:.0f} s", flush=True)
-    args.out.write_text(report(rows, sides, info, args, total) + distributed)
+    total = time.perf_counter() - t_start - building
+    print(f"total {total:.0f} s (and {building:.0f} s building model files)", flush=True)
+    args.out.write_text(report(rows, sides, info, args, total, full) + distributed)
     print(f"wrote {args.out}", flush=True)
 
 
@@ -577,27 +646,25 @@ def ggtorch_gflops(row: dict[str, Any]) -> float | None:
     return None if tps is None else tps * SHAPES[row["case"].shape].flops_per_token() / 1e9
 
 
-def peaks(row: dict[str, Any]) -> tuple[float | None, float | None]:
-    """(torch.mm's GEMM peak, the faster kernel's) for the row's compute dtype, GFLOP/s."""
-    gemm, dtype = row["gemm"], row["case"].dtype
-    return gemm.get(f"{dtype}_kernels", {}).get("torch.mm", gemm.get(dtype)), gemm.get(dtype)
+def peak(row: dict[str, Any]) -> float | None:
+    """The faster kernel's GEMM peak (torch.mm or oneDNN) for the row's compute dtype, GFLOP/s."""
+    return row["gemm"].get(row["case"].dtype)
 
 
-def share_of_peaks(row: dict[str, Any]) -> str:
-    """ggtorch's GFLOP/s as a share of the best GEMM peak and (when lower) of torch.mm's."""
-    gf = ggtorch_gflops(row)
-    mm_peak, best = peaks(row)
-    if not gf or not best:
-        return "—"
-    text = f"{100 * gf / best:.0f}% of {best:.0f}"
-    if mm_peak and mm_peak < best:
-        text += f" ({100 * gf / mm_peak:.0f}% of torch.mm's {mm_peak:.0f})"
-    return text
+def share_of_peak(row: dict[str, Any]) -> float | None:
+    gf, best = ggtorch_gflops(row), peak(row)
+    return gf / best if gf and best else None
+
+
+def dequant_share(row: dict[str, Any]) -> float | None:
+    """The share of one ggtorch step its dequantizations took (None for a float base)."""
+    d = row.get("ggtorch", {}).get("dequant")
+    return d["dequant_s"] / d["step_s"] if d and d.get("step_s") else None
 
 
 def print_row(row: dict[str, Any], sides: list[str]) -> None:
     case = row["case"]
-    parts = [f"{case.label:34s}"]
+    parts = [f"{case.label:30s} {case.malloc:8s}"]
     for side in sides:
         r = row[side]
         if not r:
@@ -606,8 +673,7 @@ def print_row(row: dict[str, Any], sides: list[str]) -> None:
             parts.append(f"{side}: ERROR {r['error']}")
             continue
         parts.append(f"{side} {fmt(row[f'{side}_tps']):>6s} tok/s rss {gib(r.get('peak_rss'))} GiB "
-                     f"load {fmt(r.get('load_s'), '.1f')} s process {fmt(r.get('wall_s'))} s "
-                     f"malloc {r.get('malloc', '?')}")
+                     f"load {fmt(r.get('load_s'), '.1f')} s process {fmt(r.get('wall_s'))} s")
     if case.repeat > 1:
         parts.append("runs " + "; ".join(f"{side} " + "/".join(fmt(t) for t in row[f"{side}_all_tps"])
                                          for side in sides if row[f"{side}_all_tps"]))
@@ -615,12 +681,29 @@ def print_row(row: dict[str, Any], sides: list[str]) -> None:
         parts.append(f"ratio {row['ggtorch_tps'] / row['peer_tps']:.2f}x")
     if row.get("ggtorch_cpu_tps") and row.get("peer_cpu_tps"):
         parts.append(f"(by CPU time {row['ggtorch_cpu_tps'] / row['peer_cpu_tps']:.2f}x)")
-    gf = ggtorch_gflops(row)
-    if gf:
-        parts.append(f"{gf:.0f} GFLOP/s = {share_of_peaks(row)} {case.dtype} GEMM")
+    share = share_of_peak(row)
+    if share:
+        parts.append(f"{ggtorch_gflops(row):.0f} GFLOP/s = {share:.0%} of {peak(row):.0f} {case.dtype} GEMM")
+    if dequant_share(row) is not None:
+        parts.append(f"dequantization {dequant_share(row):.0%} of a step")
     if row.get("wall_s"):
         parts.append(f"[row {row['wall_s']:.0f} s]")  # where the full run's 15 minutes go
     print("  ".join(parts), flush=True)
+
+
+def full_finetune(threads: int, timeout: float) -> dict[str, Any]:
+    """bench/bench_full_finetune.py's figures, run here (seconds): ggtorch's and llama.cpp's tokens/s."""
+    print("full finetune vs llama.cpp (bench/bench_full_finetune.py) ...", flush=True)
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_full_finetune.py"), "--threads", str(threads)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (subprocess.SubprocessError, OSError) as e:
+        return {"error": str(e)}
+    found = {side: re.search(rf"^{side}\s+(\d+) tokens/s$", proc.stdout, re.M) for side in ("ggtorch", "llama.cpp")}
+    if proc.returncode != 0 or not all(found.values()):
+        return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-300:]}"}
+    print(proc.stdout, flush=True)
+    return {"what": proc.stdout.splitlines()[0], **{side: float(m.group(1)) for side, m in found.items() if m}}
 
 
 def distributed_overhead(timeout: float) -> str:
@@ -646,91 +729,107 @@ def distributed_overhead(timeout: float) -> str:
 
 
 def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], args: argparse.Namespace,
-           total: float) -> str:
-    """BENCHMARKS.md: machine, method, table, targets."""
+           total: float, full: dict[str, Any] | None = None) -> str:
+    """BENCHMARKS.md: machine, method, headline, table, targets with margins, full finetune, GEMM peaks."""
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     cmd = ("python bench/bench_vs_peft.py" + (" --quick" if args.quick else "") + f" --threads {args.threads}"
            + (f' --only "{args.only}"' if args.only else "")
            + (f" --sides {args.sides}" if args.sides != "ggtorch,peer" else ""))
+    jemalloc = info.get("jemalloc")
     lines = [
         "# Benchmarks: ggtorch vs transformers + peft",
         "",
-        f"Generated by `{cmd}` on {now} in {total / 60:.1f} min; do not edit by hand, re-run the command.",
+        f"Generated by `{cmd}` on {now} in {total / 60:.1f} min (not counting the model files' first build); "
+        "do not edit by hand, re-run the command.",
         "",
         "## Machine",
         "",
         f"- CPU: {info['cpu']}, {info['cores']} cores ({info['flags']}), {info['memory_gib']:.0f} GiB RAM",
         f"- torch {info['torch']}, transformers {info['transformers']}, peft {info['peft']}, "
         f"Python {info['python']}; {args.threads} torch threads per side",
+        "- allocators: every row runs with both sides on the system malloc (glibc), what the README's setup gives; "
+        + (f"jemalloc is installed ({jemalloc}): the 110M rows run again with both sides on it"
+           if jemalloc else "jemalloc is not installed on this machine, so there is no jemalloc / jemalloc pairing "
+           "(`ggtorch finetune` relaunches itself on jemalloc when it is installed, `apt install libjemalloc2`)"),
         f"- load average when the run started: {fmt(info['load'], '.2f')} "
         "(other processes on the machine make every number lower and noisier)",
         "",
         "## Method",
         "",
-        "Random-weight llamas around the 32000-token llama vocabulary, written by gguf-py and quantized by "
-        "llama.cpp (`tests/llama_models.py`). 110M shape: n_embd 768, n_ff 2048, 12 layers, 12 heads, untied "
-        "output; 1.1B: TinyLlama's shape (n_embd 2048, n_ff 5632, 22 layers, 32 heads, 4 KV heads).",
+        "Random-weight models written by gguf-py and quantized by llama.cpp (`tests/llama_models.py`, "
+        "`tests/families.py`). 110M: a llama, n_embd 768, n_ff 2048, 12 layers, 12 heads, 32,000-token vocabulary, "
+        "untied output; 1.1B: TinyLlama's shape (n_embd 2048, n_ff 5632, 22 layers, 32 heads, 4 KV heads); "
+        "gemma3-270M: a Gemma 3 of 270M's shape (n_embd 640, n_ff 2048, 18 layers, 4 heads of 256 over 1 KV head, "
+        "sliding window 512 on five layers of six) with a 262,144-token vocabulary (the llama vocabulary grown with "
+        "unused tokens) whose Q8_0 embedding is the output projection.",
         "Both sides train LoRA rank 4 (alpha 4) on q/k/v/o/gate/up/down with AdamW (lr 1e-3, weight decay 0.1, "
-        "gradient clipping 1.0) on the same token batches, each side in its own process. ggtorch runs its "
-        "`Trainer` (what `ggtorch finetune` runs) with the base kept as stored in the GGUF (with bf16 compute, "
-        "float matrices are held in bf16, as autocast would round them in every step); the peer loads the "
-        "GGUF with transformers (dequantized on load) and wraps it with peft. Compute bf16 means bf16 autocast "
-        "for ggtorch and a bf16 model for the peer. tok/s: median over the timed steps after warm-up; RSS: "
-        "peak resident set of the side's process (VmHWM); malloc: the allocator each side's process ran on: "
-        "ggtorch on the one `ggtorch finetune` picks (jemalloc when the machine has it, ggtorch/cli/allocator.py), "
-        "the peer on the system's (glibc), as its users run it; the row marked `malloc swapped` runs the "
-        "Q4_0 case with each side on the other allocator, so the two Q4_0 rows compare allocator for "
-        "allocator too; load: model + LoRA setup; by CPU time: the same "
-        "ratio from each side's process CPU time per step, which load from other processes disturbs much "
-        "less than wall time (with one thread and an idle machine the two ratios agree). Before each row the "
-        "model file is read once, so that both sides start from a warm page cache. The speed of this shared "
-        "machine drifts by ±15% over minutes, so the F32 f32 and bf16 rows, which the speed targets compare, run "
-        "each side twice, alternating, and show each side's faster run (all runs are listed below the table); "
-        "the targets that compare ggtorch with itself (Q4 base vs F32 base, checkpointing's cost) come from one "
-        "ggtorch process taking steps of the two kinds in turn (two of each after a warm-up step: medians). "
-        "GFLOP/s counts 4 × base "
-        "matrix parameters per token (forward + input gradient) against the best GEMM GFLOP/s over the "
-        "model's matrix shapes (rows = batch × ctx), measured in the same run (for the 110M shape of a full run "
-        "twice, before its first row and after the last row; the higher counts), of the faster of torch.mm "
-        "(MKL for f32, what the peer's layers run) and ggtorch.ops.matmul (oneDNN for f32, what ggtorch's layers "
-        "run; the same kernel as torch.mm for bf16), with torch.mm's own f32 peak in parentheses: the issue "
-        "defines its 70% target on torch's f32 GEMM, so its verdict uses torch.mm's peak.",
+        "gradient clipping 1.0) on the same token batches, each side in its own process, both on the row's "
+        "allocator. ggtorch runs its `Trainer` (what `ggtorch finetune` runs) with the base kept as stored in the "
+        "GGUF (with bf16 compute, float matrices are held in bf16, as autocast would round them in every step); "
+        "the peer loads the GGUF with transformers (dequantized on load) and wraps it with peft. Compute bf16 "
+        "means bf16 autocast for ggtorch and a bf16 model for the peer. tok/s: median over the timed steps after "
+        "a warm-up step; the f32 and bf16 110M rows run each side twice, alternating, and show each side's faster "
+        "run (all runs are listed below the table). By CPU time: the same ratio from each side's process CPU time "
+        "per step. RSS: peak resident set of the side's process (VmHWM). Load: model + LoRA setup. Before each "
+        "row the model file is read once, so both sides start from a warm page cache. GFLOP/s counts 4 × base "
+        "matrix parameters per token (forward + input gradient) against the best GEMM GFLOP/s over the model's "
+        "matrix shapes (rows = batch × ctx) of torch.mm and oneDNN (`ggtorch.ops.matmul` with oneDNN forced), "
+        "measured in the same run (for the 110M shape twice, before the first row and after the last; the higher "
+        "counts). Dequantization: every dequantization of one more ggtorch step, timed call by call, over that "
+        "step's time.",
         "",
+    ]
+    lines += ["## Headline", ""] + [f"- {h}" for h in headline(rows)] + [""]
+    lines += [
         "## Results",
         "",
-        "| case | ggtorch tok/s | peer tok/s | ggtorch / peer | by CPU time | ggtorch GFLOP/s | % of GEMM peak "
-        "| ggtorch RSS GiB | peer RSS GiB | RSS ratio | malloc (ggtorch / peer) | ggtorch load s | peer load s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| case | malloc (both sides) | ggtorch tok/s | peer tok/s | ggtorch / peer | by CPU time | ggtorch GFLOP/s "
+        "| % of GEMM peak | dequantization % of step | ggtorch RSS GiB | peer RSS GiB | RSS ratio | ggtorch load s "
+        "| peer load s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         case = row["case"]
         g, p = row.get("ggtorch", {}), row.get("peer", {})
         gt, pt = row.get("ggtorch_tps"), row.get("peer_tps")
-        gf = ggtorch_gflops(row)
         g_rss, p_rss = g.get("peak_rss"), p.get("peak_rss")
-        cells = [case.label, fmt(gt) if "error" not in g else "error", fmt(pt) if "error" not in p else "error",
-                 f"{gt / pt:.2f}×" if gt and pt else "—",
+        share, dq = share_of_peak(row), dequant_share(row)
+        cells = [case.label, case.malloc, fmt(gt) if "error" not in g else "error",
+                 fmt(pt) if "error" not in p else "error", f"{gt / pt:.2f}×" if gt and pt else "—",
                  f"{row['ggtorch_cpu_tps'] / row['peer_cpu_tps']:.2f}×"
-                 if row.get("ggtorch_cpu_tps") and row.get("peer_cpu_tps") else "—", fmt(gf),
-                 share_of_peaks(row),
+                 if row.get("ggtorch_cpu_tps") and row.get("peer_cpu_tps") else "—", fmt(ggtorch_gflops(row)),
+                 f"{share:.0%} of {peak(row):.0f}" if share else "—", f"{dq:.0%}" if dq is not None else "—",
                  gib(g_rss), gib(p_rss), f"{g_rss / p_rss:.0%}" if g_rss and p_rss else "—",
-                 f"{g.get('malloc', '—')} / {p.get('malloc', '—')}",
                  fmt(g.get("load_s"), ".1f"), fmt(p.get("load_s"), ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
     repeated = [row for row in rows if row["case"].repeat > 1]
     if repeated:
         lines += ["", "Every run of the repeated rows (tok/s, in the order run):", ""]
-        lines += [f"- {row['case'].label}: " + "; ".join(
+        lines += [f"- {row['case'].label} ({row['case'].malloc}): " + "; ".join(
             f"{side} " + ", ".join(fmt(t) for t in row[f"{side}_all_tps"]) for side in sides
             if row.get(f"{side}_all_tps")) for row in repeated]
     errors = [(row["case"].label, side, row[side]["error"]) for row in rows for side in sides
               if "error" in row.get(side, {})]
     if errors:
         lines += ["", "Errors:", ""] + [f"- {label} ({side}): {err}" for label, side, err in errors]
-    lines += ["", "## Targets (110M shape, batch 4, context 256)", ""]
-    lines += [f"  - {t.strip()}" if t.startswith("  ") else f"- {t}" for t in targets(rows)]
-    lines += ["", "GEMM peaks measured (GFLOP/s, best over the model's shapes; the peak is the faster kernel, "
-              "torch.mm or ggtorch.ops.matmul, which is oneDNN for f32 on CPU):", ""]
+    lines += ["", "## Targets", "",
+              "Each with its margin: how far the measured value is past the threshold (+) or short of it (−), "
+              "relative to the threshold.", ""]
+    lines += [f"  - {t.strip()}" if t.startswith("  ") else f"- {t}" for t in targets(rows, full)]
+    if full:
+        lines += ["", "## Full finetune vs llama.cpp (`python bench/bench_full_finetune.py "
+                  f"--threads {args.threads}`)", ""]
+        if "error" in full:
+            lines.append(f"bench_full_finetune.py failed: {full['error']}")
+        else:
+            lines += [f"Every weight trained, AdamW, one sequence per step; llama.cpp's own training "
+                      f"(`llama_opt_epoch`, F32) against `ggtorch train --model-base` (f32 weights, compute and "
+                      f"AdamW state). {full['what']}.", "",
+                      "| side | tok/s |", "|---|---:|",
+                      f"| ggtorch | {fmt(full['ggtorch'])} |", f"| llama.cpp | {fmt(full['llama.cpp'])} |", "",
+                      f"ggtorch / llama.cpp: {full['ggtorch'] / full['llama.cpp']:.2f}×"]
+    lines += ["", "GEMM peaks measured (GFLOP/s, best over the model's shapes; the peak is the faster of torch.mm "
+              "and oneDNN, shown as ggtorch.ops.matmul):", ""]
     for (shape, n), g in sorted(rows_gemm(rows).items()):
         lines.append(f"- {shape}, {n} rows: f32 {fmt(g.get('f32'))} ({kernels_text(g.get('f32_kernels'))}), "
                      f"bf16 {fmt(g.get('bf16'))} ({kernels_text(g.get('bf16_kernels'))})")
@@ -747,7 +846,7 @@ def rows_gemm(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any
 
 def find(rows: list[dict[str, Any]], **want: Any) -> dict[str, Any] | None:
     defaults = {"shape": "110M", "ftype": "F32", "dtype": "f32", "ctx": 256, "batch": 4, "checkpointing": False,
-                "malloc": "shipped"}
+                "malloc": "system"}
     want = defaults | want
     for row in rows:
         if all(getattr(row["case"], k) == v for k, v in want.items()):
@@ -755,79 +854,85 @@ def find(rows: list[dict[str, Any]], **want: Any) -> dict[str, Any] | None:
     return None
 
 
-def _verdict(ok: bool | None) -> str:
-    return "not measured in this run" if ok is None else ("**met**" if ok else "**missed**")
+def ratio(row: dict[str, Any] | None, peer_row: dict[str, Any] | None = None) -> float | None:
+    """ggtorch's tok/s over the peer's (of ``peer_row`` when given: the bf16 row against the peer in f32)."""
+    peer_row = peer_row or row
+    g, p = (row or {}).get("ggtorch_tps"), (peer_row or {}).get("peer_tps")
+    return g / p if g and p else None
 
 
-def targets(rows: list[dict[str, Any]]) -> list[str]:
-    """Each target of issue 7, with the measured value and whether it is met."""
+def rss_ratio(row: dict[str, Any] | None) -> float | None:
+    g, p = ((row or {}).get(side, {}).get("peak_rss") for side in ("ggtorch", "peer"))
+    return g / p if g and p else None
+
+
+def target(what: str, value: float | None, threshold: float, at_least: bool = True, unit: str = "×") -> str:
+    """One target line: threshold, measured value, margin and verdict."""
+    show = (lambda v: f"{v:.2f}×") if unit == "×" else (lambda v: f"{100 * v:.0f}%")
+    rule = f"{'≥' if at_least else '≤'} {show(threshold)}"
+    if value is None:
+        return f"{what} {rule} — not measured in this run"
+    margin = value / threshold - 1 if at_least else 1 - value / threshold
+    verdict = "**met**" if margin >= 0 else "**missed**"
+    return f"{what} {rule} — {show(value)} (margin {100 * margin:+.0f}%, {verdict})"
+
+
+QUANTIZED_TARGETS = (("110M", 4, "Q4_0"), ("110M", 4, "Q4_K_M"), ("1.1B", 1, "Q4_0"), ("1.1B", 1, "Q4_K_M"))
+"""(shape, batch, base type) of the quantized-base targets, all at context 256."""
+
+
+def targets(rows: list[dict[str, Any]], full: dict[str, Any] | None = None) -> list[str]:
+    """Issue 24's targets for each allocator pairing measured, with values, margins and verdicts."""
     out = []
-    f32 = find(rows)
-    bf16 = find(rows, dtype="bf16")
-    ck = find(rows, checkpointing=True)
-
-    ratio = f32["ggtorch_tps"] / f32["peer_tps"] if f32 and f32.get("ggtorch_tps") and f32.get("peer_tps") else None
-    out.append(f"f32, F32 base: ≥ 1.3× transformers+peft — {fmt(ratio, '.2f')}× "
-               f"({_verdict(None if ratio is None else ratio >= 1.3)})")
-    gf = ggtorch_gflops(f32) if f32 else None
-    mm_peak, peak = peaks(f32) if f32 else (None, None)
-    if ratio is not None and ratio < 1.3 and peak:
-        need = 1.3 * f32["peer_tps"] * SHAPES["110M"].flops_per_token() / 1e9
-        out.append(f"  (1.3× the peer's {f32['peer_tps']:.0f} tok/s is {1.3 * f32['peer_tps']:.0f} tok/s: "
-                   f"{need:.0f} GFLOP/s of base matmul work, {100 * need / peak:.0f}% of the f32 GEMM peak measured "
-                   f"in this run, with attention, the loss's softmax, LoRA and the optimizer in the rest of the step)")
-    # The issue's peak is torch's f32 GEMM (torch.mm, "near 170 GFLOP/s"); ggtorch's own kernel
-    # (oneDNN) peaks higher, and its share of that is shown beside the verdict.
-    frac = gf / mm_peak if gf and mm_peak else None
-    out.append(f"f32, F32 base: ≥ 70% of the f32 GEMM peak (torch.mm's, {fmt(mm_peak)} GFLOP/s) — "
-               f"{fmt(None if frac is None else 100 * frac)}% ({_verdict(None if frac is None else frac >= 0.7)})")
-    if gf and peak and mm_peak and peak > mm_peak:
-        out.append(f"  ({100 * gf / peak:.0f}% of the faster kernel's peak, {peak:.0f} GFLOP/s: oneDNN, "
-                   f"which ggtorch's own f32 layers run)")
-
-    peer_f32 = f32.get("peer_tps") if f32 else None
-    b = bf16.get("ggtorch_tps") if bf16 else None
-    r2 = b / peer_f32 if b and peer_f32 else None
-    out.append(f"bf16 autocast: ≥ 2× transformers+peft in f32 — {fmt(r2, '.2f')}× "
-               f"({_verdict(None if r2 is None else r2 >= 2.0)})")
-    pb = bf16.get("peer_tps") if bf16 else None
-    r3 = b / pb if b and pb else None
-    out.append(f"bf16 autocast: ahead of transformers+peft in bf16 — {fmt(r3, '.2f')}× "
-               f"({_verdict(None if r3 is None else r3 > 1.0)})")
-
-    own = f32.get("ggtorch_tps") if f32 else None
-    for ftype in ("Q4_0", "Q4_K_M"):
-        q = find(rows, ftype=ftype)
-        qt = q.get("ggtorch_tps") if q else None
-        across_rows = own and qt and qt / own
-        # seconds per step: F32's over the quantized base's is the quantized base's relative speed
-        in_process = _alternating_ratio(q, "F32", "quantized")
-        rs = in_process or across_rows
-        rss = (q["ggtorch"].get("peak_rss") / q["peer"]["peak_rss"]
-               if q and q.get("ggtorch", {}).get("peak_rss") and q.get("peer", {}).get("peak_rss") else None)
-        ok = None if not rs or rss is None else (rs >= 0.8 and rss <= 0.35)
-        how = "; its steps and F32-base steps alternating in one process" if in_process else ""
-        out.append(f"{ftype} base: ≥ 0.8× ggtorch's F32-base speed — {fmt(rs or None, '.2f')}×, and peak RSS "
-                   f"≤ 35% of the peer's — {fmt(None if rss is None else 100 * rss)}% ({_verdict(ok)}{how})")
-        if in_process and across_rows:
-            out.append(f"  (the {ftype} row against the F32 row's fastest run, minutes apart: {across_rows:.2f}×)")
-        if ftype == "Q4_0":
-            out += _same_allocator_rss(q, find(rows, ftype=ftype, malloc="swapped"))
-    c = ck.get("ggtorch_tps") if ck else None
-    across = 1 - c / own if c and own else None
-    relative_speed = _alternating_ratio(ck, "plain", "checkpointed")
-    if relative_speed:
-        cost = 1 - relative_speed
-        out.append(f"gradient checkpointing costs ≤ 35% of throughput — costs {100 * cost:.0f}% "
-                   f"({_verdict(cost <= 0.35)}; steps with and without it alternating in one process)")
-        if across is not None:
-            out.append(f"  (the checkpointed row against the F32 row's fastest run, minutes apart: "
-                       f"{100 * across:.0f}%)")
-    else:
-        out.append(f"gradient checkpointing costs ≤ 35% of throughput — costs "
-                   f"{fmt(None if across is None else 100 * across)}% "
-                   f"({_verdict(None if across is None else across <= 0.35)})")
+    for malloc in ALLOCATORS:
+        if not any(r["case"].malloc == malloc for r in rows):
+            continue
+        f32, bf16 = find(rows, malloc=malloc), find(rows, dtype="bf16", malloc=malloc)
+        out.append(f"both sides on {malloc} malloc:")
+        out.append("  " + target("f32 LoRA step, 110M b4×256: ggtorch / peer", ratio(f32), 1.3))
+        out.append("  " + target("the same step: share of the faster f32 GEMM peak",
+                                 share_of_peak(f32) if f32 else None, 0.8, unit="%"))
+        out.append("  " + target("bf16 autocast, 110M b4×256: share of the bf16 GEMM peak",
+                                 share_of_peak(bf16) if bf16 else None, 0.7, unit="%"))
+        out.append("  " + target("bf16 autocast: ggtorch / the peer in f32", ratio(bf16, f32), 2.5))
+        if ratio(bf16):
+            out.append(f"  (bf16 against the peer in bf16, not a target: {ratio(bf16):.2f}×)")
+        for shape, batch, ftype in QUANTIZED_TARGETS:
+            q = find(rows, shape=shape, batch=batch, ftype=ftype, malloc=malloc)
+            if q is None and malloc != "system":
+                continue
+            out.append("  " + target(f"{ftype} base, {shape} b{batch}×256: ggtorch / peer", ratio(q), 1.2))
+            out.append("  " + target(f"{ftype} base, {shape} b{batch}×256: dequantization's share of a step",
+                                     dequant_share(q) if q else None, 0.2, at_least=False, unit="%"))
+        g = find(rows, shape="gemma3-270M", ftype="Q8_0", malloc=malloc)
+        if g is not None or malloc == "system":
+            out.append("  " + target("gemma3-270M (262,144 tokens, tied Q8_0) b4×256: ggtorch / peer", ratio(g), 2.0))
+            out.append("  " + target("gemma3-270M: ggtorch's peak RSS / the peer's", rss_ratio(g), 0.3,
+                                     at_least=False, unit="%"))
+        ck = find(rows, checkpointing=True, malloc=malloc)
+        relative = _alternating_ratio(ck, "plain", "checkpointed")
+        if relative:
+            out.append(f"  (not a target: gradient checkpointing costs {100 * (1 - relative):.0f}% of ggtorch's "
+                       "throughput, steps with and without it alternating in one process)")
+    if full is not None:
+        value = full["ggtorch"] / full["llama.cpp"] if "error" not in full else None
+        out.append(target("full finetune, ggtorch / llama.cpp's training (bench/bench_full_finetune.py)", value, 2.5))
     return out
+
+
+def headline(rows: list[dict[str, Any]]) -> list[str]:
+    """The ratios against the peer a newcomer reproduces: both sides on the system malloc."""
+    out = []
+    for label, row, peer_row in (
+            ("f32 LoRA, 110M b4×256", find(rows), None),
+            ("bf16 autocast against the peer in f32, 110M b4×256", find(rows, dtype="bf16"), find(rows)),
+            *((f"{ft} base, {sh} b{b}×256", find(rows, shape=sh, batch=b, ftype=ft), None)
+              for sh, b, ft in QUANTIZED_TARGETS),
+            ("gemma3-270M Q8_0 b4×256", find(rows, shape="gemma3-270M", ftype="Q8_0"), None)):
+        r = ratio(row, peer_row)
+        if r is not None:
+            out.append(f"{label}: ggtorch {r:.2f}× the peer's tokens/s")
+    return out or ["no row with both sides in this run"]
 
 
 def _alternating_ratio(row: dict[str, Any] | None, numerator: str, denominator: str) -> float | None:
@@ -837,21 +942,6 @@ def _alternating_ratio(row: dict[str, Any] | None, numerator: str, denominator: 
     if not times.get(numerator) or not times.get(denominator):
         return None
     return statistics.median(times[numerator]) / statistics.median(times[denominator])
-
-
-def _same_allocator_rss(shipped: dict[str, Any] | None, swapped: dict[str, Any] | None) -> list[str]:
-    """The Q4_0 RSS ratio with both sides on the same allocator, from the shipped and swapped rows."""
-    if not shipped or not swapped:
-        return []
-    by_malloc: dict[str, dict[str, int]] = {}
-    for row in (shipped, swapped):
-        for side in ("ggtorch", "peer"):
-            r = row.get(side, {})
-            if r.get("peak_rss") and r.get("malloc"):
-                by_malloc.setdefault(r["malloc"], {})[side] = r["peak_rss"]
-    parts = [f"{m}: {gib(v['ggtorch'])} vs {gib(v['peer'])} GiB = {100 * v['ggtorch'] / v['peer']:.0f}%"
-             for m, v in sorted(by_malloc.items()) if "ggtorch" in v and "peer" in v]
-    return [f"  (both sides on the same allocator — {'; '.join(parts)})"] if parts else []
 
 
 if __name__ == "__main__":
