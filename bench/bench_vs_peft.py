@@ -13,9 +13,10 @@ system malloc (what the README's setup gives a user); when jemalloc is installed
 again with both on jemalloc. Both train LoRA rank 4 (alpha 4) on q/k/v/o/gate/up/down from the same
 token batches (ggtorch's data pipeline over the same text, same seed), with AdamW (lr 1e-3, decay
 0.1, clip 1.0) and the same batch, context and threads. Tokens/s is the median over the timed
-optimizer steps after the warm-up steps. ``f32``/``bf16`` is the compute dtype: ggtorch runs bf16
-autocast over its base; the peer runs its model in bf16 (what a transformers user does), and the
-ggtorch bf16 rows are also compared with the peer in f32.
+optimizer steps after three warm-up steps (the peer on glibc speeds up over its first steps).
+``f32``/``bf16`` is the compute dtype: ggtorch runs bf16 autocast over its base; the peer runs its
+model in bf16 (what a transformers user does), and the ggtorch bf16 rows are also compared with the
+peer in f32.
 
 GFLOP/s counts the useful matmul work of a LoRA step, 4 × (parameters of the base's matrices)
 per token (forward plus input gradient; attention, LoRA and recomputation are not counted), and
@@ -129,7 +130,9 @@ class Case:
 
 def full_cases(jemalloc: bool) -> list[Case]:
     """The rows of a full run; the 110M rows once more on jemalloc when it is installed."""
-    base = Case("110M", "F32", "f32", ctx=256, batch=4, steps=2)
+    # Three warm-up steps: the peer on glibc runs its second and third steps 30-40% slower than the later
+    # ones (glibc's mmap threshold rises as the step's large blocks are freed), ggtorch its first.
+    base = Case("110M", "F32", "f32", ctx=256, batch=4, warmup=3, steps=2)
     rows = [
         # the f32 and bf16 targets' rows: each side's best of two alternating runs
         replace(base, repeat=2),
@@ -137,9 +140,9 @@ def full_cases(jemalloc: bool) -> list[Case]:
         replace(base, ftype="Q4_0"),
         replace(base, ftype="Q4_K_M"),
         replace(base, checkpointing=True, steps=1),
-        Case("1.1B", "Q4_0", "f32", ctx=256, batch=1, steps=1),
-        Case("1.1B", "Q4_K_M", "f32", ctx=256, batch=1, steps=1),
-        Case("gemma3-270M", "Q8_0", "f32", ctx=256, batch=4, steps=2),
+        replace(base, shape="1.1B", ftype="Q4_0", batch=1, steps=1),
+        replace(base, shape="1.1B", ftype="Q4_K_M", batch=1, steps=1),
+        replace(base, shape="gemma3-270M", ftype="Q8_0"),
     ]
     if jemalloc:
         rows += [replace(c, malloc="jemalloc") for c in rows if c.shape == "110M" and not c.checkpointing]
@@ -625,8 +628,20 @@ def main() -> None:
     distributed = "" if args.no_distributed or args.quick else distributed_overhead(args.timeout)
     total = time.perf_counter() - t_start - building
     print(f"total {total:.0f} s (and {building:.0f} s building model files)", flush=True)
-    args.out.write_text(report(rows, sides, info, args, total, full) + distributed)
+    kept = kept_sections(args.out.read_text(encoding="utf-8")) if args.out.exists() else ""
+    args.out.write_text(report(rows, sides, info, args, total, full) + distributed + kept)
     print(f"wrote {args.out}", flush=True)
+
+
+KEPT_COMMANDS = ("bench/bench_moe.py",)
+"""Benchmarks whose sections of BENCHMARKS.md another command writes: a rerun of this one keeps them."""
+
+
+def kept_sections(previous: str) -> str:
+    """The ``## `` sections of the previous report whose heading names one of :data:`KEPT_COMMANDS`."""
+    sections = re.split(r"(?m)^(?=## )", previous)
+    return "".join("\n" + s.rstrip() + "\n" for s in sections
+                   if s.startswith("## ") and any(c in s.splitlines()[0] for c in KEPT_COMMANDS))
 
 
 def keep_faster(peak: dict[str, Any], again: dict[str, Any]) -> None:
@@ -768,7 +783,9 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "GGUF (with bf16 compute, float matrices are held in bf16, as autocast would round them in every step); "
         "the peer loads the GGUF with transformers (dequantized on load) and wraps it with peft. Compute bf16 "
         "means bf16 autocast for ggtorch and a bf16 model for the peer. tok/s: median over the timed steps after "
-        "a warm-up step; the f32 and bf16 110M rows run each side twice, alternating, and show each side's faster "
+        "three warm-up steps (the peer's second and third steps on glibc run 30-40% slower than its later ones, as "
+        "glibc's mmap threshold rises with the step's large frees); the f32 and bf16 110M rows run each side twice, "
+        "alternating, and show each side's faster "
         "run (all runs are listed below the table). By CPU time: the same ratio from each side's process CPU time "
         "per step. RSS: peak resident set of the side's process (VmHWM). Load: model + LoRA setup. Before each "
         "row the model file is read once, so both sides start from a warm page cache. GFLOP/s counts 4 × base "

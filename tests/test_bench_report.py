@@ -154,3 +154,11 @@ def test_gemm_peak_keeps_the_faster_of_two_measurements(bench: Any) -> None:
     bench.keep_faster(first, {"f32": 210.0, "f32_kernels": {"torch.mm": 190.0, "ggtorch.ops.matmul": 105.0},
                               "malloc": "system"})
     assert first == {"f32": 210.0, "f32_kernels": {"torch.mm": 190.0, "ggtorch.ops.matmul": 120.0}, "malloc": "system"}
+
+
+def test_sections_of_other_commands_survive_a_rerun(bench: Any) -> None:
+    moe = "\n## Mixture of experts (`python bench/bench_moe.py --batch 2`)\n\n| moe | 1 |\n"
+    previous = ("# Benchmarks\n\n## Results\n\nold table\n\n"
+                "## Data-parallel overhead (`python bench/bench_distributed.py`)\n\nold\n" + moe)
+    assert bench.kept_sections(previous) == moe
+    assert bench.kept_sections("# Benchmarks\n\n## Results\n") == ""
