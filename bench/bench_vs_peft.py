@@ -692,8 +692,8 @@ def print_row(row: dict[str, Any], sides: list[str]) -> None:
     if case.repeat > 1:
         parts.append("runs " + "; ".join(f"{side} " + "/".join(fmt(t) for t in row[f"{side}_all_tps"])
                                          for side in sides if row[f"{side}_all_tps"]))
-    if row.get("ggtorch_tps") and row.get("peer_tps"):
-        parts.append(f"ratio {row['ggtorch_tps'] / row['peer_tps']:.2f}x")
+    if ratio(row):
+        parts.append(f"ratio {ratio(row):.2f}x")
     if row.get("ggtorch_cpu_tps") and row.get("peer_cpu_tps"):
         parts.append(f"(by CPU time {row['ggtorch_cpu_tps'] / row['peer_cpu_tps']:.2f}x)")
     share = share_of_peak(row)
@@ -809,14 +809,13 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         case = row["case"]
         g, p = row.get("ggtorch", {}), row.get("peer", {})
         gt, pt = row.get("ggtorch_tps"), row.get("peer_tps")
-        g_rss, p_rss = g.get("peak_rss"), p.get("peak_rss")
-        share, dq = share_of_peak(row), dequant_share(row)
+        share, dq, r, rss = share_of_peak(row), dequant_share(row), ratio(row), rss_ratio(row)
         cells = [case.label, case.malloc, fmt(gt) if "error" not in g else "error",
-                 fmt(pt) if "error" not in p else "error", f"{gt / pt:.2f}×" if gt and pt else "—",
+                 fmt(pt) if "error" not in p else "error", f"{r:.2f}×" if r else "—",
                  f"{row['ggtorch_cpu_tps'] / row['peer_cpu_tps']:.2f}×"
                  if row.get("ggtorch_cpu_tps") and row.get("peer_cpu_tps") else "—", fmt(ggtorch_gflops(row)),
                  f"{share:.0%} of {peak(row):.0f}" if share else "—", f"{dq:.0%}" if dq is not None else "—",
-                 gib(g_rss), gib(p_rss), f"{g_rss / p_rss:.0%}" if g_rss and p_rss else "—",
+                 gib(g.get("peak_rss")), gib(p.get("peak_rss")), f"{rss:.0%}" if rss else "—",
                  fmt(g.get("load_s"), ".1f"), fmt(p.get("load_s"), ".1f")]
         lines.append("| " + " | ".join(cells) + " |")
     repeated = [row for row in rows if row["case"].repeat > 1]

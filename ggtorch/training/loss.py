@@ -24,7 +24,7 @@ from ggtorch.data import IGNORE_INDEX
 from ggtorch.lora import LoRALinear, frozen_float_weight
 from ggtorch.ops.matmul import mm, mm_t, uses_onednn
 from ggtorch.quant import dequantize
-from ggtorch.quant.autograd import compute_dtype
+from ggtorch.quant.autograd import compute_dtype, quant_embedding
 from ggtorch.quant.modules import QuantLinear
 
 CHUNK_BYTES = 4 << 20
@@ -223,6 +223,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gx, ga, gb, None, None, None
 
 
+def slab_chunk(n_rows: int, n_embd: int) -> tuple[int, int]:
+    """(rows, vocabulary columns) of a chunk of :class:`_SlabCrossEntropy`; its slab of W is no bigger
+    than its logits."""
+    rows = min(n_rows, FUSED_ROWS)
+    return rows, max(1, SLAB_BYTES // (4 * max(rows, n_embd)))
+
+
 class _SlabCrossEntropy(torch.autograd.Function):
     """Sum over rows of ``cross_entropy(x @ W.T, targets)``, W taken a slab of vocabulary rows at a time.
 
@@ -248,8 +255,7 @@ class _SlabCrossEntropy(torch.autograd.Function):
             run_sum = torch.zeros(n, dtype=f32, device=x.device)
             picked = torch.zeros(n, dtype=f32, device=x.device)
             acc = torch.zeros(n, c, dtype=f32, device=x.device) if need_grad else None
-            rows = min(n, FUSED_ROWS)
-            width = max(1, SLAB_BYTES // (4 * max(rows, c)))  # the slab of W no bigger than the logits
+            rows, width = slab_chunk(n, c)
             xc = None
             for v0 in range(0, n_vocab, width):
                 v1 = min(v0 + width, n_vocab)
@@ -268,7 +274,7 @@ class _SlabCrossEntropy(torch.autograd.Function):
                     run_sum[r] = run_sum[r] * rescale + e.sum(dim=1)
                     run_max[r] = new_max
                     if acc is not None:
-                        acc[r] = acc[r].mul_(rescale[:, None]).add_(mm(e.to(w.dtype), w))
+                        acc[r].mul_(rescale[:, None]).add_(mm(e.to(w.dtype), w))  # a view: acc itself
             losses = (run_max + torch.log(run_sum) - picked) * valid
             grad_x = None
             if acc is not None:
@@ -285,24 +291,20 @@ class _SlabCrossEntropy(torch.autograd.Function):
 
 
 def _output_parts(output: torch.nn.Module, x: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float] | None:
-    """(W in the compute dtype, lora_a, lora_b, scale) of an output projection the fused loss handles.
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
+    """(W in the compute dtype, lora_a, lora_b, scale) of a LoRA on the output projection, for the
+    row-chunked fused loss (a frozen output without one takes :class:`_SlabCrossEntropy`).
 
     None (use the plain path) for anything else: a LoRA whose forward is not that product (see
-    :meth:`LoRALinear.linear_parts`), a foreign module, a quantized W whose float copy would be
-    bigger than the logits it saves, or a module with forward hooks (they expect to see its call
-    and its logits).
+    :meth:`LoRALinear.linear_parts`), a foreign module, or a quantized W whose float copy would be
+    bigger than the logits it saves.
     """
-    if _has_forward_hooks(output):
+    if not isinstance(output, LoRALinear):
         return None
-    lora_a = lora_b = None
-    scale = 1.0
-    base = output
-    if isinstance(output, LoRALinear):
-        parts = output.linear_parts()
-        if parts is None:
-            return None
-        base, lora_a, lora_b, scale = parts
+    parts = output.linear_parts()
+    if parts is None:
+        return None
+    base, lora_a, lora_b, scale = parts
     dtype = compute_dtype(x)
     if isinstance(base, QuantLinear):
         n_vocab, n_embd = base.shape
@@ -319,14 +321,13 @@ def _output_parts(output: torch.nn.Module, x: torch.Tensor
 def _weight_slabs(output: torch.nn.Module, x: torch.Tensor
                   ) -> tuple[int, Callable[[int, int], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]] | None:
     """(n_vocab, W's rows [v0, v1) in the compute dtype, W's rows at given ids) of an output projection
-    without a LoRA, for :class:`_SlabCrossEntropy`; None for anything else."""
+    without a LoRA, for :class:`_SlabCrossEntropy`; None for anything else (a LoRALinear included:
+    frozen_float_weight takes only the plain linear types)."""
     dtype = compute_dtype(x)
     if isinstance(output, QuantLinear):
         raw, ggml_type, (n_vocab, n_embd) = output.raw, output.ggml_type, output.shape
         return (n_vocab, lambda v0, v1: dequantize(raw[v0:v1], ggml_type, (v1 - v0, n_embd), dtype),
-                lambda ids: dequantize(raw.index_select(0, ids), ggml_type, (ids.numel(), n_embd), dtype))
-    if isinstance(output, LoRALinear):
-        return None
+                lambda ids: quant_embedding(ids, raw, ggml_type, output.shape, dtype))
     weight = frozen_float_weight(output, dtype)
     if weight is None:
         return None
@@ -354,15 +355,17 @@ def output_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets:
     """
     x = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
-    slabs = None if _has_forward_hooks(output) else _weight_slabs(output, x)
+    slabs = parts = None
+    if not _has_forward_hooks(output):  # a hook expects to see the module's call and its logits
+        slabs = _weight_slabs(output, x)
+        parts = None if slabs is not None else _output_parts(output, x)
     if slabs is not None:
         total = _SlabCrossEntropy.apply(x, t, *slabs)
-    else:
-        parts = _output_parts(output, x)
-        if parts is None:
-            return cross_entropy(output(hidden).float(), targets, reduction)
+    elif parts is not None:
         weight, lora_a, lora_b, scale = parts
         total = _LinearCrossEntropy.apply(x, lora_a, lora_b, weight, t, scale)
+    else:
+        return cross_entropy(output(hidden).float(), targets, reduction)
     if reduction == "sum":
         return total
     if reduction == "mean":

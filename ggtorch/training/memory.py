@@ -35,7 +35,7 @@ from ggtorch.models.attention import PRODUCTS_MAX_TOKENS
 from ggtorch.models.config import ModelConfig
 from ggtorch.models.loader import FLOAT_TYPES
 from ggtorch.quant.autograd import KEEP_DEQUANTIZED_BYTES
-from ggtorch.training.loss import FUSED_CHUNK_BYTES, FUSED_ROWS, SLAB_BYTES
+from ggtorch.training.loss import FUSED_CHUNK_BYTES, slab_chunk
 
 GIB = float(1 << 30)
 
@@ -176,8 +176,7 @@ def _loss_bytes(base: GGUFFile, c: ModelConfig, tokens: int, e: int, keep_quanti
     output matrix dequantized for the call."""
     held = 3 * tokens * c.n_embd * 4
     if slabs:
-        rows = min(tokens, FUSED_ROWS)
-        width = max(1, SLAB_BYTES // (4 * max(rows, c.n_embd)))
+        rows, width = slab_chunk(tokens, c.n_embd)
         return held + rows * width * (4 + e) + width * c.n_embd * e
     out = base.tensors.get(names.gguf_name("output")) or base.tensors[names.gguf_name("token_embd")]
     rows = max(1, min(tokens, FUSED_CHUNK_BYTES // (4 * c.n_vocab)))

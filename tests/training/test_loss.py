@@ -10,6 +10,7 @@ from torch import nn
 
 from ggtorch.io.encode import quantize
 from ggtorch.lora import LoRALinear
+from ggtorch.quant import autograd as quant_autograd
 from ggtorch.quant.modules import QuantLinear
 from ggtorch.training import loss as loss_mod
 from ggtorch.training.loss import cross_entropy, output_cross_entropy
@@ -167,8 +168,9 @@ def test_fused_output_loss_dequantizes_a_quantized_output_one_slab_at_a_time(mon
     monkeypatch.setattr(loss_mod, "SLAB_BYTES", 4 * 64 * 100)  # slabs of 100 vocabulary rows
     decoded: list[tuple[int, ...]] = []
     real = loss_mod.dequantize
-    monkeypatch.setattr(loss_mod, "dequantize",
-                        lambda raw, t, shape, dtype: decoded.append(shape) or real(raw, t, shape, dtype))
+    for module in (loss_mod, quant_autograd):  # the slabs, then the targets' rows (quant_embedding)
+        monkeypatch.setattr(module, "dequantize",
+                            lambda raw, t, shape, dtype: decoded.append(shape) or real(raw, t, shape, dtype))
     output = _output("quant", lora=False)
     hidden = torch.randn(2, 10, N_EMBD, requires_grad=True)
     targets = torch.randint(0, N_VOCAB, (2, 10))
