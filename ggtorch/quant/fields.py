@@ -2,8 +2,10 @@
 
 A decoder gets its blocks as a ``(n_blocks, type_size)`` uint8 tensor and splits fields by
 byte offset, as gguf-py does with numpy. Everything here stays on the blocks' device (no
-host round trip) and uses only ops CUDA has for uint8 (shifts, masks, ``view`` of a
-contiguous copy), so the same decoder runs on CPU and GPU.
+host round trip) and uses only ops CUDA has for integers (shifts, masks, ``view`` of a
+contiguous copy), so the same decoder runs on CPU and GPU. Bit fields are cut from integer
+words of 2-8 bytes rather than byte by byte, and f32 values are written by a widening copy then
+in-place arithmetic: torch's mixed-dtype and small-broadcast kernels are the slow part on CPU.
 """
 
 from __future__ import annotations
@@ -40,19 +42,42 @@ def u32(field: torch.Tensor) -> torch.Tensor:
     return quads[..., 0] | (quads[..., 1] << 8) | (quads[..., 2] << 16) | (quads[..., 3] << 24)
 
 
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+
+
+def _words(qs: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``qs``'s bytes, contiguous, viewed as the widest integer words its rows allow (``qs`` itself
+    when none), and that word's width: one shift and mask then handles several bytes at once."""
+    qs = qs.contiguous()
+    for width, dtype in _WORDS:
+        if qs.shape[-1] % width == 0:
+            if any(n % width for n in (qs.storage_offset(), qs.data_ptr(), *qs.stride()[:-1])):
+                qs = qs.clone(memory_format=torch.contiguous_format)  # a view into a buffer: realign
+            return qs.view(dtype), width
+    return qs, 1
+
+
 def nibbles(qs: torch.Tensor) -> torch.Tensor:
     """``(..., k)`` bytes → ``(..., 2, k)``: all low nibbles, then all high nibbles.
 
     This is the order of the legacy and K-quant layouts: byte j holds element j in its low
     nibble and element j + k in its high nibble.
     """
-    return torch.stack((qs & 0x0F, qs >> 4), dim=-2)
+    return crumbs(qs, 4)
 
 
 def crumbs(qs: torch.Tensor, bits: int) -> torch.Tensor:
-    """``(..., k)`` bytes → ``(..., 8 // bits, k)``: field i holds ``(qs >> bits*i) & mask``."""
+    """``(..., k)`` bytes → ``(..., 8 // bits, k)`` uint8: field i holds ``(qs >> bits*i) & mask``.
+
+    On words the shift runs over several bytes and a mask repeated in every byte keeps each
+    byte's own bits (those a shift moves in from the next byte, or from the sign, are masked
+    off), so the result is the byte-wise one on any little-endian device.
+    """
     mask = (1 << bits) - 1
-    return torch.stack([(qs >> shift) & mask for shift in range(0, 8, bits)], dim=-2)
+    words, width = _words(qs)
+    wide = mask * int.from_bytes(b"\x01" * width, "little")
+    fields = torch.stack([(words >> shift) & wide for shift in range(0, 8, bits)], dim=-2)
+    return fields.view(torch.uint8)
 
 
 def bits_lsb_first(field: torch.Tensor) -> torch.Tensor:
