@@ -121,11 +121,18 @@ class Case:
     """Runs per side, alternating ggtorch, peer, ggtorch, ...; the table shows each side's fastest."""
     malloc: str = "system"
     """The allocator both sides run on: ``system`` (the C library's) or ``jemalloc``."""
+    keep_mib: int = 0
+    """ggtorch's --keep-dequantized-mib (0: the default, each quantized matrix decoded again in backward)."""
 
     @property
     def label(self) -> str:
         ck = " ckpt" if self.checkpointing else ""
-        return f"{self.shape} {self.ftype} {self.dtype} b{self.batch}x{self.ctx}{ck}"
+        keep = f" keep{self.keep_mib}" if self.keep_mib else ""
+        return f"{self.shape} {self.ftype} {self.dtype} b{self.batch}x{self.ctx}{ck}{keep}"
+
+
+KEEP_MIB = 8192
+"""--keep-dequantized-mib of the row that shows what keeping decoded matrices buys: room for every one."""
 
 
 def full_cases(jemalloc: bool) -> list[Case]:
@@ -142,6 +149,8 @@ def full_cases(jemalloc: bool) -> list[Case]:
         replace(base, checkpointing=True, steps=1),
         replace(base, shape="1.1B", ftype="Q4_0", batch=1, steps=1),
         replace(base, shape="1.1B", ftype="Q4_K_M", batch=1, steps=1),
+        # not a target: what --keep-dequantized-mib buys (one decode per matrix and step) and costs (memory)
+        replace(base, shape="1.1B", ftype="Q4_0", batch=1, steps=1, keep_mib=KEEP_MIB),
         replace(base, shape="gemma3-270M", ftype="Q8_0"),
     ]
     if jemalloc:
@@ -259,7 +268,7 @@ def finetune_config(spec: dict[str, Any]) -> Any:
         save_every=0, seed=1, ctx=spec["ctx"], batch=spec["batch"], threads=spec["threads"],
         adam_iter=spec["warmup"] + spec["steps"], use_checkpointing=spec["checkpointing"], dtype=spec["dtype"],
         lora_r=LORA_RANK, lora_alpha=LORA_RANK, rank_tok_embd=0, rank_out=0,
-        adam_alpha=LR, adam_decay=DECAY, adam_gclip=GCLIP, warmup=0)
+        adam_alpha=LR, adam_decay=DECAY, adam_gclip=GCLIP, warmup=0, keep_dequantized_mib=spec.get("keep_mib", 0))
 
 
 def child_ggtorch(spec: dict[str, Any]) -> dict[str, Any]:
@@ -862,7 +871,7 @@ def rows_gemm(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any
 
 def find(rows: list[dict[str, Any]], **want: Any) -> dict[str, Any] | None:
     defaults = {"shape": "110M", "ftype": "F32", "dtype": "f32", "ctx": 256, "batch": 4, "checkpointing": False,
-                "malloc": "system"}
+                "malloc": "system", "keep_mib": 0}
     want = defaults | want
     for row in rows:
         if all(getattr(row["case"], k) == v for k, v in want.items()):
@@ -920,6 +929,11 @@ def targets(rows: list[dict[str, Any]], full: dict[str, Any] | None = None) -> l
             out.append("  " + target(f"{ftype} base, {shape} b{batch}×256: ggtorch / peer", ratio(q), 1.2))
             out.append("  " + target(f"{ftype} base, {shape} b{batch}×256: dequantization's share of a step",
                                      dequant_share(q) if q else None, 0.2, at_least=False, unit="%"))
+            keep = find(rows, shape=shape, batch=batch, ftype=ftype, malloc=malloc, keep_mib=KEEP_MIB)
+            if keep is not None and ratio(keep) is not None:
+                out.append(f"  (not a target: with --keep-dequantized-mib {KEEP_MIB}, {ratio(keep):.2f}× the peer, "
+                           f"dequantization {dequant_share(keep) or 0:.0%} of a step, at {rss_ratio(keep) or 0:.0%} "
+                           "of its peak RSS)")
         g = find(rows, shape="gemma3-270M", ftype="Q8_0", malloc=malloc)
         if g is not None or malloc == "system":
             out.append("  " + target("gemma3-270M (262,144 tokens, tied Q8_0) b4×256: ggtorch / peer", ratio(g), 2.0))

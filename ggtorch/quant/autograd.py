@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -37,21 +38,36 @@ it here, or per call with ``chunk_bytes``, to trade memory against per-chunk ove
 
 KEEP_DEQUANTIZED_BYTES = 64 << 20
 """Largest dequantized matrix (bytes in the compute dtype) a product keeps for its own backward
-inside :func:`keeping_dequantized`; bigger ones are decoded again, chunk by chunk."""
+inside a checkpointed block (:func:`keeping_dequantized` without a budget); bigger ones are
+decoded again, chunk by chunk."""
 
-_keeping = contextvars.ContextVar("ggtorch_keeping_dequantized", default=False)
+
+@dataclasses.dataclass
+class _Keeping:
+    largest: float
+    """Bytes of the largest matrix kept."""
+    left: float
+    """Bytes the products in the context may still keep together."""
+
+
+_keeping: contextvars.ContextVar[_Keeping | None] = contextvars.ContextVar("ggtorch_keeping_dequantized",
+                                                                          default=None)
 
 
 @contextlib.contextmanager
-def keeping_dequantized() -> Iterator[None]:
+def keeping_dequantized(budget: int | None = None) -> Iterator[None]:
     """Inside, a quantized product that takes a gradient saves W as decoded for its backward instead
-    of decoding it there again.
+    of decoding it there again: W is then decoded once per forward and backward, not twice.
 
-    For code that runs again in backward (a checkpointed block): its first forward's saved tensors
-    are dropped, and those of the recomputation live only until the block's backward, so one
-    block's decoded matrices exist at a time and each W is decoded twice per step, not three times.
+    Without ``budget``, for code that runs again in backward (a checkpointed block): its first
+    forward's saved tensors are dropped, and those of the recomputation live only until the block's
+    backward, so one block's decoded matrices exist at a time; matrices above
+    ``KEEP_DEQUANTIZED_BYTES`` are decoded again. With ``budget`` (bytes), around a whole forward
+    without checkpointing: the products keep matrices in the order they run until together they
+    hold ``budget`` bytes, each until its own backward; the rest are decoded again.
     """
-    token = _keeping.set(True)
+    keeping = _Keeping(KEEP_DEQUANTIZED_BYTES, math.inf) if budget is None else _Keeping(math.inf, budget)
+    token = _keeping.set(keeping)
     try:
         yield
     finally:
@@ -62,8 +78,10 @@ def kept_dequantized(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: 
                      dtype: torch.dtype) -> torch.Tensor | None:
     """W (out, in) decoded in ``dtype`` when a product should keep it (see :func:`keeping_dequantized`), else
     None. For products whose input takes a gradient (the caller checks: a Function's forward runs without grad)."""
-    if not _keeping.get() or dequantized_nbytes(shape, dtype) > KEEP_DEQUANTIZED_BYTES:
+    keeping, nbytes = _keeping.get(), dequantized_nbytes(shape, dtype)
+    if keeping is None or nbytes > keeping.largest or nbytes > keeping.left:
         return None
+    keeping.left -= nbytes
     return _dequantize_rows(raw, ggml_type, 0, shape[0], shape[1], dtype)
 
 

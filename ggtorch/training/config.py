@@ -293,6 +293,9 @@ class FinetuneConfig(RunConfig):
                               "them).", OUTPUTS)
     base_dtype: Literal["quantized"] | DTypeName = option(
         "quantized", "Hold base weights as raw ggml blocks (quantized) or as floats (faster, more memory).", FILES)
+    keep_dequantized_mib: int = option(
+        0, "MiB of decoded quantized base matrices a forward may keep for its backward: those are decoded once "
+        "per step instead of twice (faster, that much more memory; with --no-checkpointing).", TRAINING, minimum=0)
 
     # --- LoRA: LoraConfig holds the rules (lora.config.OPTION_NAMES, FINETUNE_RANK_FIELDS) -----------
     lora_r: int = option(LoraConfig.rank, "Default rank of every adapted matrix.", LORA)
@@ -324,6 +327,12 @@ class FinetuneConfig(RunConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         LoraConfig.from_finetune(self)  # the LoRA rules: ranks, alpha, dropout
+        if self.keep_dequantized_mib and self.use_checkpointing:
+            raise BadFlag(f"{flag('keep_dequantized_mib')} needs --no-checkpointing (checkpointed blocks already "
+                          "keep the matrices they decode for their backward)")
+        if self.keep_dequantized_mib and self.base_dtype != "quantized":
+            raise BadFlag(f"{flag('keep_dequantized_mib')} applies to a base held quantized; with --base-dtype "
+                          f"{self.base_dtype} nothing is decoded, drop it")
 
     @property
     def alpha(self) -> float:

@@ -77,8 +77,10 @@ class MemoryEstimate:
 
 def estimate_memory(base: GGUFFile, config: ModelConfig, *, batch: int, ctx: int, checkpointing: bool,
                     compute_dtype: torch.dtype, matrix_dtype: torch.dtype, embedding_dtype: torch.dtype | None,
-                    keep_quantized: bool, lora: LoraConfig | None, device: torch.device) -> MemoryEstimate:
-    """The expected peak of one training process (``lora`` None: every weight is trained)."""
+                    keep_quantized: bool, lora: LoraConfig | None, device: torch.device,
+                    keep_dequantized: int = 0) -> MemoryEstimate:
+    """The expected peak of one training process (``lora`` None: every weight is trained).
+    ``keep_dequantized``: bytes of decoded matrices a forward keeps for its backward (--keep-dequantized-mib)."""
     weights = sum(_held_bytes(base, name, matrix_dtype, embedding_dtype, keep_quantized) for name in base.tensors)
     elements = [_trained_elements(base, name, lora) for name in base.tensors]
     trained = sum(elements) * 4 * ADAM_COPIES
@@ -97,6 +99,8 @@ def estimate_memory(base: GGUFFile, config: ModelConfig, *, batch: int, ctx: int
             activations += _kept_block_bytes(base, e)
     else:
         activations = config.n_layer * layer + layer
+        if keep_quantized and keep_dequantized:
+            activations += min(keep_dequantized, sum(_decoded_matrix_bytes(base, e)))
     activations += 2 * block_input  # the embedding rows and the residual stream's last sum
     runtime = current_rss() + RUNTIME_GROWTH if device.type == "cpu" else 0
     slabs = lora is not None and not lora.rank_of("output")  # a frozen output: the vocabulary-slab loss
@@ -135,16 +139,22 @@ def _trained_elements(base: GGUFFile, name: str, lora: LoraConfig | None) -> int
     return rank * (n_in + n_out) * experts
 
 
-def _kept_block_bytes(base: GGUFFile, e: int) -> int:
-    """Bytes of the quantized matrices one checkpointed block keeps decoded during its backward
-    (quant.autograd.keeping_dequantized): the first block's, those within the size a product keeps."""
-    kept = 0
+def _decoded_matrix_bytes(base: GGUFFile, e: int, layer: int | None = None) -> list[int]:
+    """Bytes of each quantized block matrix decoded in the compute dtype (of one ``layer``, or of every
+    block): those a product may keep for its backward (quant.autograd.keeping_dequantized)."""
+    sizes = []
     for name, info in base.tensors.items():
         parsed = names.parse_gguf_name(name)
-        if parsed and parsed[1] == 0 and len(info.shape) == 2 and info.ggml_type not in FLOAT_TYPES:
-            size = info.n_elements * e
-            kept += size if size <= KEEP_DEQUANTIZED_BYTES else 0
-    return kept
+        if (parsed and parsed[1] is not None and (layer is None or parsed[1] == layer)
+                and len(info.shape) == 2 and info.ggml_type not in FLOAT_TYPES):
+            sizes.append(info.n_elements * e)
+    return sizes
+
+
+def _kept_block_bytes(base: GGUFFile, e: int) -> int:
+    """Bytes of the quantized matrices one checkpointed block keeps decoded during its backward:
+    the first block's, those within the size a product keeps."""
+    return sum(size for size in _decoded_matrix_bytes(base, e, layer=0) if size <= KEEP_DEQUANTIZED_BYTES)
 
 
 def _layer_bytes_per_token(c: ModelConfig, ctx: int, e: int, compute_dtype: torch.dtype,
@@ -193,6 +203,8 @@ def ways_to_lower(config: Any) -> str:
         fixes += ", --use-checkpointing"
     if getattr(config, "base_dtype", "quantized") != "quantized":  # LoRA runs only
         fixes += ", --base-dtype quantized"
+    if getattr(config, "keep_dequantized_mib", 0):
+        fixes += ", a smaller --keep-dequantized-mib"
     return fixes
 
 

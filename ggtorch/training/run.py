@@ -162,7 +162,7 @@ class Run:
             self.base, self.model_config, batch=c.batch, ctx=c.ctx, checkpointing=c.use_checkpointing,
             compute_dtype=DTYPES[c.dtype], matrix_dtype=matrix_dtype, embedding_dtype=embedding_dtype,
             keep_quantized=keep_quantized, lora=LoraConfig.from_finetune(c) if kind is LoraWeights else None,
-            device=self.device)
+            device=self.device, keep_dequantized=getattr(c, "keep_dequantized_mib", 0) << 20)
         if not c.force:
             self._check_memory()
         self.model = build_llama(self.base, self.model_config, self.device, dtype=matrix_dtype,

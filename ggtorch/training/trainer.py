@@ -31,6 +31,7 @@ from ggtorch.errors import GGTorchError, OutOfMemory
 from ggtorch.io.checkpoint import save_checkpoint
 from ggtorch.ops.dtypes import DTYPES
 from ggtorch.ops.threads import follow_free_cores
+from ggtorch.quant.autograd import keeping_dequantized
 from ggtorch.training.config import NAN_SKIP_LIMIT, RunConfig
 from ggtorch.training.distributed import RankFailed
 from ggtorch.training.log import TrainLog
@@ -216,6 +217,11 @@ class Trainer:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
 
+    def _keeping_dequantized(self) -> Any:
+        """--keep-dequantized-mib: a forward keeps that many bytes of decoded quantized matrices for its backward."""
+        mib = getattr(self.config, "keep_dequantized_mib", 0)  # a LoRA option (FinetuneConfig)
+        return keeping_dequantized(mib << 20) if mib else nullcontext()
+
     def _next_batches(self) -> tuple[list[Batch], int]:
         """This rank's ``grad_acc`` micro-batches of the step and the samples the whole step used.
 
@@ -260,7 +266,8 @@ class Trainer:
         for i, (batch, count) in enumerate(zip(batches, counts, strict=True)):
             batch = batch.to(self.device)
             last = i == len(batches) - 1
-            with self._autocast(), (nullcontext() if last or not self.dist.enabled else self.forward_model.no_sync()):
+            with self._autocast(), self._keeping_dequantized(), \
+                    (nullcontext() if last or not self.dist.enabled else self.forward_model.no_sync()):
                 # the output projection runs inside the loss: the (N, n_vocab) logits never exist
                 hidden = self._forward(self.forward_model, batch, hidden_only=True)
                 loss = self._loss(hidden, batch.targets, count)

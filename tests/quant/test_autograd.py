@@ -140,6 +140,30 @@ def test_inside_keeping_dequantized_the_decoded_matrix_is_saved_and_backward_equ
         assert m(x).grad_fn is None or m(x).grad_fn.saved_tensors[1] is None
 
 
+def test_a_budget_keeps_matrices_in_the_order_they_run_until_it_is_spent(ggml_quantize, ggml_to_float,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """keeping_dequantized(budget): products keep W while what they keep together fits the budget (no
+    per-matrix limit), the rest decode again in backward; gradients are the same bit for bit."""
+    from ggtorch.quant import autograd
+
+    monkeypatch.setattr(autograd, "KEEP_DEQUANTIZED_BYTES", 0)  # the checkpointed blocks' limit plays no part
+    shapes = [(32, 64), (64, 32), (16, 64)]  # decoded f32: 8 KiB each, then 4 KiB
+    mats = [QuantLinear(_blocks(T.Q4_0, *shape, ggml_quantize, ggml_to_float)[0], T.Q4_0, shape) for shape in shapes]
+    x, g = torch.randn(3, 64), torch.randn(3, 16)
+    grads, kept = [], []
+    for budget in (None, 12 << 10):
+        xi = x.clone().requires_grad_()
+        outs = []
+        with autograd.keeping_dequantized(budget) if budget else contextlib.nullcontext():
+            for m in mats:
+                outs.append(m(outs[-1] if outs else xi))
+        kept.append([o.grad_fn.saved_tensors[1] is not None for o in outs])
+        outs[-1].backward(g)
+        grads.append(xi.grad)
+    assert kept == [[False, False, False], [True, False, True]]  # 8 KiB kept; the next 8 no longer fit; 4 do
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
 def test_chunk_size_bounds_rows() -> None:
     assert qa.rows_per_chunk(4096, torch.float32, 4 << 20) == 256
     assert qa.rows_per_chunk(4096, torch.bfloat16, 4 << 20) == 512

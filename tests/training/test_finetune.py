@@ -394,3 +394,56 @@ def test_checkpointing_decodes_a_quantized_base_twice_per_step_with_the_same_gra
     for a, b in zip(kept, again, strict=True):
         assert a.abs().max() > 0
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_keep_dequantized_mib_decodes_once_per_step_with_the_same_training(
+        stories_q8: Path, texts: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--keep-dequantized-mib without checkpointing: each forward keeps the quantized matrices it decodes
+    (up to the budget, in the order they run) for their backward. With room for all of them, a step decodes
+    every block matrix once instead of twice; with room for part, in between; the trained LoRA weights are
+    the same bit for bit after two steps either way."""
+    from ggtorch.models.model import Block
+    from ggtorch.quant import autograd
+    from ggtorch.quant.modules import QuantLinear
+
+    decoded_rows = [0]
+    real = autograd.dequantize
+
+    def counting(raw, ggml_type, shape, dtype=torch.float32, name=None):  # noqa: ANN001, ANN202
+        decoded_rows[0] += shape[0]
+        return real(raw, ggml_type, shape, dtype, name)
+
+    monkeypatch.setattr(autograd, "dequantize", counting)
+
+    def train(mib: int) -> tuple[list[int], list[torch.Tensor], int]:
+        config = FinetuneConfig(model_base=str(stories_q8), train_data=str(texts["train"]), ctx=16, batch=2,
+                                adam_iter=2, warmup=0, adam_alpha=0.02, seed=1, save_every=0, checkpoint_in="",
+                                checkpoint_out="", lora_out=str(tmp_path / f"lora-{mib}.gguf"),
+                                use_checkpointing=False, keep_dequantized_mib=mib)
+        trainer = Trainer(config, log_records=False)
+        rows = []
+        for _ in range(2):
+            decoded_rows[0] = 0
+            trainer.step()
+            rows.append(decoded_rows[0])
+        weights = [p.detach().clone() for _, p, _ in trainer.params]
+        matrices = [m for b in trainer.model.modules() if isinstance(b, Block)
+                    for m in b.modules() if isinstance(m, QuantLinear)]
+        trainer.close()
+        return rows, weights, sum(m.shape[0] for m in matrices)
+
+    plain_rows, plain, block_rows = train(0)
+    kept_rows, kept, _ = train(64)
+    assert kept_rows[0] == kept_rows[1] and plain_rows[0] == plain_rows[1]
+    # the first block's q/k/v take no input gradient (the frozen embedding's rows): never kept, as before
+    assert block_rows // 2 < plain_rows[0] - kept_rows[0] < block_rows
+    for a, b in zip(plain, kept, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("flags", [{"use_checkpointing": True}, {"base_dtype": "f32", "use_checkpointing": False}])
+def test_keep_dequantized_mib_refuses_settings_where_it_does_nothing(flags: dict[str, object]) -> None:
+    from ggtorch.errors import BadFlag
+
+    with pytest.raises(BadFlag, match="--keep-dequantized-mib"):
+        FinetuneConfig(keep_dequantized_mib=16, **flags)

@@ -2,7 +2,8 @@
 
 Each run is the real CLI in a fresh child process (a Python wrapper that starts it and reads the
 child's peak resident set size from ``getrusage(RUSAGE_CHILDREN)``): LoRA on a quantized base with
-checkpointing, LoRA on a base dequantized to f32 without checkpointing, and a full finetune. The
+checkpointing, the same without checkpointing keeping every decoded matrix for its backward
+(--keep-dequantized-mib), LoRA on a base dequantized to f32 without checkpointing, and a full finetune. The
 model has real widths (n_embd 1024, n_ff 2816, 4 layers, the 32000-token vocabulary). The estimate
 must be within ESTIMATE_TOLERANCE of the measured peak.
 """
@@ -35,6 +36,8 @@ CONFIGS = {
     "LoRA, Q4_0 base kept quantized, checkpointing, b4 x 256": ("finetune", "Q4_0", ["-b", "4", "-c", "256"]),
     "LoRA, Q8_0 base as f32, no checkpointing, b2 x 128": (
         "finetune", "Q8_0", ["-b", "2", "-c", "128", "--base-dtype", "f32", "--no-checkpointing"]),
+    "LoRA, Q4_0 base kept quantized, no checkpointing, every matrix kept decoded, b2 x 128": (
+        "finetune", "Q4_0", ["-b", "2", "-c", "128", "--no-checkpointing", "--keep-dequantized-mib", "1024"]),
     "full finetune of the F32 model, b2 x 128": ("train", "F32", ["-b", "2", "-c", "128"]),
 }
 
