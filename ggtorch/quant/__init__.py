@@ -113,29 +113,37 @@ def _decoder(ggml_type: GGMLQuantizationType | int, name: str | None
 
 
 def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, ...],
-               dtype: torch.dtype = torch.float32, name: str | None = None) -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, name: str | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode whole rows of ggml blocks into a ``shape`` tensor of ``dtype`` on ``raw.device``.
 
     ``raw`` is uint8 of any leading shape holding exactly the tensor's bytes. Values are
     computed in f32 and cast to ``dtype`` at the end. The result owns its memory (never a
-    view of ``raw``, even for F32).
+    view of ``raw``, even for F32). ``out``: a contiguous tensor of ``dtype`` on that device
+    with as many elements, written and returned (reshaped) instead of new memory.
     """
     qtype, fn = _decoder(ggml_type, name)
     shape = tuple(int(n) for n in shape)
     check_raw(raw, qtype, shape, name)
     bs, ts = GGML_QUANT_SIZES[qtype]
     n_values = math.prod(shape)
+    if out is not None:
+        if out.dtype != dtype or out.device != raw.device or out.numel() != n_values or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {dtype} tensor of {n_values} values on {raw.device}, "
+                             f"not {out.dtype} {tuple(out.shape)} on {out.device}")
     if n_values == 0:
-        return torch.empty(shape, dtype=dtype, device=raw.device)
+        return torch.empty(shape, dtype=dtype, device=raw.device) if out is None else out.view(shape)
     n_blocks = n_values // bs
     blocks = raw.reshape(n_blocks, ts)
     step = max(1, CHUNK_VALUES // bs)
-    if bs == 1:  # float types: one conversion pass, nothing to chunk; copy=True so the
-        # result never aliases raw (an in-place update must not write into a module's buffer)
+    if out is None and bs == 1:  # float types: one conversion pass, nothing to chunk; copy=True so
+        # the result never aliases raw (an in-place update must not write into a module's buffer)
         return fn(blocks).reshape(shape).to(dtype, copy=True)
-    if n_blocks <= step:
+    if out is None and n_blocks <= step:
         return fn(blocks).reshape(shape).to(dtype)
-    out = torch.empty((n_blocks, bs), dtype=dtype, device=raw.device)
+    if out is None:
+        out = torch.empty((n_blocks, bs), dtype=dtype, device=raw.device)
+    rows = out.view(n_blocks, bs)
     for start in range(0, n_blocks, step):
-        out[start:start + step] = fn(blocks[start:start + step])
-    return out.reshape(shape)
+        rows[start:start + step] = fn(blocks[start:start + step])
+    return out.view(shape)

@@ -48,6 +48,11 @@ class _Keeping:
     """Bytes of the largest matrix kept."""
     left: float
     """Bytes the products in the context may still keep together."""
+    storage: list[torch.Tensor] | None = None
+    """Memory the kept matrices are decoded into, the i-th kept into ``storage[i]``, reused by the
+    next context (None: new memory every time)."""
+    kept: int = 0
+    """Matrices kept so far in the context."""
 
 
 _keeping: contextvars.ContextVar[_Keeping | None] = contextvars.ContextVar("ggtorch_keeping_dequantized",
@@ -55,7 +60,7 @@ _keeping: contextvars.ContextVar[_Keeping | None] = contextvars.ContextVar("ggto
 
 
 @contextlib.contextmanager
-def keeping_dequantized(budget: int | None = None) -> Iterator[None]:
+def keeping_dequantized(budget: int | None = None, storage: list[torch.Tensor] | None = None) -> Iterator[None]:
     """Inside, a quantized product that takes a gradient saves W as decoded for its backward instead
     of decoding it there again: W is then decoded once per forward and backward, not twice.
 
@@ -65,8 +70,16 @@ def keeping_dequantized(budget: int | None = None) -> Iterator[None]:
     ``KEEP_DEQUANTIZED_BYTES`` are decoded again. With ``budget`` (bytes), around a whole forward
     without checkpointing: the products keep matrices in the order they run until together they
     hold ``budget`` bytes, each until its own backward; the rest are decoded again.
+
+    ``storage``: a list that the kept matrices are decoded into and that keeps them between
+    contexts (give the same list to each forward of a training loop). A forward then writes into
+    the memory of the previous one instead of asking the allocator for ``budget`` fresh bytes that
+    the system must zero-fill page by page; so the previous forward's backward must have run (an
+    older graph's backward would raise autograd's in-place modification error, not compute wrong
+    gradients).
     """
     keeping = _Keeping(KEEP_DEQUANTIZED_BYTES, math.inf) if budget is None else _Keeping(math.inf, budget)
+    keeping.storage = storage
     token = _keeping.set(keeping)
     try:
         yield
@@ -82,7 +95,24 @@ def kept_dequantized(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: 
     if keeping is None or nbytes > keeping.largest or nbytes > keeping.left:
         return None
     keeping.left -= nbytes
-    return _dequantize_rows(raw, ggml_type, 0, shape[0], shape[1], dtype)
+    out = None
+    if keeping.storage is not None:
+        out = _storage(keeping.storage, keeping.kept, shape, dtype, raw.device)
+    keeping.kept += 1
+    return dequantize(raw, ggml_type, shape, dtype, out=out)
+
+
+def _storage(storage: list[torch.Tensor], i: int, shape: tuple[int, int], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+    """``storage[i]`` if it is a ``shape`` matrix of ``dtype`` on ``device``; else a new one put there."""
+    if i < len(storage) and storage[i].shape == shape and storage[i].dtype == dtype and storage[i].device == device:
+        return storage[i]
+    matrix = torch.empty(shape, dtype=dtype, device=device)
+    if i < len(storage):
+        storage[i] = matrix
+    else:
+        storage.append(matrix)
+    return matrix
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

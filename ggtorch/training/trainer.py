@@ -138,6 +138,7 @@ class Trainer:
         self._stop_requested = False
         self._stop_agreed = False
         self._interrupted = False
+        self._kept_matrices: list[torch.Tensor] = []  # --keep-dequantized-mib: reused from step to step
 
     @property
     def iteration(self) -> int:
@@ -218,9 +219,11 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def _keeping_dequantized(self) -> Any:
-        """--keep-dequantized-mib: a forward keeps that many bytes of decoded quantized matrices for its backward."""
+        """--keep-dequantized-mib: a forward keeps that many bytes of decoded quantized matrices for its backward,
+        decoded into the memory the previous micro-batch kept them in (each micro-batch's backward runs
+        before the next forward)."""
         mib = getattr(self.config, "keep_dequantized_mib", 0)  # a LoRA option (FinetuneConfig)
-        return keeping_dequantized(mib << 20) if mib else nullcontext()
+        return keeping_dequantized(mib << 20, self._kept_matrices) if mib else nullcontext()
 
     def _next_batches(self) -> tuple[list[Batch], int]:
         """This rank's ``grad_acc`` micro-batches of the step and the samples the whole step used.

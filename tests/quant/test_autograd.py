@@ -164,6 +164,40 @@ def test_a_budget_keeps_matrices_in_the_order_they_run_until_it_is_spent(ggml_qu
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
 
 
+def test_storage_is_reused_by_the_next_forward_and_guards_an_older_graph(ggml_quantize, ggml_to_float) -> None:
+    """keeping_dequantized(budget, storage): the matrices are decoded into the list's memory, which the next
+    forward writes again (no new allocation per step) with gradients equal to decoding again in backward;
+    the backward of a graph whose kept matrix was overwritten raises instead of using the new values."""
+    from ggtorch.quant import autograd
+
+    shapes = [(32, 64), (64, 32)]
+    mats = [QuantLinear(_blocks(T.Q4_0, *shape, ggml_quantize, ggml_to_float, seed=i)[0], T.Q4_0, shape)
+            for i, shape in enumerate(shapes)]
+    storage: list[torch.Tensor] = []
+
+    def grad(x: torch.Tensor, g: torch.Tensor, keep: bool) -> torch.Tensor:
+        x = x.clone().requires_grad_()
+        with autograd.keeping_dequantized(1 << 20, storage) if keep else contextlib.nullcontext():
+            y = mats[1](mats[0](x))
+        y.backward(g)
+        return x.grad
+
+    pointers = []
+    for seed in (0, 1):
+        x, g = torch.randn(3, 64, generator=torch.Generator().manual_seed(seed)), torch.randn(3, 64)
+        torch.testing.assert_close(grad(x, g, keep=True), grad(x, g, keep=False), rtol=0, atol=0)
+        pointers.append([m.data_ptr() for m in storage])
+    assert len(pointers[0]) == 2 and pointers[0] == pointers[1]
+
+    x = torch.randn(3, 64, requires_grad=True)
+    with autograd.keeping_dequantized(1 << 20, storage):
+        older = mats[0](x)
+    with autograd.keeping_dequantized(1 << 20, storage):
+        mats[0](torch.randn(3, 64, requires_grad=True))  # rewrites storage[0] before older's backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        older.sum().backward()
+
+
 def test_chunk_size_bounds_rows() -> None:
     assert qa.rows_per_chunk(4096, torch.float32, 4 << 20) == 256
     assert qa.rows_per_chunk(4096, torch.bfloat16, 4 << 20) == 512

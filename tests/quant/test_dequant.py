@@ -234,3 +234,26 @@ def test_wrong_byte_count_is_a_clear_error() -> None:
 def test_unsupported_type_names_type_and_tensor() -> None:
     with pytest.raises(Unsupported, match=r"blk\.3\.ffn_up\.weight.*Q8_1"):
         dequantize(torch.zeros(40, dtype=torch.uint8), T.Q8_1, (32,), name="blk.3.ffn_up.weight")
+
+
+@pytest.mark.parametrize("ggml_type", [T.F32, T.BF16, T.Q4_0, T.Q6_K, T.IQ2_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_into_out_is_the_same_values_in_out_s_memory(ggml_type: T, dtype: torch.dtype,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``out=``: written in place (also over several decoding steps and for float types) with the
+    values of a plain call; an ``out`` of the wrong size or dtype is refused before anything is written."""
+    import ggtorch.quant as quant
+
+    shape = (6, 4 * block_size(ggml_type))
+    raw = torch.from_numpy(random_blocks(ggml_type, shape, seed=3))
+    ref = dequantize(raw, ggml_type, shape, dtype)
+    for values_per_step in (quant.CHUNK_VALUES, block_size(ggml_type) * 3):  # one step; several, one ragged
+        monkeypatch.setattr(quant, "CHUNK_VALUES", values_per_step)
+        out = torch.full((ref.numel(),), 7.0, dtype=dtype)
+        got = dequantize(raw, ggml_type, shape, dtype, out=out)
+        assert got.shape == shape and got.data_ptr() == out.data_ptr()
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    for bad in (torch.empty(ref.numel() + 1, dtype=dtype), torch.empty(ref.numel(), dtype=torch.float16),
+                torch.empty(shape[::-1], dtype=dtype).T):
+        with pytest.raises(ValueError, match="out must be"):
+            dequantize(raw, ggml_type, shape, dtype, out=bad)

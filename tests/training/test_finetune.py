@@ -372,9 +372,9 @@ def test_checkpointing_decodes_a_quantized_base_twice_per_step_with_the_same_gra
     decoded_rows = [0]
     real = autograd.dequantize
 
-    def counting(raw, ggml_type, shape, dtype=torch.float32, name=None):  # noqa: ANN001, ANN202
+    def counting(raw, ggml_type, shape, dtype=torch.float32, name=None, out=None):  # noqa: ANN001, ANN202
         decoded_rows[0] += shape[0]
-        return real(raw, ggml_type, shape, dtype, name)
+        return real(raw, ggml_type, shape, dtype, name, out)
 
     monkeypatch.setattr(autograd, "dequantize", counting)
     ids = torch.tensor([[1, 5, 9, 33, 70, 2], [1, 4, 8, 16, 32, 64]])
@@ -401,7 +401,8 @@ def test_keep_dequantized_mib_decodes_once_per_step_with_the_same_training(
     """--keep-dequantized-mib without checkpointing: each forward keeps the quantized matrices it decodes
     (up to the budget, in the order they run) for their backward. With room for all of them, a step decodes
     every block matrix once instead of twice; with room for part, in between; the trained LoRA weights are
-    the same bit for bit after two steps either way."""
+    the same bit for bit after two steps either way. The second step decodes into the memory the first kept
+    its matrices in."""
     from ggtorch.models.model import Block
     from ggtorch.quant import autograd
     from ggtorch.quant.modules import QuantLinear
@@ -409,32 +410,34 @@ def test_keep_dequantized_mib_decodes_once_per_step_with_the_same_training(
     decoded_rows = [0]
     real = autograd.dequantize
 
-    def counting(raw, ggml_type, shape, dtype=torch.float32, name=None):  # noqa: ANN001, ANN202
+    def counting(raw, ggml_type, shape, dtype=torch.float32, name=None, out=None):  # noqa: ANN001, ANN202
         decoded_rows[0] += shape[0]
-        return real(raw, ggml_type, shape, dtype, name)
+        return real(raw, ggml_type, shape, dtype, name, out)
 
     monkeypatch.setattr(autograd, "dequantize", counting)
 
-    def train(mib: int) -> tuple[list[int], list[torch.Tensor], int]:
+    def train(mib: int) -> tuple[list[int], list[torch.Tensor], int, list[list[int]]]:
         config = FinetuneConfig(model_base=str(stories_q8), train_data=str(texts["train"]), ctx=16, batch=2,
                                 adam_iter=2, warmup=0, adam_alpha=0.02, seed=1, save_every=0, checkpoint_in="",
                                 checkpoint_out="", lora_out=str(tmp_path / f"lora-{mib}.gguf"),
                                 use_checkpointing=False, keep_dequantized_mib=mib)
         trainer = Trainer(config, log_records=False)
-        rows = []
+        rows, memory = [], []
         for _ in range(2):
             decoded_rows[0] = 0
             trainer.step()
             rows.append(decoded_rows[0])
+            memory.append([m.data_ptr() for m in trainer._kept_matrices])
         weights = [p.detach().clone() for _, p, _ in trainer.params]
         matrices = [m for b in trainer.model.modules() if isinstance(b, Block)
                     for m in b.modules() if isinstance(m, QuantLinear)]
         trainer.close()
-        return rows, weights, sum(m.shape[0] for m in matrices)
+        return rows, weights, sum(m.shape[0] for m in matrices), memory
 
-    plain_rows, plain, block_rows = train(0)
-    kept_rows, kept, _ = train(64)
+    plain_rows, plain, block_rows, _ = train(0)
+    kept_rows, kept, _, memory = train(64)
     assert kept_rows[0] == kept_rows[1] and plain_rows[0] == plain_rows[1]
+    assert memory[0] and memory[0] == memory[1]
     # the first block's q/k/v take no input gradient (the frozen embedding's rows): never kept, as before
     assert block_rows // 2 < plain_rows[0] - kept_rows[0] < block_rows
     for a, b in zip(plain, kept, strict=True):
