@@ -802,7 +802,9 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "matrix shapes (rows = batch × ctx) of torch.mm and oneDNN (`ggtorch.ops.matmul` with oneDNN forced), "
         "measured in the same run (for the 110M shape twice, before the first row and after the last; the higher "
         "counts). Dequantization: every dequantization of one more ggtorch step, timed call by call, over that "
-        "step's time.",
+        "step's time. Cases ending in ckpt run both sides with gradient checkpointing; in keepN, ggtorch runs "
+        "with `--keep-dequantized-mib N` (a forward keeps up to N MiB of decoded matrices for its backward) and "
+        "the peer as without it.",
         "",
     ]
     lines += ["## Headline", ""] + [f"- {h}" for h in headline(rows)] + [""]
