@@ -141,11 +141,12 @@ def full_cases(jemalloc: bool) -> list[Case]:
     # ones (glibc's mmap threshold rises as the step's large blocks are freed), ggtorch its first.
     base = Case("110M", "F32", "f32", ctx=256, batch=4, warmup=3, steps=2)
     rows = [
-        # the f32 and bf16 targets' rows: each side's best of two alternating runs
+        # the 110M targets' rows: each side's best of two alternating runs (a single run of the peer moved
+        # 13% between two otherwise equal full runs)
         replace(base, repeat=2),
         replace(base, dtype="bf16", repeat=2),
-        replace(base, ftype="Q4_0"),
-        replace(base, ftype="Q4_K_M"),
+        replace(base, ftype="Q4_0", repeat=2),
+        replace(base, ftype="Q4_K_M", repeat=2),
         replace(base, checkpointing=True, steps=1),
         replace(base, shape="1.1B", ftype="Q4_0", batch=1, steps=1),
         replace(base, shape="1.1B", ftype="Q4_K_M", batch=1, steps=1),
@@ -793,8 +794,8 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "the peer loads the GGUF with transformers (dequantized on load) and wraps it with peft. Compute bf16 "
         "means bf16 autocast for ggtorch and a bf16 model for the peer. tok/s: median over the timed steps after "
         "three warm-up steps (the peer's second and third steps on glibc run 30-40% slower than its later ones, as "
-        "glibc's mmap threshold rises with the step's large frees); the f32 and bf16 110M rows run each side twice, "
-        "alternating, and show each side's faster "
+        "glibc's mmap threshold rises with the step's large frees); the 110M rows without checkpointing run each "
+        "side twice, alternating, and show each side's faster "
         "run (all runs are listed below the table). By CPU time: the same ratio from each side's process CPU time "
         "per step. RSS: peak resident set of the side's process (VmHWM). Load: model + LoRA setup. Before each "
         "row the model file is read once, so both sides start from a warm page cache. GFLOP/s counts 4 × base "
