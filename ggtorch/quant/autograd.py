@@ -78,8 +78,8 @@ def keeping_dequantized(budget: int | None = None, storage: list[torch.Tensor] |
     older graph's backward would raise autograd's in-place modification error, not compute wrong
     gradients).
     """
-    keeping = _Keeping(KEEP_DEQUANTIZED_BYTES, math.inf) if budget is None else _Keeping(math.inf, budget)
-    keeping.storage = storage
+    keeping = (_Keeping(KEEP_DEQUANTIZED_BYTES, math.inf, storage) if budget is None
+               else _Keeping(math.inf, budget, storage))
     token = _keeping.set(keeping)
     try:
         yield

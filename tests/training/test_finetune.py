@@ -342,6 +342,21 @@ def test_block_checkpointing_on_and_off_gives_the_same_gradients(stories260k: Pa
         torch.testing.assert_close(c, a, rtol=0, atol=0)
 
 
+def _count_decoded_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A one-item list counting the rows quant.autograd decodes from now on (set it to 0 between counts)."""
+    from ggtorch.quant import autograd
+
+    decoded_rows = [0]
+    real = autograd.dequantize
+
+    def counting(raw, ggml_type, shape, dtype=torch.float32, name=None, out=None):  # noqa: ANN001, ANN202
+        decoded_rows[0] += shape[0]
+        return real(raw, ggml_type, shape, dtype, name, out)
+
+    monkeypatch.setattr(autograd, "dequantize", counting)
+    return decoded_rows
+
+
 @pytest.mark.parametrize("chunk_bytes", [None, 4096], ids=["whole matrices", "row chunks"])
 def test_checkpointing_decodes_a_quantized_base_twice_per_step_with_the_same_gradients(
         stories_q8: Path, chunk_bytes: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -369,14 +384,7 @@ def test_checkpointing_decodes_a_quantized_base_twice_per_step_with_the_same_gra
     # never needs W, so they are decoded twice either way
     assert not any(p.requires_grad for p in model.tok_embd.parameters())
     first_qkv_rows = sum(getattr(blocks[0].attn, n).base.shape[0] for n in ("q", "k", "v"))
-    decoded_rows = [0]
-    real = autograd.dequantize
-
-    def counting(raw, ggml_type, shape, dtype=torch.float32, name=None, out=None):  # noqa: ANN001, ANN202
-        decoded_rows[0] += shape[0]
-        return real(raw, ggml_type, shape, dtype, name, out)
-
-    monkeypatch.setattr(autograd, "dequantize", counting)
+    decoded_rows = _count_decoded_rows(monkeypatch)
     ids = torch.tensor([[1, 5, 9, 33, 70, 2], [1, 4, 8, 16, 32, 64]])
     enable_block_checkpointing(model)
 
@@ -399,22 +407,14 @@ def test_checkpointing_decodes_a_quantized_base_twice_per_step_with_the_same_gra
 def test_keep_dequantized_mib_decodes_once_per_step_with_the_same_training(
         stories_q8: Path, texts: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """--keep-dequantized-mib without checkpointing: each forward keeps the quantized matrices it decodes
-    (up to the budget, in the order they run) for their backward. With room for all of them, a step decodes
-    every block matrix once instead of twice; with room for part, in between; the trained LoRA weights are
-    the same bit for bit after two steps either way. The second step decodes into the memory the first kept
-    its matrices in."""
+    (up to the budget, in the order they run; a partial budget: tests/quant/test_autograd.py) for their
+    backward. With room for all of them, a step decodes every block matrix once instead of twice; the trained
+    LoRA weights are the same bit for bit after two steps either way. The second step decodes into the
+    memory the first kept its matrices in."""
     from ggtorch.models.model import Block
-    from ggtorch.quant import autograd
     from ggtorch.quant.modules import QuantLinear
 
-    decoded_rows = [0]
-    real = autograd.dequantize
-
-    def counting(raw, ggml_type, shape, dtype=torch.float32, name=None, out=None):  # noqa: ANN001, ANN202
-        decoded_rows[0] += shape[0]
-        return real(raw, ggml_type, shape, dtype, name, out)
-
-    monkeypatch.setattr(autograd, "dequantize", counting)
+    decoded_rows = _count_decoded_rows(monkeypatch)
 
     def train(mib: int) -> tuple[list[int], list[torch.Tensor], int, list[list[int]]]:
         config = FinetuneConfig(model_base=str(stories_q8), train_data=str(texts["train"]), ctx=16, batch=2,
