@@ -9,11 +9,12 @@ case runs one step loop per side, each in its own child process so that peak RSS
 - peer: transformers loads the same GGUF (it dequantizes every tensor), peft wraps it.
 
 Like for like: both sides of a row run on the same allocator. Every row runs with both on the
-system malloc (what the README's setup gives a user); when jemalloc is installed, the 110M rows run
-again with both on jemalloc. Both train LoRA rank 4 (alpha 4) on q/k/v/o/gate/up/down from the same
-token batches (ggtorch's data pipeline over the same text, same seed), with AdamW (lr 1e-3, decay
-0.1, clip 1.0) and the same batch, context and threads. Tokens/s is the median over the timed
-optimizer steps after three warm-up steps (the peer on glibc speeds up over its first steps).
+system malloc (what the README's setup gives a user), both with the glibc thresholds a ggtorch run
+sets itself (``ggtorch.ops.malloc``; the peer gets them from the environment); when jemalloc is
+installed, the 110M rows run again with both on jemalloc. Both train LoRA rank 4 (alpha 4) on
+q/k/v/o/gate/up/down from the same token batches (ggtorch's data pipeline over the same text, same
+seed), with AdamW (lr 1e-3, decay 0.1, clip 1.0) and the same batch, context and threads. Tokens/s
+is the median over the timed optimizer steps after three warm-up steps.
 ``f32``/``bf16`` is the compute dtype: ggtorch runs bf16 autocast over its base; the peer runs its
 model in bf16 (what a transformers user does), and the ggtorch bf16 rows are also compared with the
 peer in f32.
@@ -137,8 +138,9 @@ KEEP_MIB = 8192
 
 def full_cases(jemalloc: bool) -> list[Case]:
     """The rows of a full run; the 110M rows once more on jemalloc when it is installed."""
-    # Three warm-up steps: the peer on glibc runs its second and third steps 30-40% slower than the later
-    # ones (glibc's mmap threshold rises as the step's large blocks are freed), ggtorch its first.
+    # Three warm-up steps: on glibc's default thresholds the peer ran its second and third steps 30-40%
+    # slower than the later ones (the mmap threshold rises as the step's large blocks are freed); ggtorch
+    # its first.
     base = Case("110M", "F32", "f32", ctx=256, batch=4, warmup=3, steps=2)
     rows = [
         # the 110M targets' rows: each side's best of two alternating runs (a single run of the peer moved
@@ -467,25 +469,31 @@ def run_child(kind: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]
 
 def malloc_env(env: dict[str, str], malloc: str) -> dict[str, str]:
     """``env`` for a child on ``malloc``: jemalloc preloaded as ``ggtorch finetune`` would relaunch
-    itself, or the system malloc (jemalloc taken out of LD_PRELOAD, the CLI's relaunch turned off)."""
+    itself, or the system malloc (jemalloc taken out of LD_PRELOAD, the CLI's relaunch turned off)
+    with the thresholds a ggtorch run sets itself (``ggtorch.ops.malloc``) given to both sides, so
+    that the peer runs on the same glibc settings; a user's own ``MALLOC_*_`` values win on both."""
     from ggtorch.cli import allocator
+    from ggtorch.ops import malloc as glibc
 
     preload = ":".join(p for p in env.get("LD_PRELOAD", "").split(":") if p and "libjemalloc" not in p)
     clean = {k: v for k, v in env.items() if k not in ("LD_PRELOAD", allocator.RELAUNCHED, allocator.ENV)}
     if preload:
         clean["LD_PRELOAD"] = preload
     if malloc == "system":
-        return clean
+        if glibc.user_tuned(clean):
+            return clean
+        return {**clean, "MALLOC_MMAP_THRESHOLD_": str(glibc.MMAP_THRESHOLD),
+                "MALLOC_TRIM_THRESHOLD_": str(glibc.TRIM_THRESHOLD)}
     return allocator.relaunch_env(clean, allocator.find_jemalloc()) or clean
 
 
 def child_main(kind: str, spec_json: str, result_path: str) -> None:
-    from ggtorch.cli import allocator
+    from ggtorch.ops import malloc
 
     spec = json.loads(spec_json)
     result = CHILDREN[kind](spec)
     result.setdefault("peak_rss", peak_rss_bytes())  # a child may report the peak of its timed part
-    result["malloc"] = allocator.current()
+    result["malloc"] = malloc.current()
     Path(result_path).write_text(json.dumps(result))
 
 
@@ -772,7 +780,9 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         f"- CPU: {info['cpu']}, {info['cores']} cores ({info['flags']}), {info['memory_gib']:.0f} GiB RAM",
         f"- torch {info['torch']}, transformers {info['transformers']}, peft {info['peft']}, "
         f"Python {info['python']}; {args.threads} torch threads per side",
-        "- allocators: every row runs with both sides on the system malloc (glibc), what the README's setup gives; "
+        "- allocators: every row runs with both sides on the system malloc (glibc), what the README's setup gives, "
+        "both with the thresholds a ggtorch run sets itself (`MALLOC_MMAP_THRESHOLD_` 32 MiB, "
+        "`MALLOC_TRIM_THRESHOLD_` never: `ggtorch/ops/malloc.py`), which the peer gets from the environment; "
         + (f"jemalloc is installed ({jemalloc}): the 110M rows run again with both sides on it"
            if jemalloc else "jemalloc is not installed on this machine, so there is no jemalloc / jemalloc pairing "
            "(`ggtorch finetune` relaunches itself on jemalloc when it is installed, `apt install libjemalloc2`)"),
@@ -793,8 +803,8 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "GGUF (with bf16 compute, float matrices are held in bf16, as autocast would round them in every step); "
         "the peer loads the GGUF with transformers (dequantized on load) and wraps it with peft. Compute bf16 "
         "means bf16 autocast for ggtorch and a bf16 model for the peer. tok/s: median over the timed steps after "
-        "three warm-up steps (the peer's second and third steps on glibc run 30-40% slower than its later ones, as "
-        "glibc's mmap threshold rises with the step's large frees); the 110M rows without checkpointing run each "
+        "three warm-up steps (on glibc's default thresholds the peer's second and third steps ran 30-40% slower "
+        "than its later ones); the 110M rows without checkpointing run each "
         "side twice, alternating, and show each side's faster "
         "run (all runs are listed below the table). By CPU time: the same ratio from each side's process CPU time "
         "per step. RSS: peak resident set of the side's process (VmHWM). Load: model + LoRA setup. Before each "

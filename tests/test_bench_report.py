@@ -115,6 +115,17 @@ def test_each_allocator_pairing_gets_its_own_targets(bench: Any) -> None:
     assert "full finetune" not in text  # not run: no line
 
 
+def test_both_sides_get_the_glibc_thresholds_a_ggtorch_run_sets(bench: Any) -> None:
+    from ggtorch.ops import malloc
+
+    env = bench.malloc_env({"PATH": "/bin", "LD_PRELOAD": "/x/libjemalloc.so.2:/x/libfoo.so"}, "system")
+    assert env == {"PATH": "/bin", "LD_PRELOAD": "/x/libfoo.so",
+                   "MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+    assert malloc.user_tuned(env)  # so ggtorch's child leaves them as they are: the same values on both sides
+    own = {"PATH": "/bin", "MALLOC_TRIM_THRESHOLD_": "0"}
+    assert bench.malloc_env(own, "system") == own  # a user's own settings, on both sides
+
+
 def test_rows_not_run_are_not_measured(bench: Any) -> None:
     rows = [_rows(bench)[0]]
     text = "\n".join(bench.targets(rows))

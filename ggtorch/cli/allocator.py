@@ -1,10 +1,10 @@
 """The training commands run on jemalloc when the machine has it.
 
 glibc's malloc leaves the holes of a step's short-lived tensors (dequantized weight chunks,
-matmul outputs) between its long-lived ones (the activations backward needs), and trims and
-page-faults whole regions back in step after step, so its peak RSS sits well above the live
-tensors; jemalloc, told to keep what it frees (``JEMALLOC_CONF``), peaks near them with no page
-faults after the first step (BENCHMARKS.md has the figures).
+matmul outputs) between its long-lived ones (the activations backward needs), so its peak RSS
+sits well above the live tensors (a run keeps glibc from also returning that memory between
+steps: ``ggtorch.ops.malloc``); jemalloc, told to keep what it frees (``JEMALLOC_CONF``), peaks
+near them (BENCHMARKS.md has the figures).
 
 An allocator is chosen when a process starts, so the CLI re-executes itself once, the same
 command with jemalloc in ``LD_PRELOAD``: what Redis gets by linking jemalloc and PyTorch's CPU
@@ -47,14 +47,6 @@ def find_jemalloc(prefixes: tuple[str, ...] = (sys.prefix,)) -> str | None:
             return str(path)
     return None
 
-
-def current() -> str:
-    """``jemalloc`` if this process runs on it, else ``system``."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return "system"
-    return "jemalloc" if "libjemalloc" in maps else "system"
 
 
 def relaunch_env(environ: Mapping[str, str], library: str | None) -> dict[str, str] | None:

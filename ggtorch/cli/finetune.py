@@ -16,9 +16,9 @@ from typing import Any
 import click
 
 from ggtorch import api
-from ggtorch.cli import allocator
 from ggtorch.cli.options import config_command, config_from_cli
 from ggtorch.errors import BadFlag
+from ggtorch.ops import malloc
 from ggtorch.training.config import (
     FILES,
     LORA,
@@ -86,7 +86,7 @@ def finetune(**values: Any) -> None:
     echo = _echo(trainer)
     echo(f"model: {config.model_base} ({trainer.model_config.n_layer} layers, n_embd "
          f"{trainer.model_config.n_embd}), base weights {config.base_dtype}, compute {config.dtype}, "
-         f"device {trainer.device}, malloc {allocator.current()}")
+         f"device {trainer.device}, malloc {malloc.current()}")
     echo(f"LoRA: {n_trainable:,} trainable parameters; seed {trainer.seed}")
     run_trainer(ctx, trainer, "only_write_lora", "lora_out")
 

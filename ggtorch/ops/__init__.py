@@ -1,1 +1,2 @@
-"""Numerical kernels the models and LoRA call: f32 products on oneDNN, fused RMSNorm/SwiGLU."""
+"""Numerical kernels the models and LoRA call (f32 products on oneDNN, fused RMSNorm/SwiGLU) and
+the process settings they run under (the thread team, glibc's malloc)."""

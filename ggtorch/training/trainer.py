@@ -30,6 +30,7 @@ from ggtorch.data import Batch
 from ggtorch.errors import GGTorchError, OutOfMemory
 from ggtorch.io.checkpoint import save_checkpoint
 from ggtorch.ops.dtypes import DTYPES
+from ggtorch.ops.malloc import keep_freed_memory
 from ggtorch.ops.threads import follow_free_cores
 from ggtorch.quant.autograd import keeping_dequantized
 from ggtorch.training.config import NAN_SKIP_LIMIT, RunConfig
@@ -114,6 +115,7 @@ class Trainer:
                  val_records: Sequence[Mapping[str, Any]] | None = None) -> None:
         """``records``/``val_records``: train (and validate) on a list of dicts instead of
         ``config.train_data``/``val_data`` (the record formats of docs/chat-data.md)."""
+        keep_freed_memory()  # steps reuse each other's pages instead of faulting them in again
         self.config = config
         self.callbacks = list(callbacks)
         self.run = run = Run(config, records, val_records)
