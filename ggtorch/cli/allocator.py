@@ -48,7 +48,6 @@ def find_jemalloc(prefixes: tuple[str, ...] = (sys.prefix,)) -> str | None:
     return None
 
 
-
 def relaunch_env(environ: Mapping[str, str], library: str | None) -> dict[str, str] | None:
     """The environment to re-execute with, or None to run on as is.
 

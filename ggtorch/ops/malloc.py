@@ -11,8 +11,9 @@ multiplying matrices.
 :func:`keep_freed_memory` sets the two thresholds once, at the start of a run: blocks up to
 :data:`MMAP_THRESHOLD` come from the heap, and the heap is never trimmed, so from the second step
 on a step reuses the pages of the one before. The process keeps its peak (which it reaches again
-every step anyway); what jemalloc's ``dirty_decay_ms:-1`` gives the CLI when jemalloc is installed
-(``ggtorch.cli.allocator``), for the system's malloc, the API and every command alike.
+every step anyway): what jemalloc's ``dirty_decay_ms:-1`` gives the CLI when jemalloc is installed
+(``ggtorch.cli.allocator``), here for glibc's malloc and for every training run, from the API as
+from the CLI (the :class:`~ggtorch.training.trainer.Trainer` calls it).
 
 Only glibc (``mallopt`` is its function): other C libraries and a preloaded jemalloc or tcmalloc
 are left as they are, and so is a user who tuned glibc (``MALLOC_*_`` variables or
