@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-PRODUCTS_MAX_TOKENS: dict[torch.dtype, int] = {torch.float32: 128, torch.bfloat16: 512}
+PRODUCTS_MAX_TOKENS: dict[torch.dtype, int] = {torch.float32: 128, torch.bfloat16: 256}
 """Longest sequence, by dtype, whose training attention on CPU runs as batched products."""
 
 
