@@ -228,7 +228,7 @@ def next_steps(result: DemoResult) -> list[str]:
         f"--lora-r 16 -c 64 -b 8 --adam-iter 60 --adam-alpha 0.003 "
         f"--checkpoint-out {result.out_dir / 'checkpoint-ITERATION.gguf'} "
         f"--lora-out {result.out_dir / 'lora-ITERATION.gguf'}",
-        "# your own model: LoRA on any llama GGUF (quantized bases stay quantized)",
+        "# your own model: LoRA on a GGUF of any family in the README (quantized bases stay quantized)",
         "ggtorch finetune --model-base YOUR-MODEL.gguf --train-data YOUR-TEXT.txt -c 256 -b 4 --adam-iter 200",
         "llama-cli -m YOUR-MODEL.gguf --lora ggml-lora-LATEST-f32.gguf",
         "# or merge it into a new GGUF",
