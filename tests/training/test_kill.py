@@ -164,15 +164,18 @@ def test_killed_by_the_oom_killer_mid_run_resumes_exactly(stories260k: Path, tex
     n, batch = 12, 64
     try:
         (group / "memory.swappiness").write_text("0")
+        # glibc as it comes, every large block mmapped and unmapped again (a run otherwise keeps its
+        # step's memory, ggtorch.ops.malloc, and would need nothing new after the squeeze)
+        returning = {**os.environ, "GGTORCH_ALLOCATOR": "system", "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
         proc = subprocess.Popen(_finetune_cmd(stories260k, train, n, batch, resume=False), cwd=work,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=returning,
                                 preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None and (
                 not latest.exists() or load_checkpoint(latest).iteration < 2):
             time.sleep(0.1)
         # Squeeze: the limit a few MiB above the process's resident anonymous memory (page cache is
-        # reclaimed first), so the next step's activations cannot be charged.
+        # reclaimed first), so the next step's activations, allocated afresh, cannot be charged.
         while time.time() < deadline and proc.poll() is None:
             stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
             limit = int(stat["rss"]) + int(stat["mapped_file"]) + (4 << 20)
