@@ -55,12 +55,17 @@ def user_tuned(environ: Mapping[str, str]) -> bool:
     return any(k in environ for k in USER_ENV) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
 
 
-def _glibc() -> ctypes.CDLL | None:
-    """The process's glibc, or None on another C library (musl, macOS, Windows)."""
+def is_glibc() -> bool:
+    """Whether this process's C library is glibc (not musl, macOS's or Windows')."""
     try:
-        if not os.confstr("CS_GNU_LIBC_VERSION"):
-            return None
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
     except (AttributeError, ValueError, OSError):
+        return False
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The process's glibc, or None on another C library."""
+    if not is_glibc():
         return None
     name = ctypes.util.find_library("c") or "libc.so.6"
     try:

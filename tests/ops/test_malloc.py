@@ -49,11 +49,7 @@ PAGES_OF_A_ROUND = 2 * sum(range(1, 8)) * (4 << 20) // 4096
 
 def _glibc_process_env() -> dict[str, str]:
     """This environment without anything that replaces or tunes the C library's malloc."""
-    try:
-        libc = os.confstr("CS_GNU_LIBC_VERSION")
-    except (AttributeError, ValueError, OSError):
-        libc = None
-    if not libc:
+    if not malloc.is_glibc():
         pytest.skip("the C library is not glibc")
     drop = {"LD_PRELOAD", "GLIBC_TUNABLES", *malloc.USER_ENV}
     return {k: v for k, v in os.environ.items() if k not in drop}
