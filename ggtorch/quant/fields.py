@@ -76,8 +76,12 @@ def crumbs(qs: torch.Tensor, bits: int) -> torch.Tensor:
     mask = (1 << bits) - 1
     words, width = _words(qs)
     wide = mask * int.from_bytes(b"\x01" * width, "little")
-    fields = torch.stack([(words >> shift) & wide for shift in range(0, 8, bits)], dim=-2)
-    return fields.view(torch.uint8)
+    # each shift written straight into its place, then one mask over all: two passes fewer per
+    # field than shifting, masking and stacking copies
+    fields = torch.empty(*words.shape[:-1], 8 // bits, words.shape[-1], dtype=words.dtype, device=words.device)
+    for i, shift in enumerate(range(0, 8, bits)):
+        torch.bitwise_right_shift(words, shift, out=fields[..., i, :])
+    return fields.bitwise_and_(wide).view(torch.uint8)
 
 
 def bits_lsb_first(field: torch.Tensor) -> torch.Tensor:
