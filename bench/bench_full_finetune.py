@@ -15,7 +15,10 @@ llama.cpp trains one sequence of ``ctx`` tokens per optimizer step (n_batch = n_
 so K and V get gradients); ggtorch runs the same shape (batch 1, one step per sequence), f32.
 Each side trains every weight; the first steps (graph allocation / warm-up) are not timed.
 
-Usage: python bench/bench_full_finetune.py [--model M.gguf] [--ctx 256] [--steps 8] [--threads 2] [--quick]
+Each side's figure is its tokens over the total time of its timed steps; the median and slowest step are
+printed beside it, so a stall shows.
+
+Usage: python bench/bench_full_finetune.py [--model M.gguf] [--ctx 256] [--steps 100] [--threads 2] [--quick]
 """
 
 from __future__ import annotations
@@ -125,8 +128,15 @@ def bench_llama_cpp(model: Path, tokens: list[int], ctx: int, steps: int, warmup
     opt.ggml_opt_dataset_free(dataset)
     if len(times) != ndata:
         raise RuntimeError(f"llama_opt_epoch ran {len(times)} steps, expected {ndata}")
-    print(f"llama.cpp: {ndata} steps, mean train loss {loss.value:.4f}")
+    step_s = [t1 - t0 for t0, t1 in zip(times[warmup - 1:-1], times[warmup:], strict=True)]
+    print(f"llama.cpp: {ndata} steps, mean train loss {loss.value:.4f}, {_spread(step_s)}")
     return steps * ctx / (times[-1] - times[warmup - 1])
+
+
+def _spread(seconds: list[float]) -> str:
+    """The timed steps' median and slowest, in ms."""
+    ordered = sorted(seconds)
+    return f"step ms median {1e3 * ordered[len(ordered) // 2]:.1f}, slowest {1e3 * ordered[-1]:.1f}"
 
 
 def bench_ggtorch(model: Path, text: Path, ctx: int, steps: int, warmup: int, threads: int) -> float:
@@ -142,7 +152,8 @@ def bench_ggtorch(model: Path, text: Path, ctx: int, steps: int, warmup: int, th
         results = trainer.train()
         trainer.close()
     timed = results[warmup:]
-    print(f"ggtorch: {len(results)} steps, loss {results[0].loss:.4f} -> {results[-1].loss:.4f}")
+    print(f"ggtorch: {len(results)} steps, loss {results[0].loss:.4f} -> {results[-1].loss:.4f}, "
+          f"{_spread([r.seconds for r in timed])}")
     return sum(ctx for _ in timed) / sum(r.seconds for r in timed)
 
 
@@ -151,7 +162,7 @@ def main() -> None:
     p.add_argument("--model", type=Path, default=SHARED / "models" / "stories260K.gguf", help="F32 llama GGUF")
     p.add_argument("--text", type=Path, default=SHARED / "data" / "tinyshakespeare.txt")
     p.add_argument("--ctx", type=int, default=256)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=100, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="4 timed steps")
