@@ -86,9 +86,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
     n_rot = 2 * cos.shape[-1]
     if n_rot < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :n_rot], cos, sin, neox), x[..., n_rot:]), dim=-1)
-    if neox:  # the halves as pairs: (..., 2, R/2) -> (..., R/2, 2), rotated, and back
-        pairs = x.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
-        return apply_rope(pairs, cos, sin).unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    if neox:
+        return _NeoxRope.apply(x.float(), cos.unsqueeze(-2), sin.unsqueeze(-2)).to(x.dtype)
     if x.device.type not in COMPLEX_DEVICES:
         return rope_pairs(x.float(), cos, sin).to(x.dtype)
     rotation = torch.complex(cos, sin).unsqueeze(-2)  # (T|B,T, 1, D/2)
@@ -127,6 +126,32 @@ def _times(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """f32 x (..., D) with its adjacent pairs multiplied, as complex numbers, by rotation (..., D/2)."""
     pairs = torch.view_as_complex(x.contiguous().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotation).flatten(-2)
+
+
+class _NeoxRope(torch.autograd.Function):
+    """NEOX rope: dim i of a head paired with dim i + D/2, (x0·c - x1·s, x0·s + x1·c) written straight into
+    the output's two halves. As complex numbers the pairs would first have to be interleaved and afterwards
+    split again, two strided copies each way. Backward rotates by -theta and saves only the angles."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(cos, sin)
+        return _rotate_halves(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        return _rotate_halves(g, cos, -sin), None, None
+
+
+def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (..., D) with each (x[i], x[i + D/2]) rotated by angle i; cos, sin (..., 1, D/2) broadcast over heads."""
+    half = cos.shape[-1]
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    x0, x1 = x[..., :half], x[..., half:]
+    torch.mul(x0, cos, out=out[..., :half]).sub_(x1 * sin)
+    torch.mul(x0, sin, out=out[..., half:]).add_(x1 * cos)
+    return out
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:

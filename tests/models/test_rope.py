@@ -1,9 +1,10 @@
-"""apply_rope against the rotation written out per pair, values and gradients."""
+"""apply_rope against the rotation written out per pair (NORM) and per half (NEOX), values and gradients."""
 
 from __future__ import annotations
 
 import torch
 
+from ggtorch.models import model
 from ggtorch.models.model import apply_rope, rope_angles, rope_pairs
 
 
@@ -15,6 +16,14 @@ def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     out[..., 0::2] = x0 * c - x1 * s
     out[..., 1::2] = x0 * s + x1 * c
     return out
+
+
+def reference_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """ggml's NEOX rope as its C loop writes it: x[i] and x[i + R/2] rotated together."""
+    half = cos.shape[-1]
+    x0, x1 = x[..., :half], x[..., half:2 * half]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return torch.cat((x0 * c - x1 * s, x0 * s + x1 * c, x[..., 2 * half:]), dim=-1)
 
 
 def test_values_bit_equal_to_the_pairwise_formula() -> None:
@@ -52,3 +61,29 @@ def test_the_real_valued_rope_for_other_devices_matches() -> None:
     ours, theirs = apply_rope(x, cos, sin), rope_pairs(x, cos, sin)
     assert torch.equal(ours, theirs)
     assert torch.equal(*(torch.autograd.grad(y, x, g)[0] for y in (ours, theirs)))
+
+
+def test_neox_values_bit_equal_to_the_halves_formula() -> None:
+    x = torch.randn(2, 7, 3, 16) * 5
+    cos, sin = rope_angles(3, 7, 16, 10000.0, 1.0, x.device)
+    assert torch.equal(apply_rope(x, cos, sin, neox=True), reference_neox(x, cos, sin))
+    per_row = torch.stack([cos, cos.flip(0)]), torch.stack([sin, sin.flip(0)])
+    assert torch.equal(apply_rope(x, *per_row, neox=True), reference_neox(x, *per_row))
+    partial = rope_angles(3, 7, 8, 10000.0, 1.0, x.device)  # n_rot 8 of 16 dims: the rest pass unchanged
+    assert torch.equal(apply_rope(x, *partial, neox=True), reference_neox(x, *partial))
+    out = apply_rope(x.bfloat16(), cos, sin, neox=True)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, reference_neox(x.bfloat16().float(), cos, sin).bfloat16())
+
+
+def test_neox_gradient_is_the_inverse_rotation() -> None:
+    cos, sin = rope_angles(0, 5, 8, 10000.0, 1.0, torch.device("cpu"))
+    x = torch.randn(1, 5, 2, 8, requires_grad=True)
+    g = torch.randn(1, 2, 5, 8).transpose(1, 2)  # a strided gradient, as attention's transpose hands it back
+    ours = torch.autograd.grad(apply_rope(x, cos, sin, neox=True), x, g)[0]
+    ref = torch.autograd.grad(reference_neox(x, cos, sin), x, g)[0]
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(apply_rope(ours, cos, sin, neox=True), g, rtol=1e-5, atol=1e-5)
+    xd = torch.randn(1, 5, 2, 8, dtype=torch.float64, requires_grad=True)
+    c64, s64 = cos.double().unsqueeze(-2), sin.double().unsqueeze(-2)
+    assert torch.autograd.gradcheck(lambda t: model._NeoxRope.apply(t, c64, s64), (xd,))
