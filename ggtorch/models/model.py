@@ -87,7 +87,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
     if n_rot < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :n_rot], cos, sin, neox), x[..., n_rot:]), dim=-1)
     if neox:
-        return _NeoxRope.apply(x.float(), cos.unsqueeze(-2), sin.unsqueeze(-2)).to(x.dtype)
+        return _RealRope.apply(x.float(), cos.unsqueeze(-2), sin.unsqueeze(-2), True).to(x.dtype)
     if x.device.type not in COMPLEX_DEVICES:
         return rope_pairs(x.float(), cos, sin).to(x.dtype)
     rotation = torch.complex(cos, sin).unsqueeze(-2)  # (T|B,T, 1, D/2)
@@ -100,10 +100,8 @@ rope there takes :func:`rope_pairs`, the same formula written with real tensors.
 
 
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rope of f32 ``x`` with real ops only (the same products and sums, autograd's backward)."""
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    """NORM rope of f32 ``x`` with real ops only (the same products and sums as the complex multiply)."""
+    return _RealRope.apply(x, cos.unsqueeze(-2), sin.unsqueeze(-2), False)
 
 
 class _Rope(torch.autograd.Function):
@@ -128,30 +126,38 @@ def _times(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * rotation).flatten(-2)
 
 
-class _NeoxRope(torch.autograd.Function):
-    """NEOX rope: dim i of a head paired with dim i + D/2, (x0·c - x1·s, x0·s + x1·c) written straight into
-    the output's two halves. As complex numbers the pairs would first have to be interleaved and afterwards
-    split again, two strided copies each way. Backward rotates by -theta and saves only the angles."""
+class _RealRope(torch.autograd.Function):
+    """Rope with real ops: (x0·c - x1·s, x0·s + x1·c) written straight into the output's pair slots, for
+    NEOX's halves (dim i with dim i + D/2, which as complex numbers would need interleaving copies each
+    way) or NORM's adjacent pairs (devices without complex64). Backward rotates by -theta and saves only
+    the angles."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,  # type: ignore[override]
+                halves: bool) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return _rotate_halves(x, cos, sin)
+        ctx.halves = halves
+        return _rotate(x, cos, sin, halves)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
         cos, sin = ctx.saved_tensors
-        return _rotate_halves(g, cos, -sin), None, None
+        return _rotate(g, cos, -sin, ctx.halves), None, None, None
 
 
-def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (..., D) with each (x[i], x[i + D/2]) rotated by angle i; cos, sin (..., 1, D/2) broadcast over heads."""
-    half = cos.shape[-1]
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves: bool) -> torch.Tensor:
+    """x (..., D) with pair i rotated by angle i; cos, sin (..., 1, D/2) broadcast over heads. Pair i is
+    (x[i], x[i + D/2]) with ``halves``, else (x[2i], x[2i+1])."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    x0, x1 = x[..., :half], x[..., half:]
-    torch.mul(x0, cos, out=out[..., :half]).sub_(x1 * sin)
-    torch.mul(x0, sin, out=out[..., half:]).add_(x1 * cos)
+    (x0, x1), (out0, out1) = (_pair_views(t, cos.shape[-1], halves) for t in (x, out))
+    torch.mul(x0, cos, out=out0).sub_(x1 * sin)
+    torch.mul(x0, sin, out=out1).add_(x1 * cos)
     return out
+
+
+def _pair_views(t: torch.Tensor, half: int, halves: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first and second members of every pair of ``t``'s last dim, as views."""
+    return (t[..., :half], t[..., half:]) if halves else (t[..., 0::2], t[..., 1::2])
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:

@@ -86,4 +86,4 @@ def test_neox_gradient_is_the_inverse_rotation() -> None:
     torch.testing.assert_close(apply_rope(ours, cos, sin, neox=True), g, rtol=1e-5, atol=1e-5)
     xd = torch.randn(1, 5, 2, 8, dtype=torch.float64, requires_grad=True)
     c64, s64 = cos.double().unsqueeze(-2), sin.double().unsqueeze(-2)
-    assert torch.autograd.gradcheck(lambda t: model._NeoxRope.apply(t, c64, s64), (xd,))
+    assert torch.autograd.gradcheck(lambda t: model._RealRope.apply(t, c64, s64, True), (xd,))
