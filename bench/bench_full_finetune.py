@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -135,8 +136,7 @@ def bench_llama_cpp(model: Path, tokens: list[int], ctx: int, steps: int, warmup
 
 def _spread(seconds: list[float]) -> str:
     """The timed steps' median and slowest, in ms."""
-    ordered = sorted(seconds)
-    return f"step ms median {1e3 * ordered[len(ordered) // 2]:.1f}, slowest {1e3 * ordered[-1]:.1f}"
+    return f"step ms median {1e3 * statistics.median(seconds):.1f}, slowest {1e3 * max(seconds):.1f}"
 
 
 def bench_ggtorch(model: Path, text: Path, ctx: int, steps: int, warmup: int, threads: int) -> float:
