@@ -1,14 +1,18 @@
-"""Causal self-attention for training: batched matrix products on CPU for short sequences,
-``F.scaled_dot_product_attention`` everywhere else.
+"""Causal self-attention for training: batched matrix products on CPU for short sequences
+(:func:`products_max_tokens`), ``F.scaled_dot_product_attention`` everywhere else.
 
 torch's CPU flash attention walks the sequence in small blocks; at training lengths that is
-slower than writing the (T, T) score matrix out and running four plain batched products.
-:data:`PRODUCTS_MAX_TOKENS` keeps the products up to the lengths where they measured faster
-(bf16 wins longer than f32). Their price is memory: the probabilities (B, H, T, T) are saved for
-backward instead of flash's per-row log-sum-exp.
+slower than writing the score matrix out and running plain batched products. The products go a
+block of :data:`BLOCK_ROWS` queries at a time against only the keys that block may see (under a
+causal mask, the keys up to its last query), so the masked upper triangle beyond the diagonal
+blocks is never computed: about a quarter of the work at two blocks, more at four. Their price is
+memory: each block's probabilities are saved for backward, where flash keeps one log-sum-exp per
+row, and past the length limit that memory grows with the square of the sequence.
 
 Precision matches flash's: scores, softmax and its backward in f32, the products with the
-probabilities in the input dtype, as the flash kernel does for bf16.
+probabilities in the input dtype, as the flash kernel does for bf16. Key and value gradients are
+summed over the blocks in the input dtype (bf16 partial sums stay within flash's error in
+tests/models/test_attention.py; an f32 accumulator would cost a pass per block).
 """
 
 from __future__ import annotations
@@ -18,6 +22,16 @@ import torch.nn.functional as F
 
 PRODUCTS_MAX_TOKENS: dict[torch.dtype, int] = {torch.float32: 128, torch.bfloat16: 256}
 """Longest sequence, by dtype, whose training attention on CPU runs as batched products."""
+
+WIDE_HEAD_DIM = 128
+"""Heads at least this wide run f32 products up to :data:`WIDE_HEAD_MAX_TOKENS`."""
+
+WIDE_HEAD_MAX_TOKENS = 512
+"""Longest f32 sequence on the products path for heads of :data:`WIDE_HEAD_DIM` or more."""
+
+BLOCK_ROWS = 128
+"""Queries per block of the products path: small enough that the blocks skip most of the masked
+triangle, large enough for full-speed batched products."""
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
@@ -35,21 +49,61 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
                                           scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def products_max_tokens(dtype: torch.dtype, head_dim: int) -> int:
+    """Longest sequence whose training attention on CPU runs as batched products (0: never).
+
+    The products' softmax and its backward walk every score once per pass whatever the head size,
+    their GEMMs grow with it: narrow f32 heads past 128 tokens gain nothing over flash within a
+    training step (the saved probabilities crowd the caches the rest of the step uses), wide ones
+    do up to 512."""
+    if dtype == torch.float32 and head_dim >= WIDE_HEAD_DIM:
+        return WIDE_HEAD_MAX_TOKENS
+    return PRODUCTS_MAX_TOKENS.get(dtype, 0)
+
+
+def saved_keys_per_query(T: int) -> float:
+    """Probabilities the products path saves per query of a causal T-token sequence, on average:
+    a block's queries keep one per key up to the block's end."""
+    ends = [min(r0 + BLOCK_ROWS, T) for r0 in range(0, T, BLOCK_ROWS)]
+    return sum((end - r0) * end for r0, end in zip(range(0, T, BLOCK_ROWS), ends, strict=True)) / T
+
+
 def _as_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> bool:
     """Training (a backward will follow) on CPU, self-attention over a short sequence, causal or a
     boolean mask; inference and KV-cache calls keep flash."""
     T, S = q.shape[2], k.shape[2]
-    return (q.device.type == "cpu" and T == S and T <= PRODUCTS_MAX_TOKENS.get(q.dtype, 0)
+    return (q.device.type == "cpu" and T == S and T <= products_max_tokens(q.dtype, q.shape[3])
             and k.dtype == v.dtype == q.dtype and (causal or (mask is not None and mask.dtype == torch.bool))
             and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
-class _ProductAttention(torch.autograd.Function):
-    """Attention as bmm, softmax, bmm; backward as four bmm and softmax's backward.
+def _key_ends(allowed: torch.Tensor, T: int) -> list[int]:
+    """Per block of queries, one past the last key any of its queries may see (at least one key)."""
+    last = (allowed.reshape(-1, T, T).any(dim=0) * torch.arange(1, T + 1, device=allowed.device)).amax(dim=-1)
+    return [max(1, int(last[r0:r0 + BLOCK_ROWS].max())) for r0 in range(0, T, BLOCK_ROWS)]
 
-    Query heads of one KV head are stacked along the rows, (B·Hkv, G·T, D) against (B·Hkv, T, D),
-    so grouped-query attention needs no copies of k and v and their gradients come out summed
-    over the group.
+
+def _rows(t: torch.Tensor, r0: int, r1: int, n_kv: int) -> torch.Tensor:
+    """Positions r0..r1 of (B, H, T, D) as (B·Hkv, G·n, D): one KV head's query heads stacked along the
+    rows, so grouped-query attention needs no copies of k and v."""
+    B, H, _, D = t.shape
+    return t[:, :, r0:r1].reshape(B * n_kv, (H // n_kv) * (r1 - r0), D)
+
+
+def _add_bmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b (batched) for a block's slice of a key or value gradient. Into a strided slice,
+    an f32 baddbmm_ runs far slower than the product and a separate add."""
+    if acc.is_contiguous() or acc.dtype != torch.float32:
+        acc.baddbmm_(a, b)
+    else:
+        acc += torch.bmm(a, b)
+
+
+class _ProductAttention(torch.autograd.Function):
+    """Attention as bmm, softmax, bmm per block of queries; backward as four bmm and softmax's backward.
+
+    Block i's queries r0..r1 meet keys 0..end_i (:func:`_key_ends`); the mask, as an additive 0/-inf
+    bias, and the scale go into the scores in one pass (bias + scale·s rounds as s·scale does).
     """
 
     @staticmethod
@@ -58,29 +112,48 @@ class _ProductAttention(torch.autograd.Function):
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         G = H // Hkv
-        q3 = q.reshape(B * Hkv, G * T, D)
         k3, v3 = k.reshape(B * Hkv, T, D), v.reshape(B * Hkv, T, D)
-        scores = torch.bmm(q3.float(), k3.float().transpose(1, 2)).mul_(scale)  # (B·Hkv, G·T, T), f32
+        k3f = k3.float()
         bias = torch.zeros(allowed.shape, dtype=torch.float32, device=q.device).masked_fill_(~allowed, float("-inf"))
         if bias.dim() == 4:  # (B|1, 1, T, T): one bias for every head of a row
             bias = bias.unsqueeze(2)  # (B|1, 1, 1, T, T)
-        scores.view(B, Hkv, G, T, T).add_(bias)
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)  # (B·Hkv, G·T, T)
-        out = torch.bmm(probs, v3)  # (B·Hkv, G·T, D)
-        ctx.save_for_backward(q3, k3, v3, probs, out)
-        ctx.scale, ctx.shapes = scale, (q.shape, k.shape)
+        ends = _key_ends(allowed, T)
+        out = torch.empty(B * Hkv, G, T, D, dtype=q.dtype, device=q.device)
+        probs = []
+        for r0, end in zip(range(0, T, BLOCK_ROWS), ends, strict=True):
+            r1 = min(r0 + BLOCK_ROWS, T)
+            scores = torch.bmm(_rows(q, r0, r1, Hkv).float(), k3f[:, :end].transpose(1, 2))  # (B·Hkv, G·n, end)
+            s5 = scores.view(B, Hkv, G, r1 - r0, end)
+            torch.add(bias[..., r0:r1, :end], s5, alpha=scale, out=s5)
+            p = torch.softmax(scores, dim=-1, out=scores).to(q.dtype)
+            out[:, :, r0:r1] = torch.bmm(p, v3[:, :end]).view(B * Hkv, G, r1 - r0, D)
+            probs.append(p)
+        ctx.save_for_backward(q, k3, v3, out, *probs)
+        ctx.scale, ctx.ends, ctx.kv_shape = scale, ends, k.shape
         return out.view(B, H, T, D)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
-        q3, k3, v3, probs, out = ctx.saved_tensors
-        q_shape, kv_shape = ctx.shapes
-        g3 = grad_out.reshape(out.shape).to(out.dtype)  # (B·Hkv, G·T, D)
-        grad_v = torch.bmm(probs.transpose(1, 2), g3)  # (B·Hkv, T, D)
-        grad_probs = torch.bmm(g3, v3.transpose(1, 2))  # (B·Hkv, G·T, T)
+        q, k3, v3, out, *probs = ctx.saved_tensors
+        B, H, T, D = q.shape
+        Hkv = ctx.kv_shape[1]
+        G = H // Hkv
+        g = grad_out.to(out.dtype)  # (B, H, T, D)
         # softmax backward: p · (dp - sum_j p_j dp_j), the sum being rowwise g·out
-        row_dot = (g3.float() * out.float()).sum(dim=-1, keepdim=True)  # (B·Hkv, G·T, 1)
-        grad_scores = (grad_probs.float() - row_dot).mul_(probs).mul_(ctx.scale).to(q3.dtype)
-        grad_q = torch.bmm(grad_scores, k3)  # (B·Hkv, G·T, D)
-        grad_k = torch.bmm(grad_scores.transpose(1, 2), q3)  # (B·Hkv, T, D)
-        return grad_q.view(q_shape), grad_k.view(kv_shape), grad_v.view(kv_shape), None, None
+        row_dot = (g.float() * out.view(B, H, T, D).float()).sum(dim=-1, keepdim=True)  # (B, H, T, 1)
+        row_dot = row_dot.view(B * Hkv, G, T, 1)
+        grad_q = torch.empty(B * Hkv, G, T, D, dtype=q.dtype, device=q.device)
+        grad_k = torch.zeros(B * Hkv, T, D, dtype=q.dtype, device=q.device)
+        grad_v = torch.zeros_like(grad_k)
+        for r0, end, p in zip(range(0, T, BLOCK_ROWS), ctx.ends, probs, strict=True):
+            r1 = min(r0 + BLOCK_ROWS, T)
+            g3 = _rows(g, r0, r1, Hkv)  # (B·Hkv, G·n, D)
+            _add_bmm_(grad_v[:, :end], p.transpose(1, 2), g3)
+            grad_probs = torch.bmm(g3, v3[:, :end].transpose(1, 2)).float()  # (B·Hkv, G·n, end)
+            grad_probs.view(B * Hkv, G, r1 - r0, end).sub_(row_dot[:, :, r0:r1])
+            grad_scores = grad_probs.mul_(p).mul_(ctx.scale).to(q.dtype)
+            grad_q[:, :, r0:r1] = torch.bmm(grad_scores, k3[:, :end]).view(B * Hkv, G, r1 - r0, D)
+            _add_bmm_(grad_k[:, :end], grad_scores.transpose(1, 2), _rows(q, r0, r1, Hkv))
+        kv_shape = ctx.kv_shape
+        return (grad_q.view(B, H, T, D), grad_k.view(kv_shape), grad_v.view(kv_shape),
+                None, None)

@@ -31,7 +31,7 @@ import torch
 from ggtorch.io.gguf import GGUFFile
 from ggtorch.lora.config import LoraConfig
 from ggtorch.models import names
-from ggtorch.models.attention import PRODUCTS_MAX_TOKENS
+from ggtorch.models.attention import products_max_tokens, saved_keys_per_query
 from ggtorch.models.config import ModelConfig
 from ggtorch.models.loader import FLOAT_TYPES
 from ggtorch.quant.autograd import KEEP_DEQUANTIZED_BYTES
@@ -169,8 +169,8 @@ def _layer_bytes_per_token(c: ModelConfig, ctx: int, e: int, compute_dtype: torc
         saved += (c.n_embd_q + c.n_embd_kv) * 2 * e
     if c.attn_softcap:
         saved += c.n_head * ctx * (4 + 4 + e)  # the capped scores, their softmax (f32) and the probabilities
-    elif device.type == "cpu" and ctx <= PRODUCTS_MAX_TOKENS.get(compute_dtype, 0):
-        saved += c.n_head * ctx * e
+    elif device.type == "cpu" and ctx <= products_max_tokens(compute_dtype, c.head_dim):
+        saved += int(c.n_head * saved_keys_per_query(ctx)) * e
     if c.n_expert:
         saved += c.n_expert_used * (c.n_embd + 3 * (c.n_ff_exp or c.n_ff)) * e + c.n_expert * 4
         saved += 3 * (c.n_ff_shexp or 0) * e

@@ -1,6 +1,7 @@
 """Training attention as batched products against torch's own scaled_dot_product_attention in
-float64: outputs and gradients of q, k, v, causal and packed masks, grouped-query heads; and
-the dispatch: products only where PRODUCTS_MAX_TOKENS allows and a backward follows."""
+float64: outputs and gradients of q, k, v, causal, packed and non-causal masks, grouped-query heads,
+one block of queries and several (the last one partial); and the dispatch: products only where
+PRODUCTS_MAX_TOKENS allows and a backward follows."""
 
 from __future__ import annotations
 
@@ -8,23 +9,35 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ggtorch.models.attention import PRODUCTS_MAX_TOKENS, attention
+from ggtorch.models.attention import (
+    BLOCK_ROWS,
+    PRODUCTS_MAX_TOKENS,
+    WIDE_HEAD_DIM,
+    WIDE_HEAD_MAX_TOKENS,
+    _key_ends,
+    attention,
+)
 
 SCALE = 0.125
 
 
-def _qkv(B: int, H: int, Hkv: int, T: int, q_scale: float = 4.0, seed: int = 0) -> list[torch.Tensor]:
+def _qkv(B: int, H: int, Hkv: int, T: int, q_scale: float = 4.0, seed: int = 0, D: int = 64) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, T, 64, generator=gen) * q_scale  # scores of a few units, as in a trained model
-    k, v = (torch.randn(B, Hkv, T, 64, generator=gen) for _ in range(2))
+    q = torch.randn(B, H, T, D, generator=gen) * q_scale  # scores of a few units, as in a trained model
+    k, v = (torch.randn(B, Hkv, T, D, generator=gen) for _ in range(2))
     return [q, k, v]
 
 
-def _packed_mask(B: int, T: int) -> torch.Tensor:
-    """(B, 1, T, T): rows of several records, causal inside each, nothing across."""
+def _packed_mask(B: int, T: int, causal: bool = True) -> torch.Tensor:
+    """(B, 1, T, T): rows of several records, causal inside each (or not), nothing across."""
     segments = torch.stack([torch.arange(T) // (T // (2 + b)) for b in range(B)])  # (B, T)
     same = segments[:, :, None] == segments[:, None, :]
-    return (same & torch.ones(T, T, dtype=torch.bool).tril())[:, None]
+    return (same & torch.ones(T, T, dtype=torch.bool).tril())[:, None] if causal else same[:, None]
+
+
+def _mask(masking: str, B: int, T: int) -> torch.Tensor | None:
+    return {"causal": None, "packed": _packed_mask(B, T),
+            "bidirectional": _packed_mask(B, T, causal=False)}[masking]
 
 
 def _run(fn, tensors: list[torch.Tensor], dtype: torch.dtype, grad_out: torch.Tensor) -> tuple[list[torch.Tensor], str]:
@@ -44,14 +57,19 @@ def _reference(tensors: list[torch.Tensor], grad_out: torch.Tensor, mask: torch.
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
-@pytest.mark.parametrize("masking", ["causal", "packed"])
-def test_products_match_sdpa_in_float64(dtype: torch.dtype, heads: tuple[int, int], masking: str) -> None:
+@pytest.mark.parametrize("masking", ["causal", "packed", "bidirectional"])
+@pytest.mark.parametrize("T", [64, 2 * BLOCK_ROWS + 44], ids=["one-block", "three-blocks"])
+def test_products_match_sdpa_in_float64(dtype: torch.dtype, heads: tuple[int, int], masking: str, T: int,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """f32: to f32 rounding. bf16: no further from float64 than torch's flash kernel in bf16 (the
-    path it replaces), times 1.25."""
-    B, T = 2, 64
+    path it replaces), times 1.25. A bidirectional mask lets a block's queries see keys past its
+    end, which the blocks must then include. (The length limit is lifted to T: the dispatch has
+    its own tests.)"""
+    monkeypatch.setitem(PRODUCTS_MAX_TOKENS, dtype, T)
+    B = 2
     tensors = _qkv(B, heads[0], heads[1], T)
     grad_out = torch.randn(B, heads[0], T, 64, generator=torch.Generator().manual_seed(1))
-    mask = _packed_mask(B, T) if masking == "packed" else None
+    mask = _mask(masking, B, T)
     want = _reference(tensors, grad_out, mask)
     got, node = _run(lambda q, k, v: attention(q, k, v, scale=SCALE, causal=mask is None, mask=mask),
                      tensors, dtype, grad_out)
@@ -69,6 +87,18 @@ def test_products_match_sdpa_in_float64(dtype: torch.dtype, heads: tuple[int, in
                     tensors, dtype, grad_out)
     for name, g, f, w in zip(("out", "q", "k", "v"), got, flash, want, strict=True):
         assert rel(g, w) <= 1.25 * rel(f, w), (name, rel(g, w), rel(f, w))
+
+
+def test_each_block_meets_the_keys_its_queries_may_see() -> None:
+    """Under a causal mask a block stops at its last query; a packed causal mask no later; a
+    bidirectional one at the end of each block's last record."""
+    T = 2 * BLOCK_ROWS + 44
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    assert _key_ends(causal, T) == [BLOCK_ROWS, 2 * BLOCK_ROWS, T]
+    assert _key_ends(_packed_mask(2, T), T) == [BLOCK_ROWS, 2 * BLOCK_ROWS, T]
+    # one row of two records of T/2 = 150 tokens: block 0 (queries 0..127) lies in the first, which
+    # ends at 150; blocks 1 and 2 reach into the second, which ends at T
+    assert _key_ends(_packed_mask(1, T, causal=False), T) == [T // 2, T, T]
 
 
 def test_the_products_path_and_flash_give_the_same_training_step_result() -> None:
@@ -89,6 +119,20 @@ def test_the_products_path_and_flash_give_the_same_training_step_result() -> Non
         assert (node == "_ProductAttentionBackward") == (limit == T), node
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "D", "limit"), [
+    (torch.float32, 64, PRODUCTS_MAX_TOKENS[torch.float32]),
+    (torch.float32, WIDE_HEAD_DIM, WIDE_HEAD_MAX_TOKENS),
+    (torch.bfloat16, 64, PRODUCTS_MAX_TOKENS[torch.bfloat16]),
+    (torch.bfloat16, WIDE_HEAD_DIM, PRODUCTS_MAX_TOKENS[torch.bfloat16]),
+])
+def test_the_length_limit_depends_on_dtype_and_head_size(dtype: torch.dtype, D: int, limit: int) -> None:
+    """Wide f32 heads take the products further than narrow ones; bf16 has one limit."""
+    for T, products in ((limit, True), (limit + 1, False)):
+        q, k, v = (t.to(dtype).requires_grad_() for t in _qkv(1, 2, 1, T, D=D))
+        y = attention(q, k, v, scale=SCALE, causal=True)
+        assert (type(y.grad_fn).__name__ == "_ProductAttentionBackward") == products, (T, D)
 
 
 def test_inference_and_cache_calls_keep_flash() -> None:
