@@ -64,8 +64,12 @@ def products_max_tokens(dtype: torch.dtype, head_dim: int) -> int:
 def saved_keys_per_query(T: int) -> float:
     """Probabilities the products path saves per query of a causal T-token sequence, on average:
     a block's queries keep one per key up to the block's end."""
-    ends = [min(r0 + BLOCK_ROWS, T) for r0 in range(0, T, BLOCK_ROWS)]
-    return sum((end - r0) * end for r0, end in zip(range(0, T, BLOCK_ROWS), ends, strict=True)) / T
+    return sum((r1 - r0) * r1 for r0, r1 in _blocks(T)) / T
+
+
+def _blocks(T: int) -> list[tuple[int, int]]:
+    """The query blocks (r0, r1) of a T-token sequence, the last one shorter when T is not a multiple."""
+    return [(r0, min(r0 + BLOCK_ROWS, T)) for r0 in range(0, T, BLOCK_ROWS)]
 
 
 def _as_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> bool:
@@ -80,7 +84,7 @@ def _as_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 def _key_ends(allowed: torch.Tensor, T: int) -> list[int]:
     """Per block of queries, one past the last key any of its queries may see (at least one key)."""
     last = (allowed.reshape(-1, T, T).any(dim=0) * torch.arange(1, T + 1, device=allowed.device)).amax(dim=-1)
-    return [max(1, int(last[r0:r0 + BLOCK_ROWS].max())) for r0 in range(0, T, BLOCK_ROWS)]
+    return [max(1, int(last[r0:r1].max())) for r0, r1 in _blocks(T)]
 
 
 def _rows(t: torch.Tensor, r0: int, r1: int, n_kv: int) -> torch.Tensor:
@@ -120,8 +124,7 @@ class _ProductAttention(torch.autograd.Function):
         ends = _key_ends(allowed, T)
         out = torch.empty(B * Hkv, G, T, D, dtype=q.dtype, device=q.device)
         probs = []
-        for r0, end in zip(range(0, T, BLOCK_ROWS), ends, strict=True):
-            r1 = min(r0 + BLOCK_ROWS, T)
+        for (r0, r1), end in zip(_blocks(T), ends, strict=True):
             scores = torch.bmm(_rows(q, r0, r1, Hkv).float(), k3f[:, :end].transpose(1, 2))  # (B·Hkv, G·n, end)
             s5 = scores.view(B, Hkv, G, r1 - r0, end)
             torch.add(bias[..., r0:r1, :end], s5, alpha=scale, out=s5)
@@ -145,8 +148,7 @@ class _ProductAttention(torch.autograd.Function):
         grad_q = torch.empty(B * Hkv, G, T, D, dtype=q.dtype, device=q.device)
         grad_k = torch.zeros(B * Hkv, T, D, dtype=q.dtype, device=q.device)
         grad_v = torch.zeros_like(grad_k)
-        for r0, end, p in zip(range(0, T, BLOCK_ROWS), ctx.ends, probs, strict=True):
-            r1 = min(r0 + BLOCK_ROWS, T)
+        for (r0, r1), end, p in zip(_blocks(T), ctx.ends, probs, strict=True):
             g3 = _rows(g, r0, r1, Hkv)  # (B·Hkv, G·n, D)
             _add_bmm_(grad_v[:, :end], p.transpose(1, 2), g3)
             grad_probs = torch.bmm(g3, v3[:, :end].transpose(1, 2)).float()  # (B·Hkv, G·n, end)
