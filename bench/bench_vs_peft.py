@@ -847,6 +847,10 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         lines += [f"- {row['case'].label} ({row['case'].malloc}): " + "; ".join(
             f"{side} " + ", ".join(fmt(t) for t in row[f"{side}_all_tps"]) for side in sides
             if row.get(f"{side}_all_tps")) for row in repeated]
+    effect = allocator_effect(rows, sides)
+    if effect:
+        lines += ["", "Each side on jemalloc against the system malloc, same case (tok/s, system → jemalloc):", ""]
+        lines += [f"- {e}" for e in effect]
     errors = [(row["case"].label, side, row[side]["error"]) for row in rows for side in sides
               if "error" in row.get(side, {})]
     if errors:
@@ -965,18 +969,42 @@ def targets(rows: list[dict[str, Any]], full: dict[str, Any] | None = None) -> l
 
 
 def headline(rows: list[dict[str, Any]]) -> list[str]:
-    """The ratios against the peer a newcomer reproduces: both sides on the system malloc."""
+    """The ratios against the peer: first those a newcomer reproduces (both sides on the system malloc),
+    then the same ratios with both sides on jemalloc where this run measured them."""
     out = []
-    for label, row, peer_row in (
-            ("f32 LoRA, 110M b4×256", find(rows), None),
-            ("bf16 autocast against the peer in f32, 110M b4×256", find(rows, dtype="bf16"), find(rows)),
-            *((f"{ft} base, {sh} b{b}×256", find(rows, shape=sh, batch=b, ftype=ft), None)
-              for sh, b, ft in QUANTIZED_TARGETS),
-            ("gemma3-270M Q8_0 b4×256", find(rows, shape="gemma3-270M", ftype="Q8_0"), None)):
-        r = ratio(row, peer_row)
-        if r is not None:
-            out.append(f"{label}: ggtorch {r:.2f}× the peer's tokens/s")
+    for malloc in ALLOCATORS:
+        on = "" if malloc == "system" else f", both sides on {malloc}"
+        for label, row, peer_row in (
+                ("f32 LoRA, 110M b4×256", find(rows, malloc=malloc), None),
+                ("bf16 autocast against the peer in f32, 110M b4×256", find(rows, dtype="bf16", malloc=malloc),
+                 find(rows, malloc=malloc)),
+                *((f"{ft} base, {sh} b{b}×256", find(rows, shape=sh, batch=b, ftype=ft, malloc=malloc), None)
+                  for sh, b, ft in QUANTIZED_TARGETS),
+                ("gemma3-270M Q8_0 b4×256", find(rows, shape="gemma3-270M", ftype="Q8_0", malloc=malloc), None)):
+            r = ratio(row, peer_row)
+            if r is not None:
+                out.append(f"{label}{on}: ggtorch {r:.2f}× the peer's tokens/s")
     return out or ["no row with both sides in this run"]
+
+
+def allocator_effect(rows: list[dict[str, Any]], sides: list[str]) -> list[str]:
+    """Each side's tok/s on jemalloc over its tok/s on the system malloc, for every case run on both:
+    how much of a ratio against the peer is the allocator's."""
+    out = []
+    for row in rows:
+        case = row["case"]
+        if case.malloc == "system":
+            continue
+        base = next((r for r in rows if r["case"].malloc == "system"
+                     and replace(r["case"], malloc=case.malloc, repeat=case.repeat) == case), None)
+        if base is None:
+            continue
+        parts = [f"{side} {fmt(base[f'{side}_tps'])} → {fmt(row[f'{side}_tps'])} tok/s "
+                 f"({row[f'{side}_tps'] / base[f'{side}_tps']:.2f}×)" for side in sides
+                 if row.get(f"{side}_tps") and base.get(f"{side}_tps")]
+        if parts:
+            out.append(f"{case.label}: " + ", ".join(parts))
+    return out
 
 
 def _alternating_ratio(row: dict[str, Any] | None, numerator: str, denominator: str) -> float | None:
