@@ -11,7 +11,7 @@ case runs one step loop per side, each in its own child process so that peak RSS
 Like for like: both sides of a row run on the same allocator. Every row runs with both on the
 system malloc (what the README's setup gives a user), both with the glibc thresholds a ggtorch run
 sets itself (``ggtorch.ops.malloc``; the peer gets them from the environment); when jemalloc is
-installed, the 110M rows run again with both on jemalloc. Both train LoRA rank 4 (alpha 4) on
+installed, the 110M and gemma3-270M rows run again with both on jemalloc. Both train LoRA rank 4 (alpha 4) on
 q/k/v/o/gate/up/down from the same token batches (ggtorch's data pipeline over the same text, same
 seed), with AdamW (lr 1e-3, decay 0.1, clip 1.0) and the same batch, context and threads. Tokens/s
 is the median over the timed optimizer steps after three warm-up steps.
@@ -137,7 +137,8 @@ KEEP_MIB = 8192
 
 
 def full_cases(jemalloc: bool) -> list[Case]:
-    """The rows of a full run; the 110M rows once more on jemalloc when it is installed."""
+    """The rows of a full run; the 110M and gemma3-270M rows once more on jemalloc when it is installed : not
+    the 1.1B ones, 90 s each, whose peer at b1×256 allocates no block as big as those glibc always mmaps."""
     # Three warm-up steps: on glibc's default thresholds the peer ran its second and third steps 30-40%
     # slower than the later ones (the mmap threshold rises as the step's large blocks are freed); ggtorch
     # its first.
@@ -157,8 +158,9 @@ def full_cases(jemalloc: bool) -> list[Case]:
         replace(base, shape="1.1B", ftype="Q4_0", batch=1, steps=1, keep_mib=KEEP_MIB),
         replace(base, shape="gemma3-270M", ftype="Q8_0"),
     ]
-    if jemalloc:  # one run per side, so that the second pairing keeps a full run within 15 minutes
-        rows += [replace(c, malloc="jemalloc", repeat=1) for c in rows if c.shape == "110M" and not c.checkpointing]
+    if jemalloc:  # one run per side, to keep the second pairing short
+        rows += [replace(c, malloc="jemalloc", repeat=1) for c in rows
+                 if c.shape in ("110M", "gemma3-270M") and not c.checkpointing]
     return rows
 
 
@@ -784,7 +786,7 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "- allocators: every row runs with both sides on the system malloc (glibc), what the README's setup gives, "
         "both with the thresholds a ggtorch run sets itself (`MALLOC_MMAP_THRESHOLD_` 32 MiB, "
         "`MALLOC_TRIM_THRESHOLD_` never: `ggtorch/ops/malloc.py`), which the peer gets from the environment; "
-        + (f"jemalloc is installed ({jemalloc}): the 110M rows run again with both sides on it"
+        + (f"jemalloc is installed ({jemalloc}): the 110M and gemma3-270M rows run again with both sides on it"
            if jemalloc else "jemalloc is not installed on this machine, so there is no jemalloc / jemalloc pairing "
            "(`ggtorch finetune` relaunches itself on jemalloc when it is installed, `apt install libjemalloc2`)"),
         f"- load average when the run started: {fmt(info['load'], '.2f')} "

@@ -118,17 +118,22 @@ def test_each_allocator_pairing_gets_its_own_targets(bench: Any) -> None:
 def test_jemalloc_pairing_in_the_headline_and_each_sides_allocator_effect(bench: Any) -> None:
     # the jemalloc rows run once per side, the system ones twice: still the same cases
     jemalloc = [{**r, "case": replace(r["case"], repeat=1)}
-                for r in _rows(bench, f32_tps=390.0, malloc="jemalloc") if r["case"].shape == "110M"]
+                for r in _rows(bench, f32_tps=390.0, malloc="jemalloc") if r["case"].shape != "1.1B"]
     jemalloc[0]["peer_tps"] = 520.0
     rows = [{**r, "case": replace(r["case"], repeat=2)} if r["case"].shape == "110M" else r for r in _rows(bench)]
     rows += jemalloc
     lines = bench.headline(rows)
     assert lines[0] == "f32 LoRA, 110M b4×256: ggtorch 1.50× the peer's tokens/s"  # the system pairing first
     assert "f32 LoRA, 110M b4×256, both sides on jemalloc: ggtorch 0.75× the peer's tokens/s" in lines  # 390 / 520
+    assert "gemma3-270M Q8_0 b4×256, both sides on jemalloc: ggtorch 2.14× the peer's tokens/s" in lines  # 300/140
     assert not any("1.1B" in line and "jemalloc" in line for line in lines)  # not run on jemalloc
     effect = bench.allocator_effect(rows, ["ggtorch", "peer"])
     assert effect[0] == "110M F32 f32 b4x256: ggtorch 600 → 390 tok/s (0.65×), peer 400 → 520 tok/s (1.30×)"
-    assert len(effect) == 5  # every 110M case run on both allocators, checkpointed included; no 1.1B or gemma
+    assert len(effect) == 6  # every case run on both allocators, checkpointed included; no 1.1B
+    assert "gemma3-270M (262,144 tokens, tied Q8_0)" in "\n".join(bench.targets(rows)).split("on jemalloc")[1]
+    second = [c for c in bench.full_cases(jemalloc=True) if c.malloc == "jemalloc"]
+    assert {c.shape for c in second} == {"110M", "gemma3-270M"} and all(c.repeat == 1 for c in second)
+    assert len(second) == 5 and all(c.malloc == "system" for c in bench.full_cases(jemalloc=False))
 
 
 def test_both_sides_get_the_glibc_thresholds_a_ggtorch_run_sets(bench: Any) -> None:
