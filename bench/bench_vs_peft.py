@@ -137,8 +137,8 @@ KEEP_MIB = 8192
 
 
 def full_cases(jemalloc: bool) -> list[Case]:
-    """The rows of a full run; the 110M and gemma3-270M rows once more on jemalloc when it is installed : not
-    the 1.1B ones, 90 s each, whose peer at b1×256 allocates no block as big as those glibc always mmaps."""
+    """The rows of a full run; the 110M and gemma3-270M rows once more on jemalloc when it is installed. Not
+    the 1.1B ones, the slowest rows, whose peer at b1×256 allocates no block as big as those glibc always mmaps."""
     # Three warm-up steps: on glibc's default thresholds the peer ran its second and third steps 30-40%
     # slower than the later ones (the mmap threshold rises as the step's large blocks are freed); ggtorch
     # its first.
