@@ -34,7 +34,7 @@ GROUPS = (FILES, SHAPE, OUTPUTS, RECORDS, TRAINING, OPTIMIZER, SAMPLES, OVERRIDE
 
 @config_command(TrainConfig, GROUPS)
 def train(**values: Any) -> None:
-    """Train every weight of a llama: a new one (--vocab-model) or a float GGUF (--model-base).
+    """Train every weight: a new llama (--vocab-model) or a float GGUF of any family (--model-base).
 
     \b
     As llama.cpp's old train-text-from-scratch (new models are initialized as it did) and
