@@ -5,7 +5,7 @@ tensors llama.cpp's loader expects for that architecture (src/models/<family>.cp
 independent input for comparing ggtorch with llama.cpp. FAMILY_PRESETS holds one model per family and
 per quirk worth a test (biases, tied outputs, q/k norms, head size != n_embd / n_head, soft-caps, sliding
 windows crossing a 48-token sequence, gemma3's own rope base for local layers, phi3's fused matrices,
-partial rope and LongRoPE factors, Llama 3's rope_freqs).
+partial rope and LongRoPE factors, Llama 3's rope_freqs, YaRN).
 """
 
 from __future__ import annotations
@@ -59,6 +59,9 @@ class Shape:
     final_softcap: float | None = None
     rope_scaling_linear: float | None = None
     """``rope.scaling.type = linear`` and ``rope.scaling.factor`` (gemma3 4B+ style global layers)."""
+    rope_scaling_yarn: float | None = None
+    """``rope.scaling.type = yarn`` and ``rope.scaling.factor`` (Qwen's 128k files); the ramp's original
+    context is ``n_ctx_orig``."""
     n_expert: int = 0
     """``expert_count`` (0: a dense FFN). Experts get ``expert_used_count`` = n_expert_used."""
     n_expert_used: int = 0
@@ -108,12 +111,17 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
     "llama3_rope_freqs": ("llama", "llama-spm", Shape(rope_freqs=True, rope_freq_base=500000.0, rms_eps=1e-5)),
     "llama3_tied": ("llama", "llama-spm", Shape(rope_freqs=True, rope_freq_base=500000.0, rms_eps=1e-5,
                                                 tied_output=True)),
-    # Mistral-style llama: SPM vocab, GQA 4:1, base 1e6, head_dim 32 != n_embd/n_head (Nemo style)
+    # YaRN (Qwen's 128k files: factor 4 over an original 32k). An original context of 64 puts the ramp on the
+    # pairs that turn within 48 tokens, so the mix of scaled and unscaled angles moves the logits; NEOX and NORM
+    "qwen3_yarn": ("qwen3", "llama-spm", Shape(head_dim=32, rope_freq_base=1e6, tied_output=True,
+                                               rope_scaling_yarn=4.0, n_ctx_orig=64)),
+    "llama_yarn": ("llama", "llama-spm", Shape(rope_scaling_yarn=2.0, n_ctx_orig=100, rms_eps=1e-5)),
     "qwen3moe": ("qwen3moe", "llama-spm", Shape(head_dim=32, n_ff=96, rope_freq_base=1e6, n_expert=8,
                                                 n_expert_used=2, n_ff_exp=64)),
     "qwen2moe": ("qwen2moe", "llama-spm", Shape(qkv_bias=True, rope_freq_base=1e6, n_ff=96, n_expert=6,
                                                 n_expert_used=2, n_ff_exp=32, n_ff_shexp=64)),
     "llama_moe": ("llama", "llama-spm", Shape(n_ff=64, n_expert=4, n_expert_used=2, rms_eps=1e-5)),
+    # Mistral-style llama: SPM vocab, GQA 4:1, base 1e6, head_dim 32 != n_embd/n_head (Nemo style)
     "mistral_headdim": ("llama", "llama-spm", Shape(n_head=4, n_head_kv=1, head_dim=32, rope_freq_base=1e6,
                                                     rms_eps=1e-5)),
 }
@@ -225,6 +233,9 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
     if s.rope_scaling_linear is not None:
         w.add_string(f"{a}.rope.scaling.type", "linear")
         w.add_float32(f"{a}.rope.scaling.factor", s.rope_scaling_linear)
+    if s.rope_scaling_yarn is not None:
+        w.add_string(f"{a}.rope.scaling.type", "yarn")
+        w.add_float32(f"{a}.rope.scaling.factor", s.rope_scaling_yarn)
     if s.n_expert:
         w.add_uint32(f"{a}.expert_count", s.n_expert)
         w.add_uint32(f"{a}.expert_used_count", s.n_expert_used)

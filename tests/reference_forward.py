@@ -38,6 +38,7 @@ class Config:
     rope_freq_scale: float
     rope_attn_factor: float
     n_ctx_orig: int
+    rope_yarn: bool = False
     # per layer
     is_swa: list[bool] = field(default_factory=list)
     n_swa: int = 0
@@ -108,8 +109,6 @@ def make_config(meta: dict, tensors: dict[str, np.ndarray]) -> Config:
     n_rot = int(g("{a}.rope.dimension_count", hdk))
     n_ctx_train = int(g("{a}.context_length", required=True))
     scaling_type = g("{a}.rope.scaling.type", "linear")
-    if scaling_type == "yarn":
-        raise NotImplementedError("YaRN rope scaling is not modelled by this reference")
     factor = g("{a}.rope.scaling.factor", None)
     if factor is None:
         factor = g("{a}.rope.scale_linear", 0.0)
@@ -127,7 +126,7 @@ def make_config(meta: dict, tensors: dict[str, np.ndarray]) -> Config:
         rope_neox=arch in NEOX_ARCHS, rope_freq_base=float(g("{a}.rope.freq_base", 10000.0)),
         rope_freq_scale=freq_scale, rope_attn_factor=float(g("{a}.rope.scaling.attn_factor", 1.0)),
         n_ctx_orig=int(g("{a}.rope.scaling.original_context_length", n_ctx_train)),
-        is_swa=[False] * n_layer, n_expert=int(g("{a}.expert_count", 0)),
+        rope_yarn=scaling_type == "yarn", is_swa=[False] * n_layer, n_expert=int(g("{a}.expert_count", 0)),
         n_expert_used=int(g("{a}.expert_used_count", 0)),
     )
     c.kq_scale = 1.0 / math.sqrt(hdk)
@@ -207,18 +206,32 @@ def gelu(x: np.ndarray, mode: str = "ggml") -> np.ndarray:
 
 
 def rope_cos_sin(n_tokens: int, n_rot: int, base: float, freq_scale: float, factors: np.ndarray | None,
-                 mscale: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin (T, n_rot/2) like ggml_rope_cache_init (ext_factor 0): theta_i = p * base^(-2i/n_rot)
-    as an f32 running product, divided by factors[i], times freq_scale; cos/sin times mscale."""
+                 mscale: float, yarn_orig_ctx: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin (T, n_rot/2) like ggml_rope_cache_init: theta_i = p * base^(-2i/n_rot) as an f32
+    running product, divided by factors[i], times freq_scale; cos/sin times mscale.
+
+    ``yarn_orig_ctx``: YaRN as the paper and transformers' ``_compute_yarn_parameters`` define it
+    (beta_fast 32, beta_slow 1, truncated correction range, attention factor 0.1 ln(factor) + 1), in
+    float64 from those formulas rather than ggml's code."""
     theta_scale = np.float32(base) ** (np.float32(-2.0) / np.float32(n_rot))
-    ths = np.empty((n_tokens, n_rot // 2), dtype=np.float32)
+    extrap = np.empty((n_tokens, n_rot // 2), dtype=np.float32)
     for p in range(n_tokens):
         th = np.float32(p)
         for i in range(n_rot // 2):
             ff = np.float32(factors[i]) if factors is not None else np.float32(1.0)
-            ths[p, i] = np.float32(freq_scale) * (th / ff)
+            extrap[p, i] = th / ff
             th = np.float32(th * theta_scale)
-    t = ths.astype(np.float64)
+    t = (np.float32(freq_scale) * extrap).astype(np.float64)
+    if yarn_orig_ctx is not None:
+        def correction_dim(rotations: float) -> float:
+            return n_rot * math.log(yarn_orig_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        low = max(math.floor(correction_dim(32)), 0)
+        high = min(math.ceil(correction_dim(1)), n_rot - 1)
+        ramp = np.clip((np.arange(n_rot // 2) - low) / max(high - low, 0.001), 0, 1)
+        keep = 1 - ramp  # the share of the unscaled angle
+        t = t * (1 - keep) + extrap.astype(np.float64) * keep
+        factor = 1 / freq_scale
+        mscale *= 0.1 * math.log(factor) + 1 if factor > 1 else 1.0
     return np.cos(t) * mscale, np.sin(t) * mscale
 
 
@@ -277,7 +290,8 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
         swa = c.is_swa[il]
         base = c.rope_freq_base_swa if swa else c.rope_freq_base
         fscale = c.rope_freq_scale_swa if swa else c.rope_freq_scale
-        cos, sin = rope_cos_sin(T, c.n_rot, base, fscale, factors, c.rope_attn_factor)
+        cos, sin = rope_cos_sin(T, c.n_rot, base, fscale, factors, c.rope_attn_factor,
+                                c.n_ctx_orig if c.rope_yarn else None)
 
         h = rms_norm(x, w[p + "attn_norm.weight"], c.rms_eps)
         nq, nk = H * Dk, Hkv * Dk

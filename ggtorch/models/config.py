@@ -71,10 +71,14 @@ class ModelConfig:
     rope_long_short: bool = False
     """The file has LongRoPE's ``rope_factors_long``/``_short`` (phi3)."""
     n_ctx_orig: int | None = None
-    """``rope.scaling.original_context_length``: above it LongRoPE uses the long factors (default
-    n_ctx_train)."""
+    """``rope.scaling.original_context_length`` (default n_ctx_train): above it LongRoPE uses the long
+    factors; YaRN places its ramp by it."""
     rope_attn_factor: float = 1.0
     """``rope.scaling.attn_factor``: cos and sin are multiplied by it (LongRoPE's magnitude scale)."""
+    rope_yarn: bool = False
+    """``rope.scaling.type = yarn``: each pair's angle mixes the scaled and the unscaled one along
+    ggml's YaRN ramp (between the pairs that turn 32 and 1 times in ``n_ctx_orig`` positions), and cos
+    and sin grow by 1 + 0.1 ln(scaling factor)."""
     fused_qkv: bool = False
     """q, k and v come from one ``attn_qkv`` matrix."""
     biases: tuple[str, ...] = ()
@@ -220,14 +224,14 @@ class ModelConfig:
                               "ggtorch supports equal ones")
 
         scaling_type = optional(Keys.Rope.SCALING_TYPE, "linear")
-        if scaling_type not in ("none", "linear") and not (scaling_type == "longrope" and arch == "phi3"):
-            raise Unsupported(f"{f.path}: rope scaling type '{scaling_type}' is not supported (only none/linear"
-                              + (", longrope for phi3)" if arch != "phi3" else " and longrope)"))
+        if scaling_type not in ("none", "linear", "yarn") and not (scaling_type == "longrope" and arch == "phi3"):
+            raise Unsupported(f"{f.path}: rope scaling type '{scaling_type}' is not supported (only none, linear, "
+                              + ("yarn; longrope for phi3)" if arch != "phi3" else "yarn and longrope)"))
         factor = optional(Keys.Rope.SCALING_FACTOR, None)
         if factor is None:
             factor = optional(ROPE_SCALE_LINEAR, 0.0)
-        # llama.cpp: a factor of 0 (absent) means no scaling.
-        freq_scale = 1.0 if float(factor) == 0.0 else 1.0 / float(factor)
+        # llama.cpp: a factor of 0 (absent) means no scaling, and type none never scales.
+        freq_scale = 1.0 if float(factor) == 0.0 or scaling_type == "none" else 1.0 / float(factor)
         freq_base = float(optional(Keys.Rope.FREQ_BASE, 10000.0))
 
         window, swa_layers = _sliding_window(f, family, n_layer, optional)
@@ -272,6 +276,7 @@ class ModelConfig:
             rope_long_short=family.rope_factors == "long_short" and names.ROPE_FACTORS_SHORT in tensors,
             n_ctx_orig=_optional_int(f, Keys.Rope.SCALING_ORIG_CTX_LEN, optional),
             rope_attn_factor=float(optional(Keys.Rope.SCALING_ATTN_FACTOR, 1.0)),
+            rope_yarn=scaling_type == "yarn",
             fused_qkv=fused_qkv,
             biases=biases,
             **_experts(f, family, integer, optional),

@@ -14,6 +14,7 @@ Hkv key/value heads, D head_dim, R n_rot (rotated dims of a head), F n_ff, V n_v
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -43,7 +44,8 @@ class RMSNorm(nn.Module):
 
 def rope_angles(start_pos: int, n_tokens: int, n_rot: int, freq_base: float, freq_scale: float,
                 device: torch.device, freq_factors: torch.Tensor | None = None,
-                attn_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                attn_factor: float = 1.0, *, ext_factor: float = 0.0,
+                n_ctx_orig: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (T, n_rot/2) of theta = p * freq_scale * base^(-2i/n_rot) / freq_factors[i].
 
     Mirrors ggml_rope_cache_init: the angle is built in f32 by multiplying the position by
@@ -51,29 +53,61 @@ def rope_angles(start_pos: int, n_tokens: int, n_rot: int, freq_base: float, fre
     the rounding is ggml's and long positions do not drift from llama.cpp.
     """
     positions = torch.arange(start_pos, start_pos + n_tokens, dtype=torch.float32, device=device)
-    return rope_angles_at(positions, n_rot, freq_base, freq_scale, freq_factors, attn_factor)
+    return rope_angles_at(positions, n_rot, freq_base, freq_scale, freq_factors, attn_factor,
+                          ext_factor=ext_factor, n_ctx_orig=n_ctx_orig)
 
 
 def rope_angles_at(positions: torch.Tensor, n_rot: int, freq_base: float, freq_scale: float,
-                   freq_factors: torch.Tensor | None = None,
-                   attn_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   freq_factors: torch.Tensor | None = None, attn_factor: float = 1.0, *,
+                   ext_factor: float = 0.0, n_ctx_orig: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (*positions.shape, n_rot/2) for arbitrary positions (packed records restart at 0).
 
     The same running product as :func:`rope_angles`, so a position gets the same angle either way.
-    ``attn_factor`` multiplies both, as ggml's rope_yarn does with its ``mscale`` (LongRoPE).
+    ``attn_factor`` multiplies both, as ggml's rope_yarn does with its ``mscale`` (LongRoPE). A
+    non-zero ``ext_factor`` is ggml's YaRN (rope_yarn): along the ramp of :func:`yarn_corr_dims` each
+    angle moves from the unscaled one to the scaled one, and the magnitude grows by
+    1 + 0.1 ln(1 / freq_scale).
     """
-    theta_scale = torch.tensor(freq_base, dtype=torch.float32) ** (torch.tensor(-2.0, dtype=torch.float32) / n_rot)
+    theta_scale = _f32(freq_base) ** (_f32(-2.0) / n_rot)
     steps = torch.full((*positions.shape, n_rot // 2), float(theta_scale), dtype=torch.float32,
                        device=positions.device)
     steps[..., 0] = positions.to(torch.float32)
-    theta = torch.cumprod(steps, dim=-1)  # (..., n_rot/2)
+    theta_extrap = torch.cumprod(steps, dim=-1)  # (..., n_rot/2)
     if freq_factors is not None:
-        theta = theta / freq_factors.float()
-    theta = theta * freq_scale
+        theta_extrap = theta_extrap / freq_factors.float()
+    theta = theta_extrap * freq_scale
+    if ext_factor:
+        low, high = yarn_corr_dims(n_rot, n_ctx_orig, freq_base)
+        pair = torch.arange(n_rot // 2, dtype=torch.float32, device=positions.device)
+        ramp_mix = (1 - ((pair - low) / max(0.001, high - low)).clamp(0, 1)) * ext_factor
+        theta = theta * (1 - ramp_mix) + theta_extrap * ramp_mix
+        attn_factor = float(_f32(attn_factor) * (1 + _f32(0.1) * torch.log(1 / _f32(freq_scale))))
     cos, sin = torch.cos(theta), torch.sin(theta)
     if attn_factor != 1.0:
         cos, sin = cos * attn_factor, sin * attn_factor
     return cos, sin
+
+
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
+"""Where YaRN's ramp starts and ends, in turns over the original context: llama.cpp's defaults, which
+it uses for every family ggtorch runs (their loaders read no ``yarn_beta_*`` key)."""
+
+
+def yarn_corr_dims(n_rot: int, n_ctx_orig: int, freq_base: float) -> tuple[float, float]:
+    """The pairs between which YaRN's ramp runs (ggml_rope_yarn_corr_dims, in f32): pair i turns
+    n_ctx_orig / (2π base^(2i/n_rot)) times over the original context; pairs turning more than
+    YARN_BETA_FAST times keep their angle, those turning less than YARN_BETA_SLOW times take the
+    scaled one."""
+    def pair_turning(turns: float) -> float:
+        ratio = _f32(n_ctx_orig) / (_f32(turns) * 2 * _f32(math.pi))
+        return float(n_rot * torch.log(ratio) / (2 * torch.log(_f32(freq_base))))
+
+    return max(0.0, math.floor(pair_turning(YARN_BETA_FAST))), min(n_rot - 1.0, math.ceil(pair_turning(YARN_BETA_SLOW)))
+
+
+def _f32(value: float) -> torch.Tensor:
+    """A float32 scalar: the angle constants are computed in C's float, not Python's double."""
+    return torch.tensor(value, dtype=torch.float32)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool = False) -> torch.Tensor:
@@ -529,12 +563,16 @@ class Transformer(nn.Module):
             long = self.n_ctx > (c.n_ctx_orig or c.n_ctx_train)
             factors = self.rope_factors_long if long else self.rope_factors_short
         neox = c.family.rope == "neox"
+        # YaRN is ggml's ext_factor 1. llama.cpp's own YaRN attn_factor, get_mscale(factor) / (1 + 0.1 ln factor),
+        # is 1 for every family ggtorch runs (only deepseek's log multiplier moves it).
+        yarn = {"ext_factor": 1.0 if c.rope_yarn else 0.0, "n_ctx_orig": c.n_ctx_orig or c.n_ctx_train}
 
         def angles(base: float, scale: float, freq_factors: torch.Tensor | None) -> Rope:
             if positions is None:
-                cos, sin = rope_angles(start_pos, T, c.n_rot, base, scale, device, freq_factors, c.rope_attn_factor)
+                cos, sin = rope_angles(start_pos, T, c.n_rot, base, scale, device, freq_factors, c.rope_attn_factor,
+                                       **yarn)
             else:
-                cos, sin = rope_angles_at(positions, c.n_rot, base, scale, freq_factors, c.rope_attn_factor)
+                cos, sin = rope_angles_at(positions, c.n_rot, base, scale, freq_factors, c.rope_attn_factor, **yarn)
             return Rope(cos, sin, neox)
 
         rope = angles(c.rope_freq_base, c.rope_freq_scale, factors)

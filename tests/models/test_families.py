@@ -185,6 +185,7 @@ EXPECTED_CONFIG = {
     "qwen3moe": dict(n_expert=8, n_expert_used=2, n_ff_exp=64, n_ff_shexp=None),
     "qwen2moe": dict(n_expert=6, n_expert_used=2, n_ff_exp=32, n_ff_shexp=64, biases=("attn_q", "attn_k", "attn_v")),
     "llama_moe": dict(n_expert=4, n_expert_used=2, n_ff_exp=64),  # llama's experts are n_ff wide
+    "qwen3_yarn": dict(rope_yarn=True, rope_freq_scale=0.25, n_ctx_orig=64),
 }
 
 
@@ -253,10 +254,15 @@ def transformers_overrides(name: str, model: reference_forward.Model) -> dict:
     """Config values transformers' GGUF loader (5.x) drops for a family, passed back by hand.
 
     Its loader maps too few keys: qwen3's head size, the MoE expert widths, gemma's query scale, soft-caps,
-    layer pattern and local rope, phi3's partial rope and LongRoPE factors, Llama 3's rope_freqs schedule. Its modeling
-    code computes these families correctly once told, which makes it a second, independent forward.
+    layer pattern and local rope, phi3's partial rope and LongRoPE factors, Llama 3's rope_freqs schedule, YaRN.
+    Its modeling code computes these families correctly once told, which makes it a second, independent forward.
     """
     c = model.config
+    if name.endswith("_yarn"):  # the loader drops rope.scaling.* (YaRN) altogether
+        yarn = {"rope_parameters": {"rope_type": "yarn", "rope_theta": c.rope_freq_base,
+                                    "factor": 1.0 / c.rope_freq_scale,
+                                    "original_max_position_embeddings": c.n_ctx_orig}}
+        return yarn | ({"head_dim": c.head_dim_k} if name.startswith("qwen3") else {})
     if name == "qwen3":
         return {"head_dim": c.head_dim_k}
     if name == "qwen3moe":  # and llama.cpp always normalizes the top-k weights of qwen3moe
@@ -291,7 +297,7 @@ def transformers_overrides(name: str, model: reference_forward.Model) -> dict:
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma2", "gemma3", "phi3", "llama3_rope_freqs",
-                                  "mistral_headdim", "qwen3moe", "qwen2moe"])
+                                  "mistral_headdim", "qwen3moe", "qwen2moe", "qwen3_yarn", "llama_yarn"])
 def test_logits_equal_transformers_on_the_same_gguf(family_model: Callable[..., Path], name: str) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -183,8 +183,11 @@ def test_config_defaults_and_scaling(broken: Callable[..., Path], stories260k: P
     assert scaled.rope_freq_scale == 0.25
     old = LlamaConfig.from_gguf(read_gguf(broken("oldscale", set_keys={"llama.rope.scale_linear": 2.0})))
     assert old.rope_freq_scale == 0.5
-    with pytest.raises(Unsupported, match="yarn"):
-        LlamaConfig.from_gguf(read_gguf(broken("yarn", set_keys={"llama.rope.scaling.type": "yarn"})))
+    unscaled = LlamaConfig.from_gguf(read_gguf(broken("none", set_keys={"llama.rope.scaling.type": "none",
+                                                                          "llama.rope.scaling.factor": 4.0})))
+    assert unscaled.rope_freq_scale == 1.0  # as llama.cpp: type none never scales
+    with pytest.raises(Unsupported, match="'longrope' is not supported"):
+        LlamaConfig.from_gguf(read_gguf(broken("longrope", set_keys={"llama.rope.scaling.type": "longrope"})))
 
 
 def test_inconsistent_hyperparameters_are_rejected(broken: Callable[..., Path]) -> None:

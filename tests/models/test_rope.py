@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ggtorch.models import model
@@ -87,3 +88,25 @@ def test_neox_gradient_is_the_inverse_rotation() -> None:
     xd = torch.randn(1, 5, 2, 8, dtype=torch.float64, requires_grad=True)
     c64, s64 = cos.double().unsqueeze(-2), sin.double().unsqueeze(-2)
     assert torch.autograd.gradcheck(lambda t: model._RealRope.apply(t, c64, s64, True), (xd,))
+
+
+@pytest.mark.parametrize("head_dim, base, factor, n_ctx_orig", [(128, 1e6, 4.0, 32768),  # Qwen3's 128k files
+                                                                (64, 10000.0, 2.0, 4096), (16, 10000.0, 8.0, 64)])
+def test_yarn_angles_equal_transformers_yarn(head_dim: int, base: float, factor: float, n_ctx_orig: int) -> None:
+    """YaRN's angles and magnitude against transformers' own ``_compute_yarn_parameters`` (beta 32/1, truncated
+    correction range, attention factor 0.1 ln(factor) + 1), a separate implementation of the paper."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = Qwen3Config(head_dim=head_dim, max_position_embeddings=int(n_ctx_orig * factor),
+                         rope_parameters={"rope_type": "yarn", "rope_theta": base, "factor": factor,
+                                          "original_max_position_embeddings": n_ctx_orig})
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
+    positions = torch.arange(64, dtype=torch.float64)
+    theta = positions[:, None] * inv_freq.double()[None, :]
+    cos, sin = rope_angles(0, 64, head_dim, base, 1 / factor, torch.device("cpu"), ext_factor=1.0,
+                           n_ctx_orig=n_ctx_orig)
+    torch.testing.assert_close(cos.double(), theta.cos() * attention_factor, rtol=0, atol=2e-5)
+    torch.testing.assert_close(sin.double(), theta.sin() * attention_factor, rtol=0, atol=2e-5)
+    plain, _ = rope_angles(0, 64, head_dim, base, 1 / factor, torch.device("cpu"))
+    assert not torch.allclose(cos, plain, atol=1e-3)  # the ramp and the magnitude both changed the linear angles
