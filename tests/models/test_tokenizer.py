@@ -223,7 +223,7 @@ FUZZ_ALPHABET = [*"abcXYZ 019'\"\n\t\r.,!?-_<>|/", "  ", "'s", "'LL", "<s>", "</
                  "<|user|>", "<|end|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>", "\n\n", "Hello", "HTTPServer",
                  "CamelCase", "ǅ", "ſ", "K", "12345", "\u0301",
                  "é", "ñ", "ß", "日本", "🦙", "😶‍🌫️", "\u00a0", "\u2581", "\u3000", "\u0085", "\u200b", "\ufeff",
-                 "½", "²", "٣", "ـ", "ี"]
+                 "½", "²", "٣", "ـ", "ี", "가나", "µ", "Ω", "！", "。", "…", "$+^~|`"]
 
 
 @pytest.mark.parametrize("name", LLAMA_CPP_NAMES)
@@ -387,9 +387,11 @@ def test_phi3_special_tokens_swallow_the_whitespace_after_them_by_model_name(
     assert [tok.tokens[i] for i in ids] == PHI3_PIECES[name]
 
 
-VARIANT_PRES = ("qwen2", "megrez", "smollm", "gpt-4o", "tekken")
+VARIANT_PRES = ("qwen2", "megrez", "smollm", "gpt-4o", "tekken", "default", "dbrx", "gpt-2", "minerva-7b",
+                "deepseek-llm", "deepseek-coder", "seed-coder", "viking")
 """One ``tokenizer.ggml.pre`` per pre-tokenizer besides llama-bpe's; qwen2 too, as Qwen2's own vocabulary has no
-multi-digit tokens and so cannot tell its single-digit regex from Llama 3's."""
+multi-digit tokens and so cannot tell its single-digit regex from Llama 3's. The DeepSeek ones run regexes without
+``\\p{..}``, which llama.cpp matches differently (std::wregex, whitespace turned into ``\\v``)."""
 
 
 def test_every_supported_pre_tokenizer_is_tested() -> None:
