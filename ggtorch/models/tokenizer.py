@@ -210,10 +210,14 @@ class Tokenizer:
             self.add_bos, self.add_eos, self.add_space_prefix, self.clean_spaces = True, False, True, False
         elif self.model == "gpt2":
             pre_tokenizer = BPE_PRE_TOKENIZERS.get(self.pre)
+            if not self.pre:
+                raise Unsupported(f"{f.path}: the BPE vocabulary has no tokenizer.ggml.pre: the file was converted "
+                                  "before llama.cpp recorded pre-tokenizers, and llama.cpp itself warns that it "
+                                  "tokenizes such a file badly; re-convert it with a current convert_hf_to_gguf.py")
             if pre_tokenizer is None:
-                raise Unsupported(f"{f.path}: BPE pre-tokenizer '{self.pre or '(none)'}' "
-                                  f"(tokenizer.ggml.pre) is not supported; ggtorch tokenizes "
-                                  f"tokenizer.ggml.model=gpt2 with pre {', '.join(sorted(BPE_PRE_TOKENIZERS))}")
+                raise Unsupported(f"{f.path}: BPE pre-tokenizer '{self.pre}' (tokenizer.ggml.pre) is not supported; "
+                                  f"ggtorch knows {len(BPE_PRE_TOKENIZERS)} of llama.cpp's (llama-bpe, qwen2, "
+                                  "gpt-4o, tekken, dbrx, deepseek-coder, ...: ggtorch/models/pretokenize.py)")
             default_ids = (None, None, None)
             self.add_bos, self.add_eos, self.add_space_prefix = pre_tokenizer.add_bos, False, False
             self.clean_spaces = pre_tokenizer.clean_spaces
