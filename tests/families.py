@@ -121,6 +121,14 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
     "qwen2moe": ("qwen2moe", "llama-spm", Shape(qkv_bias=True, rope_freq_base=1e6, n_ff=96, n_expert=6,
                                                 n_expert_used=2, n_ff_exp=32, n_ff_shexp=64)),
     "llama_moe": ("llama", "llama-spm", Shape(n_ff=64, n_expert=4, n_expert_used=2, rms_eps=1e-5)),
+    # Ministral 3 style mistral3: llama's block with YaRN (own betas, log multiplier 0.5 so the magnitude is not 1)
+    # and Llama 4's attention temperature over an original context of 16, so it steps at positions 16 and 32
+    "mistral3": ("mistral3", "llama-spm", Shape(n_head=4, n_head_kv=1, head_dim=32, rope_freq_base=1e6, rms_eps=1e-5,
+                                                rope_scaling_yarn=4.0, n_ctx_orig=16, extra_kv={
+                                                    "mistral3.rope.scaling.yarn_beta_fast": 16.0,
+                                                    "mistral3.rope.scaling.yarn_beta_slow": 2.0,
+                                                    "mistral3.rope.scaling.yarn_log_multiplier": 0.5,
+                                                    "mistral3.attention.temperature_scale": 0.1})),
     # Mistral-style llama: SPM vocab, GQA 4:1, base 1e6, head_dim 32 != n_embd/n_head (Nemo style)
     "mistral_headdim": ("llama", "llama-spm", Shape(n_head=4, n_head_kv=1, head_dim=32, rope_freq_base=1e6,
                                                     rms_eps=1e-5)),
@@ -212,11 +220,11 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
     if s.head_dim is not None:
         w.add_uint32(f"{a}.attention.key_length", hd)
         w.add_uint32(f"{a}.attention.value_length", hd)
-    if s.n_rot is not None or arch in ("llama", "phi3"):
+    if s.n_rot is not None or arch in ("llama", "mistral3", "phi3"):
         w.add_uint32(f"{a}.rope.dimension_count", n_rot)
     if s.rope_freq_base is not None:
         w.add_float32(f"{a}.rope.freq_base", s.rope_freq_base)
-    if arch == "llama":
+    if arch in ("llama", "mistral3"):  # LlamaModel's converter writes it (ggtorch reads it for llama only)
         w.add_uint32(f"{a}.vocab_size", n_vocab)
     if s.n_ctx_orig is not None:
         w.add_uint32(f"{a}.rope.scaling.original_context_length", s.n_ctx_orig)

@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 
 NEOX_ARCHS = {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3"}
-NORM_ARCHS = {"llama"}
+NORM_ARCHS = {"llama", "mistral3"}
 SUPPORTED = NEOX_ARCHS | NORM_ARCHS
 
 
@@ -39,6 +39,10 @@ class Config:
     rope_attn_factor: float
     n_ctx_orig: int
     rope_yarn: bool = False
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_log_mul: float = 0.0
+    attn_temp_scale: float = 0.0
     # per layer
     is_swa: list[bool] = field(default_factory=list)
     n_swa: int = 0
@@ -138,9 +142,14 @@ def make_config(meta: dict, tensors: dict[str, np.ndarray]) -> Config:
         period = int(pat) if pat is not None else default_period
         return [period == 0 or (il % period < period - 1) for il in range(n_layer)]
 
-    if arch == "llama":
+    if arch in ("llama", "mistral3"):
         if n_rot != hdk:
             raise ValueError(f"invalid n_rot: {n_rot}, expected {hdk}")
+    if arch == "mistral3":
+        c.yarn_beta_fast = float(g("{a}.rope.scaling.yarn_beta_fast", 32.0))
+        c.yarn_beta_slow = float(g("{a}.rope.scaling.yarn_beta_slow", 1.0))
+        c.yarn_log_mul = float(g("{a}.rope.scaling.yarn_log_multiplier", 0.0))
+        c.attn_temp_scale = float(g("{a}.attention.temperature_scale", 0.0))
     elif arch == "gemma2":
         c.n_swa = int(g("{a}.attention.sliding_window", 4096))
         c.is_swa = swa_pattern(2)
@@ -206,13 +215,14 @@ def gelu(x: np.ndarray, mode: str = "ggml") -> np.ndarray:
 
 
 def rope_cos_sin(n_tokens: int, n_rot: int, base: float, freq_scale: float, factors: np.ndarray | None,
-                 mscale: float, yarn_orig_ctx: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 mscale: float, yarn_orig_ctx: int | None = None, betas: tuple[float, float] = (32.0, 1.0),
+                 mscale_all_dim: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin (T, n_rot/2) like ggml_rope_cache_init: theta_i = p * base^(-2i/n_rot) as an f32
     running product, divided by factors[i], times freq_scale; cos/sin times mscale.
 
     ``yarn_orig_ctx``: YaRN as the paper and transformers' ``_compute_yarn_parameters`` define it
-    (beta_fast 32, beta_slow 1, truncated correction range, attention factor 0.1 ln(factor) + 1), in
-    float64 from those formulas rather than ggml's code."""
+    (beta_fast, beta_slow, truncated correction range, attention factor 0.1 ln(factor) + 1, divided by
+    0.1 mscale_all_dim ln(factor) + 1 when given), in float64 from those formulas rather than ggml's code."""
     theta_scale = np.float32(base) ** (np.float32(-2.0) / np.float32(n_rot))
     extrap = np.empty((n_tokens, n_rot // 2), dtype=np.float32)
     for p in range(n_tokens):
@@ -225,13 +235,15 @@ def rope_cos_sin(n_tokens: int, n_rot: int, base: float, freq_scale: float, fact
     if yarn_orig_ctx is not None:
         def correction_dim(rotations: float) -> float:
             return n_rot * math.log(yarn_orig_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
-        low = max(math.floor(correction_dim(32)), 0)
-        high = min(math.ceil(correction_dim(1)), n_rot - 1)
+        low = max(math.floor(correction_dim(betas[0])), 0)
+        high = min(math.ceil(correction_dim(betas[1])), n_rot - 1)
         ramp = np.clip((np.arange(n_rot // 2) - low) / max(high - low, 0.001), 0, 1)
         keep = 1 - ramp  # the share of the unscaled angle
         t = t * (1 - keep) + extrap.astype(np.float64) * keep
         factor = 1 / freq_scale
-        mscale *= 0.1 * math.log(factor) + 1 if factor > 1 else 1.0
+        if factor > 1:
+            mscale *= (0.1 * math.log(factor) + 1) / ((0.1 * mscale_all_dim * math.log(factor) + 1)
+                                                      if mscale_all_dim else 1.0)
     return np.cos(t) * mscale, np.sin(t) * mscale
 
 
@@ -291,7 +303,8 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
         base = c.rope_freq_base_swa if swa else c.rope_freq_base
         fscale = c.rope_freq_scale_swa if swa else c.rope_freq_scale
         cos, sin = rope_cos_sin(T, c.n_rot, base, fscale, factors, c.rope_attn_factor,
-                                c.n_ctx_orig if c.rope_yarn else None)
+                                c.n_ctx_orig if c.rope_yarn else None, (c.yarn_beta_fast, c.yarn_beta_slow),
+                                c.yarn_log_mul)
 
         h = rms_norm(x, w[p + "attn_norm.weight"], c.rms_eps)
         nq, nk = H * Dk, Hkv * Dk
@@ -312,6 +325,8 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
             k = rms_norm(k, w[p + "attn_k_norm.weight"], c.rms_eps)
         q = apply_rope(q, cos, sin, c.n_rot, c.rope_neox)
         k = apply_rope(k, cos, sin, c.n_rot, c.rope_neox)
+        if c.attn_temp_scale:  # Llama 4's attention temperature, as transformers' get_llama_4_attn_scale
+            q = q * (1 + c.attn_temp_scale * np.log(1 + np.floor(pos / c.n_ctx_orig)))[:, None, None]
         if c.q_prescale is not None:
             q = q * c.q_prescale
         kk = np.repeat(k, group, axis=1)  # query head h reads kv head h // group

@@ -89,7 +89,8 @@ EXPERT_REFUSAL = ("transformers stores a MoE's routed experts as fused 3-D param
                   "model with export-lora")
 HF_CLASSES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                               "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                              "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                              "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                              "mistral3": "Ministral3ForCausalLM"}
 """The Hugging Face model class of each family, for messages."""
 HF_LEAVES: dict[str, str] = {path.rsplit(".", 1)[-1]: kind for kind, path in HF_MODULES.items()}
 """``q_proj`` -> ``attn_q``: the names PEFT's ``target_modules`` usually lists."""

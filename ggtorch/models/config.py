@@ -79,6 +79,16 @@ class ModelConfig:
     """``rope.scaling.type = yarn``: each pair's angle mixes the scaled and the unscaled one along
     ggml's YaRN ramp (between the pairs that turn 32 and 1 times in ``n_ctx_orig`` positions), and cos
     and sin grow by 1 + 0.1 ln(scaling factor)."""
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    """Where YaRN's ramp starts and ends, in turns over ``n_ctx_orig`` (llama.cpp's defaults; mistral3 reads
+    ``rope.scaling.yarn_beta_fast``/``_slow``)."""
+    yarn_log_mul: float = 0.0
+    """``rope.scaling.yarn_log_multiplier`` (mistral3): YaRN's magnitude becomes
+    (1 + 0.1 ln factor) / (1 + 0.1 yarn_log_mul ln factor)."""
+    attn_temp_scale: float = 0.0
+    """``attention.temperature_scale`` (mistral3, Llama 4's beta): queries at position p are multiplied by
+    1 + beta ln(floor(p / n_ctx_orig) + 1) after rope (0: off)."""
     fused_qkv: bool = False
     """q, k and v come from one ``attn_qkv`` matrix."""
     biases: tuple[str, ...] = ()
@@ -108,7 +118,7 @@ class ModelConfig:
             raise BadGGUF(f"head count {self.n_head} is not divisible by KV head count {self.n_head_kv}")
         if self.n_rot > self.head_dim or self.n_rot % 2:
             raise BadGGUF(f"rope dimension count {self.n_rot} must be even and at most the head size {self.head_dim}")
-        if self.arch in ("llama", "qwen2", "qwen3") and self.n_rot != self.head_dim:
+        if self.arch in ("llama", "qwen2", "qwen3", "mistral3") and self.n_rot != self.head_dim:
             raise Unsupported(f"rope dimension count {self.n_rot} differs from the head size {self.head_dim}; "
                               f"llama.cpp's {self.arch} requires them equal")
         for name in ("rms_eps", "rope_freq_base", "rope_freq_scale", "rope_freq_base_swa", "rope_freq_scale_swa"):
@@ -277,6 +287,7 @@ class ModelConfig:
             n_ctx_orig=_optional_int(f, Keys.Rope.SCALING_ORIG_CTX_LEN, optional),
             rope_attn_factor=float(optional(Keys.Rope.SCALING_ATTN_FACTOR, 1.0)),
             rope_yarn=scaling_type == "yarn",
+            **_mistral3_keys(family, optional),
             fused_qkv=fused_qkv,
             biases=biases,
             **_experts(f, family, integer, optional),
@@ -292,6 +303,18 @@ def _optional_int(f: GGUFFile, template: str, optional: Any) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
         raise BadGGUF(f"{f.path}: '{template.format(arch=f.architecture)}' = {value!r} must be an integer")
     return value
+
+
+def _mistral3_keys(family: Family, optional: Any) -> dict[str, float]:
+    """The YaRN and attention-temperature keys only some loaders read (the others keep the defaults)."""
+    out = {}
+    if family.yarn_keys:
+        out = {"yarn_beta_fast": float(optional(Keys.Rope.SCALING_YARN_BETA_FAST, 32.0)),
+               "yarn_beta_slow": float(optional(Keys.Rope.SCALING_YARN_BETA_SLOW, 1.0)),
+               "yarn_log_mul": float(optional(Keys.Rope.SCALING_YARN_LOG_MUL, 0.0))}
+    if family.attn_temperature:
+        out["attn_temp_scale"] = float(optional(Keys.Attention.TEMPERATURE_SCALE, 0.0))
+    return out
 
 
 def _experts(f: GGUFFile, family: Family, integer: Any, optional: Any) -> dict[str, int | None]:

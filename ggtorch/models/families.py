@@ -15,9 +15,12 @@ turns a row plus the file's metadata and tensors into the numbers the model runs
 | gemma2   | neox | -       | yes       | √n_embd | GeGLU   | -              | 50 / 30         | 1 in 2 global, 4096  |
 | gemma3   | neox | yes     | yes       | √n_embd | GeGLU   | -              | - / if keyed    | 1 in 6 global, base  |
 | phi3     | neox | -       | -         | -       | SwiGLU* | -              | -               | - (key ignored)      |
+| mistral3 | norm | -       | -         | -       | SwiGLU  | -              | -               | -                    |
 
 \* over one fused ``ffn_up``. Defaults apply when the file has no key for them. gemma3's sliding layers have
-their own rope base.
+their own rope base. mistral3 (Ministral 3, Mistral Small 3.x as converted since late 2025) is llama's block
+whose loader also reads YaRN's ``yarn_beta_fast``/``_slow`` and ``yarn_log_multiplier`` and Llama 4's
+attention temperature (``attention.temperature_scale``).
 
 Experts (llama.cpp's ``build_moe_ffn`` with softmax gating): each token's FFN is the sum of its top
 ``expert_used_count`` experts of ``expert_count``, weighted by their softmax probabilities, renormalized
@@ -78,6 +81,12 @@ class Family:
     """Routed experts: never, when the file has ``expert_count`` > 0 (llama, Mixtral-style), or always."""
     normalize_expert_weights: bool = True
     """The top-k softmax weights are divided by their sum (``norm_w`` of build_moe_ffn)."""
+    yarn_keys: bool = False
+    """The loader reads YaRN's ``rope.scaling.yarn_beta_fast``/``_slow`` and ``yarn_log_multiplier``
+    (the other families keep llama.cpp's defaults 32, 1 and 0 whatever the file says)."""
+    attn_temperature: bool = False
+    """Llama 4's attention temperature: with ``attention.temperature_scale`` = beta, queries at position p
+    are multiplied by 1 + beta ln(floor(p / n_ctx_orig) + 1) after rope."""
     shared_expert: bool = False
     """A dense SwiGLU expert beside the routed ones, scaled by a sigmoid gate (qwen2moe)."""
     large_layer_counts: tuple[int, ...] = ()
@@ -98,5 +107,8 @@ FAMILIES: dict[str, Family] = {
     "gemma3": Family(rope="neox", qk_norm=True, post_norms=True, embedding_scale=True, activation="gelu",
                      swa_period=6, swa_rope_base="default", query_prescale=True, large_layer_counts=(62,)),
     "phi3": Family(rope="neox", fused_up=True, query_prescale=True, rope_factors="long_short"),
+    "mistral3": Family(rope="norm", layer_biases=("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output",
+                                                  "ffn_gate", "ffn_up", "ffn_down"), yarn_keys=True,
+                       attn_temperature=True),
 }
 """``general.architecture`` -> its row. Architectures not listed are refused by name."""

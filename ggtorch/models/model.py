@@ -44,8 +44,8 @@ class RMSNorm(nn.Module):
 
 def rope_angles(start_pos: int, n_tokens: int, n_rot: int, freq_base: float, freq_scale: float,
                 device: torch.device, freq_factors: torch.Tensor | None = None,
-                attn_factor: float = 1.0, *, ext_factor: float = 0.0,
-                n_ctx_orig: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                attn_factor: float = 1.0, *, ext_factor: float = 0.0, n_ctx_orig: int = 0,
+                beta_fast: float = 32.0, beta_slow: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (T, n_rot/2) of theta = p * freq_scale * base^(-2i/n_rot) / freq_factors[i].
 
     Mirrors ggml_rope_cache_init: the angle is built in f32 by multiplying the position by
@@ -54,19 +54,20 @@ def rope_angles(start_pos: int, n_tokens: int, n_rot: int, freq_base: float, fre
     """
     positions = torch.arange(start_pos, start_pos + n_tokens, dtype=torch.float32, device=device)
     return rope_angles_at(positions, n_rot, freq_base, freq_scale, freq_factors, attn_factor,
-                          ext_factor=ext_factor, n_ctx_orig=n_ctx_orig)
+                          ext_factor=ext_factor, n_ctx_orig=n_ctx_orig, beta_fast=beta_fast, beta_slow=beta_slow)
 
 
 def rope_angles_at(positions: torch.Tensor, n_rot: int, freq_base: float, freq_scale: float,
                    freq_factors: torch.Tensor | None = None, attn_factor: float = 1.0, *,
-                   ext_factor: float = 0.0, n_ctx_orig: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   ext_factor: float = 0.0, n_ctx_orig: int = 0, beta_fast: float = 32.0,
+                   beta_slow: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (*positions.shape, n_rot/2) for arbitrary positions (packed records restart at 0).
 
     The same running product as :func:`rope_angles`, so a position gets the same angle either way.
     ``attn_factor`` multiplies both, as ggml's rope_yarn does with its ``mscale`` (LongRoPE). A
-    non-zero ``ext_factor`` is ggml's YaRN (rope_yarn): along the ramp of :func:`yarn_corr_dims` each
-    angle moves from the unscaled one to the scaled one, and the magnitude grows by
-    1 + 0.1 ln(1 / freq_scale).
+    non-zero ``ext_factor`` is ggml's YaRN (rope_yarn; its other parameters as ggml_rope_ext's): along the
+    ramp of :func:`yarn_corr_dims` each angle moves from the unscaled one to the scaled one, and the
+    magnitude grows by 1 + 0.1 ln(1 / freq_scale).
     """
     theta_scale = _f32(freq_base) ** (_f32(-2.0) / n_rot)
     steps = torch.full((*positions.shape, n_rot // 2), float(theta_scale), dtype=torch.float32,
@@ -77,7 +78,7 @@ def rope_angles_at(positions: torch.Tensor, n_rot: int, freq_base: float, freq_s
         theta_extrap = theta_extrap / freq_factors.float()
     theta = theta_extrap * freq_scale
     if ext_factor:
-        low, high = yarn_corr_dims(n_rot, n_ctx_orig, freq_base)
+        low, high = yarn_corr_dims(n_rot, n_ctx_orig, freq_base, beta_fast, beta_slow)
         pair = torch.arange(n_rot // 2, dtype=torch.float32, device=positions.device)
         ramp_mix = (1 - ((pair - low) / max(0.001, high - low)).clamp(0, 1)) * ext_factor
         theta = theta * (1 - ramp_mix) + theta_extrap * ramp_mix
@@ -88,21 +89,40 @@ def rope_angles_at(positions: torch.Tensor, n_rot: int, freq_base: float, freq_s
     return cos, sin
 
 
-YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
-"""Where YaRN's ramp starts and ends, in turns over the original context: llama.cpp's defaults, which
-it uses for every family ggtorch runs (their loaders read no ``yarn_beta_*`` key)."""
-
-
-def yarn_corr_dims(n_rot: int, n_ctx_orig: int, freq_base: float) -> tuple[float, float]:
+def yarn_corr_dims(n_rot: int, n_ctx_orig: int, freq_base: float, beta_fast: float,
+                   beta_slow: float) -> tuple[float, float]:
     """The pairs between which YaRN's ramp runs (ggml_rope_yarn_corr_dims, in f32): pair i turns
     n_ctx_orig / (2π base^(2i/n_rot)) times over the original context; pairs turning more than
-    YARN_BETA_FAST times keep their angle, those turning less than YARN_BETA_SLOW times take the
-    scaled one."""
+    ``beta_fast`` times keep their angle, those turning less than ``beta_slow`` times take the scaled one."""
     def pair_turning(turns: float) -> float:
         ratio = _f32(n_ctx_orig) / (_f32(turns) * 2 * _f32(math.pi))
         return float(n_rot * torch.log(ratio) / (2 * torch.log(_f32(freq_base))))
 
-    return max(0.0, math.floor(pair_turning(YARN_BETA_FAST))), min(n_rot - 1.0, math.ceil(pair_turning(YARN_BETA_SLOW)))
+    return max(0.0, math.floor(pair_turning(beta_fast))), min(n_rot - 1.0, math.ceil(pair_turning(beta_slow)))
+
+
+def yarn_attn_factor(config: ModelConfig) -> float:
+    """llama.cpp's ``yarn_attn_factor`` of a YaRN model, in f32 as llama-context.cpp computes it:
+    get_mscale(factor, 1) [/ get_mscale(factor, yarn_log_mul)], divided by the 1 + 0.1 ln(factor) ggml's
+    rope multiplies in again, times ``rope.scaling.attn_factor``. Without a log multiplier it is 1 up to
+    rounding; mistral3's files carry one."""
+    factor = 1 / _f32(config.rope_freq_scale)
+
+    def get_mscale(mscale: float) -> torch.Tensor:
+        return _f32(0.1) * mscale * torch.log(factor) + 1 if factor > 1 else _f32(1.0)
+
+    magnitude = get_mscale(1.0)
+    if config.yarn_log_mul:
+        magnitude = magnitude / get_mscale(config.yarn_log_mul)
+    magnitude = magnitude * (1 / (1 + _f32(0.1) * torch.log(factor)))
+    return float(magnitude * _f32(config.rope_attn_factor))
+
+
+def attention_temperature(positions: torch.Tensor, beta: float, floor_scale: int) -> torch.Tensor:
+    """Llama 4's per-position query scale 1 + beta ln(floor(p / floor_scale) + 1), as llama-graph.cpp's
+    llm_graph_input_attn_temp fills it: the floor in f32, the rest in double, stored as f32."""
+    steps = torch.floor(positions.to(torch.float32) / floor_scale).double()
+    return (torch.log(steps + 1.0) * float(_f32(beta)) + 1.0).float()
 
 
 def _f32(value: float) -> torch.Tensor:
@@ -231,6 +251,8 @@ class Rope:
     cos: torch.Tensor
     sin: torch.Tensor
     neox: bool
+    q_scale: torch.Tensor | None = None
+    """Per position (T, or B, T), what queries are multiplied by after rope: :func:`attention_temperature`."""
 
 
 def _with_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -291,6 +313,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, rope.cos, rope.sin, rope.neox)
         k = apply_rope(k, rope.cos, rope.sin, rope.neox)
+        if rope.q_scale is not None:
+            q = q * rope.q_scale[..., None, None].to(q.dtype)
         scale = self.scale
         if self.prescale:  # llama.cpp scales q after rope and multiplies scores by 1
             q, scale = q * scale, 1.0
@@ -563,17 +587,16 @@ class Transformer(nn.Module):
             long = self.n_ctx > (c.n_ctx_orig or c.n_ctx_train)
             factors = self.rope_factors_long if long else self.rope_factors_short
         neox = c.family.rope == "neox"
-        # YaRN is ggml's ext_factor 1. llama.cpp's own YaRN attn_factor, get_mscale(factor) / (1 + 0.1 ln factor),
-        # is 1 for every family ggtorch runs (only deepseek's log multiplier moves it).
-        yarn = {"ext_factor": 1.0 if c.rope_yarn else 0.0, "n_ctx_orig": c.n_ctx_orig or c.n_ctx_train}
+        n_ctx_orig = c.n_ctx_orig or c.n_ctx_train
+        attn_factor = yarn_attn_factor(c) if c.rope_yarn else c.rope_attn_factor
+        yarn = {"ext_factor": 1.0 if c.rope_yarn else 0.0, "n_ctx_orig": n_ctx_orig,
+                "beta_fast": c.yarn_beta_fast, "beta_slow": c.yarn_beta_slow}
+        where = positions if positions is not None else torch.arange(start_pos, start_pos + T, device=device)
+        q_scale = attention_temperature(where, c.attn_temp_scale, n_ctx_orig) if c.attn_temp_scale else None
 
         def angles(base: float, scale: float, freq_factors: torch.Tensor | None) -> Rope:
-            if positions is None:
-                cos, sin = rope_angles(start_pos, T, c.n_rot, base, scale, device, freq_factors, c.rope_attn_factor,
-                                       **yarn)
-            else:
-                cos, sin = rope_angles_at(positions, c.n_rot, base, scale, freq_factors, c.rope_attn_factor, **yarn)
-            return Rope(cos, sin, neox)
+            cos, sin = rope_angles_at(where, c.n_rot, base, scale, freq_factors, attn_factor, **yarn)
+            return Rope(cos, sin, neox, q_scale)
 
         rope = angles(c.rope_freq_base, c.rope_freq_scale, factors)
         if not any(c.swa_layers):

@@ -25,7 +25,13 @@ from tests.llama_models import llama_cpp_logits
 from tests.lora.test_adapter_file import ggtorch_logits, llama_cpp_with_adapter, trained_looking_model
 from tests.lora.test_families import EXPECTED_KINDS, kind_of
 from tests.models.test_experts import routing_margins
-from tests.models.test_families import GELU_TABLE_TOLERANCE, float64_model, load, transformers_overrides
+from tests.models.test_families import (
+    GELU_TABLE_TOLERANCE,
+    float64_model,
+    load,
+    ministral3_from_gguf,
+    transformers_overrides,
+)
 from tests.models.test_model import TOLERANCE
 
 N_TOKENS = 24
@@ -102,6 +108,8 @@ PEFT_TARGETS: dict[str, list[str]] = {
     "qwen3moe": ["q_proj", "k_proj", "v_proj", "o_proj", "embed_tokens", "lm_head"],
     "qwen2moe": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
                  "lm_head"],  # gate/up/down: the shared expert's
+    "mistral3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
+                 "lm_head"],
 }
 PEFT_FAMILIES = list(PEFT_TARGETS)
 """Not llama_moe: transformers loads a llama GGUF with experts as a dense llama (random MLPs), silently."""
@@ -113,7 +121,8 @@ PEFT_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def hf_model(family_model: Callable[..., Path]) -> Callable[[str], torch.nn.Module]:
+def hf_model(family_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+             ) -> Callable[[str], torch.nn.Module]:
     """``hf_model(name)``: transformers' model from the F32 preset GGUF, with the config values its GGUF
     loader drops put back (tests/models/test_families.py), loaded once per module."""
     pytest.importorskip("peft")
@@ -124,9 +133,12 @@ def hf_model(family_model: Callable[..., Path]) -> Callable[[str], torch.nn.Modu
     def load_hf(name: str) -> torch.nn.Module:
         if name not in cache:
             path = family_model(name)
-            cache[name] = AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                **transformers_overrides(name, float64_model(path))).eval()
+            if name == "mistral3":  # transformers' GGUF loader has no mistral3
+                cache[name] = ministral3_from_gguf(path, tmp_path_factory.mktemp("ministral3"))
+            else:
+                cache[name] = AutoModelForCausalLM.from_pretrained(
+                    str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                    **transformers_overrides(name, float64_model(path))).eval()
         return cache[name]
 
     return load_hf

@@ -38,7 +38,8 @@ def llama_cpp_with_adapter(model_path: Path, adapter_path: Path | None, scale: f
 
     extra = {"lora_path": str(adapter_path), "lora_scale": scale} if adapter_path else {}
     return llama_cpp.Llama(model_path=str(model_path), logits_all=True, n_ctx=64, n_batch=64, n_ubatch=64,
-                           n_threads=2, verbose=False, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, **extra)
+                           n_threads=2, verbose=False, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32,
+                           yarn_beta_fast=-1.0, yarn_beta_slow=-1.0, **extra)  # the file's, as open_llama_cpp
 
 
 def trained_looking_model(path: Path, ranks: dict[str, int] | None = None, alpha: float = 8.0):

@@ -46,6 +46,7 @@ EXPECTED_KINDS: dict[str, set[str]] = {
     "qwen3moe": ATTENTION | EXPERTS | UNTIED,  # routers are not adapted
     "qwen2moe": ATTENTION | EXPERTS | {"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"} | UNTIED,
     "llama_moe": ATTENTION | EXPERTS | UNTIED,
+    "mistral3": SEPARATE | UNTIED,
 }
 """Preset -> the kinds a default LoRA adapts (every matrix llama.cpp can take an adapter for)."""
 
