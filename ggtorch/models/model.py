@@ -120,8 +120,10 @@ def yarn_attn_factor(config: ModelConfig) -> float:
 
 def attention_temperature(positions: torch.Tensor, beta: float, floor_scale: int) -> torch.Tensor:
     """Llama 4's per-position query scale 1 + beta ln(floor(p / floor_scale) + 1), as llama-graph.cpp's
-    llm_graph_input_attn_temp fills it: the floor in f32, the rest in double, stored as f32."""
-    steps = torch.floor(positions.to(torch.float32) / floor_scale).double()
+    llm_graph_input_attn_temp fills it: the floor in f32, the rest in double (f32 on MPS, which has no
+    double), stored as f32."""
+    wide = torch.float32 if positions.device.type == "mps" else torch.float64
+    steps = torch.floor(positions.to(torch.float32) / floor_scale).to(wide)
     return (torch.log(steps + 1.0) * float(_f32(beta)) + 1.0).float()
 
 
