@@ -129,6 +129,8 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
                                                     "mistral3.rope.scaling.yarn_beta_slow": 2.0,
                                                     "mistral3.rope.scaling.yarn_log_multiplier": 0.5,
                                                     "mistral3.attention.temperature_scale": 0.1})),
+    # SmolLM3: llama's block, tied, without rope in layer 3 (every fourth)
+    "smollm3": ("smollm3", "llama-spm", Shape(n_layer=4, n_ff=96, rope_freq_base=5e6, rms_eps=1e-6, tied_output=True)),
     # Mistral-style llama: SPM vocab, GQA 4:1, base 1e6, head_dim 32 != n_embd/n_head (Nemo style)
     "mistral_headdim": ("llama", "llama-spm", Shape(n_head=4, n_head_kv=1, head_dim=32, rope_freq_base=1e6,
                                                     rms_eps=1e-5)),
@@ -220,11 +222,11 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
     if s.head_dim is not None:
         w.add_uint32(f"{a}.attention.key_length", hd)
         w.add_uint32(f"{a}.attention.value_length", hd)
-    if s.n_rot is not None or arch in ("llama", "mistral3", "phi3"):
+    if s.n_rot is not None or arch in ("llama", "mistral3", "smollm3", "phi3"):
         w.add_uint32(f"{a}.rope.dimension_count", n_rot)
     if s.rope_freq_base is not None:
         w.add_float32(f"{a}.rope.freq_base", s.rope_freq_base)
-    if arch in ("llama", "mistral3"):  # LlamaModel's converter writes it (ggtorch reads it for llama only)
+    if arch in ("llama", "mistral3", "smollm3"):  # LlamaModel's converter writes it (ggtorch reads it for llama)
         w.add_uint32(f"{a}.vocab_size", n_vocab)
     if s.n_ctx_orig is not None:
         w.add_uint32(f"{a}.rope.scaling.original_context_length", s.n_ctx_orig)

@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 
 NEOX_ARCHS = {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3"}
-NORM_ARCHS = {"llama", "mistral3"}
+NORM_ARCHS = {"llama", "mistral3", "smollm3"}
 SUPPORTED = NEOX_ARCHS | NORM_ARCHS
 
 
@@ -142,7 +142,7 @@ def make_config(meta: dict, tensors: dict[str, np.ndarray]) -> Config:
         period = int(pat) if pat is not None else default_period
         return [period == 0 or (il % period < period - 1) for il in range(n_layer)]
 
-    if arch in ("llama", "mistral3"):
+    if arch in ("llama", "mistral3", "smollm3"):
         if n_rot != hdk:
             raise ValueError(f"invalid n_rot: {n_rot}, expected {hdk}")
     if arch == "mistral3":
@@ -323,8 +323,9 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
         if p + "attn_q_norm.weight" in w:
             q = rms_norm(q, w[p + "attn_q_norm.weight"], c.rms_eps)
             k = rms_norm(k, w[p + "attn_k_norm.weight"], c.rms_eps)
-        q = apply_rope(q, cos, sin, c.n_rot, c.rope_neox)
-        k = apply_rope(k, cos, sin, c.n_rot, c.rope_neox)
+        if not (c.arch == "smollm3" and (il + 1) % 4 == 0):  # SmolLM3's NoPE layers
+            q = apply_rope(q, cos, sin, c.n_rot, c.rope_neox)
+            k = apply_rope(k, cos, sin, c.n_rot, c.rope_neox)
         if c.attn_temp_scale:  # Llama 4's attention temperature, as transformers' get_llama_4_attn_scale
             q = q * (1 + c.attn_temp_scale * np.log(1 + np.floor(pos / c.n_ctx_orig)))[:, None, None]
         if c.q_prescale is not None:

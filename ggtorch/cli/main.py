@@ -56,7 +56,7 @@ class _Group(click.Group):
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ggtorch", prog_name="ggtorch")
 def main() -> None:
-    """Run, evaluate and finetune GGUF models (llama, Qwen, Gemma, Phi-3, Mistral 3, MoE; quantized or not)."""
+    """Run, evaluate and finetune GGUF models (llama, Qwen, Gemma, Phi-3, Mistral 3, SmolLM3, MoE; quantized or not)."""
 
 
 RELAUNCHED_COMMANDS = frozenset({"finetune", "train", "demo", "export-lora", "perplexity"})

@@ -90,7 +90,7 @@ EXPERT_REFUSAL = ("transformers stores a MoE's routed experts as fused 3-D param
 HF_CLASSES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                               "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                               "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                              "mistral3": "Ministral3ForCausalLM"}
+                              "mistral3": "Ministral3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 """The Hugging Face model class of each family, for messages."""
 HF_LEAVES: dict[str, str] = {path.rsplit(".", 1)[-1]: kind for kind, path in HF_MODULES.items()}
 """``q_proj`` -> ``attn_q``: the names PEFT's ``target_modules`` usually lists."""

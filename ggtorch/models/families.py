@@ -16,11 +16,13 @@ turns a row plus the file's metadata and tensors into the numbers the model runs
 | gemma3   | neox | yes     | yes       | √n_embd | GeGLU   | -              | - / if keyed    | 1 in 6 global, base  |
 | phi3     | neox | -       | -         | -       | SwiGLU* | -              | -               | - (key ignored)      |
 | mistral3 | norm | -       | -         | -       | SwiGLU  | -              | -               | -                    |
+| smollm3  | norm | -       | -         | -       | SwiGLU  | -              | -               | -                    |
 
 \* over one fused ``ffn_up``. Defaults apply when the file has no key for them. gemma3's sliding layers have
 their own rope base. mistral3 (Ministral 3, Mistral Small 3.x as converted since late 2025) is llama's block
 whose loader also reads YaRN's ``yarn_beta_fast``/``_slow`` and ``yarn_log_multiplier`` and Llama 4's
-attention temperature (``attention.temperature_scale``).
+attention temperature (``attention.temperature_scale``). smollm3 (SmolLM3) is llama's block without rope in
+every fourth layer (llama.cpp's ``n_no_rope_layer_step``, fixed at 4).
 
 Experts (llama.cpp's ``build_moe_ffn`` with softmax gating): each token's FFN is the sum of its top
 ``expert_used_count`` experts of ``expert_count``, weighted by their softmax probabilities, renormalized
@@ -84,6 +86,8 @@ class Family:
     yarn_keys: bool = False
     """The loader reads YaRN's ``rope.scaling.yarn_beta_fast``/``_slow`` and ``yarn_log_multiplier``
     (the other families keep llama.cpp's defaults 32, 1 and 0 whatever the file says)."""
+    no_rope_step: int = 0
+    """Layers il with (il + 1) % no_rope_step == 0 apply no rope at all (SmolLM3's NoPE layers; 0: none)."""
     attn_temperature: bool = False
     """Llama 4's attention temperature: with ``attention.temperature_scale`` = beta, queries at position p
     are multiplied by 1 + beta ln(floor(p / n_ctx_orig) + 1) after rope."""
@@ -110,5 +114,6 @@ FAMILIES: dict[str, Family] = {
     "mistral3": Family(rope="norm", layer_biases=("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output",
                                                   "ffn_gate", "ffn_up", "ffn_down"), yarn_keys=True,
                        attn_temperature=True),
+    "smollm3": Family(rope="norm", no_rope_step=4),
 }
 """``general.architecture`` -> its row. Architectures not listed are refused by name."""

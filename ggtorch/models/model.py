@@ -3,10 +3,11 @@
 One file, nanoGPT style: RMSNorm, rope, Attention, MLP, MoE, Block, Transformer. What a family changes
 (models/families.py) arrives through ModelConfig switches: rope layout and partial rope, q/k norms,
 fused q/k/v, biases, post norms, GeGLU, embedding scale, soft-capping, sliding-window layers,
-rope factors, routed experts. Module paths follow ``ggtorch.models.names`` (``layers.{i}.attn.q`` ...), so GGUF
-tensors map one-to-one onto modules. Linear layers are ``ggtorch.ops.matmul.Linear`` (an
-``nn.Linear``) or, for weights kept in their ggml blocks, ``ggtorch.quant.modules.QuantLinear``: this
-file only calls them, and keeps biases as separate parameters so every Linear is bias-free.
+rope factors, YaRN, layers without rope, attention temperature, routed experts. Module paths follow
+``ggtorch.models.names`` (``layers.{i}.attn.q`` ...), so GGUF tensors map one-to-one onto modules.
+Linear layers are ``ggtorch.ops.matmul.Linear`` (an ``nn.Linear``) or, for weights kept in their ggml
+blocks, ``ggtorch.quant.modules.QuantLinear``: this file only calls them, and keeps biases as separate
+parameters so every Linear is bias-free.
 
 Shapes: B batch, T tokens in this call, S = start_pos + T keys, C n_embd, H query heads,
 Hkv key/value heads, D head_dim, R n_rot (rotated dims of a head), F n_ff, V n_vocab.
@@ -296,6 +297,9 @@ class Attention(nn.Module):
         self.softcap = c.attn_softcap
         self.window = c.sliding_window if c.is_swa(layer) else 0
         """Keys a query sees in a sliding-window layer (0: all earlier ones)."""
+        step = c.family.no_rope_step
+        self.use_rope = not (step and (layer + 1) % step == 0)
+        """False in a NoPE layer (smollm3): q and k are not rotated."""
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if hasattr(self, "qkv"):
@@ -313,8 +317,9 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_head_kv, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, rope.cos, rope.sin, rope.neox)
-        k = apply_rope(k, rope.cos, rope.sin, rope.neox)
+        if self.use_rope:
+            q = apply_rope(q, rope.cos, rope.sin, rope.neox)
+            k = apply_rope(k, rope.cos, rope.sin, rope.neox)
         if rope.q_scale is not None:
             q = q * rope.q_scale[..., None, None].to(q.dtype)
         scale = self.scale

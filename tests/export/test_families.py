@@ -28,8 +28,8 @@ from tests.models.test_experts import routing_margins
 from tests.models.test_families import (
     GELU_TABLE_TOLERANCE,
     float64_model,
+    hf_from_llama_underneath,
     load,
-    ministral3_from_gguf,
     transformers_overrides,
 )
 from tests.models.test_model import TOLERANCE
@@ -110,6 +110,7 @@ PEFT_TARGETS: dict[str, list[str]] = {
                  "lm_head"],  # gate/up/down: the shared expert's
     "mistral3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
                  "lm_head"],
+    "smollm3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
 PEFT_FAMILIES = list(PEFT_TARGETS)
 """Not llama_moe: transformers loads a llama GGUF with experts as a dense llama (random MLPs), silently."""
@@ -133,8 +134,8 @@ def hf_model(family_model: Callable[..., Path], tmp_path_factory: pytest.TempPat
     def load_hf(name: str) -> torch.nn.Module:
         if name not in cache:
             path = family_model(name)
-            if name == "mistral3":  # transformers' GGUF loader has no mistral3
-                cache[name] = ministral3_from_gguf(path, tmp_path_factory.mktemp("ministral3"))
+            if name in ("mistral3", "smollm3"):  # transformers' GGUF loader has neither
+                cache[name] = hf_from_llama_underneath(path, tmp_path_factory.mktemp(name))
             else:
                 cache[name] = AutoModelForCausalLM.from_pretrained(
                     str(path.parent), gguf_file=path.name, dtype=torch.float32,

@@ -91,7 +91,7 @@ def make_seeds(folder: Path, stories260k: Path) -> list[Seed]:
     return seeds + [ggla_seed(folder, adapter), *peft_seeds(folder, adapter, base)]
 
 
-FAMILY_SEEDS = ("qwen2", "qwen3", "gemma2", "gemma3_pattern", "phi3", "mistral3")
+FAMILY_SEEDS = ("qwen2", "qwen3", "gemma2", "gemma3_pattern", "phi3", "mistral3", "smollm3")
 """Presets of tests/families.py fuzzed as models too: their own keys and tensors (biases, q/k norms,
 sliding-window pattern, soft-caps, fused matrices, LongRoPE factors, YaRN and temperature keys) meet mutated
 headers."""

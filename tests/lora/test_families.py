@@ -47,6 +47,7 @@ EXPECTED_KINDS: dict[str, set[str]] = {
     "qwen2moe": ATTENTION | EXPERTS | {"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"} | UNTIED,
     "llama_moe": ATTENTION | EXPERTS | UNTIED,
     "mistral3": SEPARATE | UNTIED,
+    "smollm3": SEPARATE,  # tied
 }
 """Preset -> the kinds a default LoRA adapts (every matrix llama.cpp can take an adapter for)."""
 

@@ -37,7 +37,7 @@ LLAMA_CPP_CONTEXT = 256
 """llama.cpp's per-sequence context for n_ctx=64 (it pads contexts to 256)."""
 PRESETS = list(FAMILY_PRESETS)
 GEMMA = [name for name, (arch, _, _) in FAMILY_PRESETS.items() if arch.startswith("gemma")]
-ONE_PER_FAMILY = ["llama3_rope_freqs", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3"]
+ONE_PER_FAMILY = ["llama3_rope_freqs", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "smollm3"]
 MOE = ["qwen3moe", "qwen2moe", "llama_moe"]
 GELU_TABLE_TOLERANCE = 0.02
 """ggml-cpu's fp16 GELU table against the formula, through a few layers (measured up to ~5e-3)."""
@@ -186,6 +186,7 @@ EXPECTED_CONFIG = {
     "qwen2moe": dict(n_expert=6, n_expert_used=2, n_ff_exp=32, n_ff_shexp=64, biases=("attn_q", "attn_k", "attn_v")),
     "llama_moe": dict(n_expert=4, n_expert_used=2, n_ff_exp=64),  # llama's experts are n_ff wide
     "qwen3_yarn": dict(rope_yarn=True, rope_freq_scale=0.25, n_ctx_orig=64),
+    "smollm3": dict(tied_output=True, n_rot=16),
     "mistral3": dict(rope_yarn=True, rope_freq_scale=0.25, n_ctx_orig=16, yarn_beta_fast=16.0, yarn_beta_slow=2.0,
                      yarn_log_mul=0.5, attn_temp_scale=0.1, n_rot=32),
 }
@@ -298,45 +299,61 @@ def transformers_overrides(name: str, model: reference_forward.Model) -> dict:
     return {}
 
 
-def ministral3_from_gguf(path: Path, tmp: Path) -> torch.nn.Module:
-    """transformers' Ministral3ForCausalLM holding a mistral3 GGUF's weights.
+def hf_from_llama_underneath(path: Path, tmp: Path) -> torch.nn.Module:
+    """transformers' own model of a mistral3 or smollm3 GGUF (Ministral3ForCausalLM, SmolLM3ForCausalLM).
 
-    Its GGUF loader has no mistral3, so the file is read as the llama it is underneath (the same tensors and
-    q/k row order) and the weights move into Ministral3, whose own code adds YaRN with mscale_all_dim and
-    Llama 4's attention temperature, configured from the file's keys."""
-    from transformers import AutoModelForCausalLM, Ministral3Config, Ministral3ForCausalLM
+    Its GGUF loader knows neither architecture, so the file is read as the llama it is underneath (the same
+    tensors and q/k row order) and the weights move into the family's model class, whose own code adds what
+    differs, configured from the file's keys: YaRN with mscale_all_dim and Llama 4's attention temperature
+    (Ministral 3), layers without rope (SmolLM3)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        Ministral3Config,
+        Ministral3ForCausalLM,
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
+    )
 
-    meta = read_gguf(path).metadata
-    ours = {k: v for k, v in meta.items() if k.startswith("mistral3.")}
+    f = read_gguf(path)
+    arch = f.architecture
+    ours = {k: v for k, v in f.metadata.items() if k.startswith(f"{arch}.")}
     as_llama = rewrite_gguf(path, tmp / "as-llama.gguf", arch="llama", drop_keys=tuple(ours),
                             set_keys={"llama." + k.split(".", 1)[1]: v for k, v in ours.items()})
     llama = AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file=as_llama.name, dtype=torch.float32)
 
     def key(name: str) -> float:
-        return float(ours[f"mistral3.{name}"])
+        return float(ours[f"{arch}.{name}"])
 
-    config = Ministral3Config(
-        vocab_size=llama.config.vocab_size, hidden_size=int(key("embedding_length")),
-        intermediate_size=int(key("feed_forward_length")), num_hidden_layers=int(key("block_count")),
-        num_attention_heads=int(key("attention.head_count")), num_key_value_heads=int(key("attention.head_count_kv")),
-        head_dim=int(key("attention.key_length")), rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
-        max_position_embeddings=int(key("context_length")), tie_word_embeddings=False,
-        rope_parameters={"rope_type": "yarn", "rope_theta": key("rope.freq_base"), "factor": key("rope.scaling.factor"),
-                         "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
-                         "beta_fast": key("rope.scaling.yarn_beta_fast"),
-                         "beta_slow": key("rope.scaling.yarn_beta_slow"),
-                         "mscale": 1.0, "mscale_all_dim": key("rope.scaling.yarn_log_multiplier"),
-                         "llama_4_scaling_beta": key("attention.temperature_scale")})
-    model = Ministral3ForCausalLM(config)
-    model.load_state_dict(llama.state_dict())
+    shape = dict(vocab_size=llama.config.vocab_size, hidden_size=int(key("embedding_length")),
+                 intermediate_size=int(key("feed_forward_length")), num_hidden_layers=int(key("block_count")),
+                 num_attention_heads=int(key("attention.head_count")),
+                 num_key_value_heads=int(key("attention.head_count_kv")),
+                 rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
+                 max_position_embeddings=int(key("context_length")),
+                 tie_word_embeddings="output.weight" not in f.tensors)
+    if arch == "smollm3":
+        model = SmolLM3ForCausalLM(SmolLM3Config(**shape, no_rope_layer_interval=4, pad_token_id=None, rope_parameters={
+            "rope_type": "default", "rope_theta": key("rope.freq_base")}))
+    else:
+        head_dim = int(key("attention.key_length"))
+        model = Ministral3ForCausalLM(Ministral3Config(**shape, head_dim=head_dim, rope_parameters={
+            "rope_type": "yarn", "rope_theta": key("rope.freq_base"), "factor": key("rope.scaling.factor"),
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+            "beta_fast": key("rope.scaling.yarn_beta_fast"), "beta_slow": key("rope.scaling.yarn_beta_slow"),
+            "mscale": 1.0, "mscale_all_dim": key("rope.scaling.yarn_log_multiplier"),
+            "llama_4_scaling_beta": key("attention.temperature_scale")}))
+    model.load_state_dict(llama.state_dict(), strict=False)  # a tied lm_head is the embedding already
+    model.tie_weights()
     return model.eval()
 
 
-def test_mistral3_logits_equal_transformers_ministral3(family_model: Callable[..., Path], tmp_path: Path) -> None:
-    path = family_model("mistral3")
+@pytest.mark.parametrize("name", ["mistral3", "smollm3"])
+def test_logits_equal_transformers_own_model_of_the_family(family_model: Callable[..., Path], tmp_path: Path,
+                                                           name: str) -> None:
+    path = family_model(name)
     tokens = tokens_for(path)
     with torch.no_grad():
-        theirs = ministral3_from_gguf(path, tmp_path)(torch.tensor([tokens])).logits[0].numpy()
+        theirs = hf_from_llama_underneath(path, tmp_path)(torch.tensor([tokens])).logits[0].numpy()
     np.testing.assert_allclose(ggtorch_logits(path, tokens), theirs, rtol=0, atol=TOLERANCE["F32"])
 
 
@@ -376,7 +393,7 @@ def test_perplexity_equals_the_float64_forward(family_model: Callable[..., Path]
     assert ours.nll == pytest.approx(nll / ours.n_scored, rel=1e-5)
 
 
-@pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "gemma3", "phi3", "qwen3moe", "mistral3"])
+@pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "gemma3", "phi3", "qwen3moe", "mistral3", "smollm3"])
 def test_info_generate_and_perplexity_commands_run(family_model: Callable[..., Path], shared: Path, tmp_path: Path,
                                                    name: str) -> None:
     from tests.helpers import run_cli
