@@ -138,9 +138,16 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
 
 
 @functools.cache
+@functools.cache
+def shared_file_reader(path: Path) -> gguf.GGUFReader:
+    """gguf-py's reader of a read-only ../shared file, once per session: it takes seconds on a 150k-token
+    vocabulary, which both the presets and the reader tests (tests/io/test_gguf_hostile.py) need."""
+    return gguf.GGUFReader(str(path))
+
+
 def _vocab_keys(vocab_gguf: Path) -> list[tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
     """(key, value, type, array element type) of every tokenizer.* key of a vocabulary GGUF."""
-    r = gguf.GGUFReader(str(vocab_gguf))
+    r = shared_file_reader(Path(vocab_gguf))
     out = []
     for key, f in r.fields.items():
         if not key.startswith("tokenizer."):

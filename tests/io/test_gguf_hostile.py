@@ -13,9 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFReader, GGUFValueType
 
 from ggtorch.errors import BadGGUF
 from ggtorch.io.gguf import read_gguf
+from tests.families import shared_file_reader
 
 ALIGN = 32
 F32, Q4_0 = 0, 2
@@ -98,12 +100,10 @@ def test_hostile_file_is_refused_with_a_message(tmp_path: Path, case: str) -> No
     assert time.perf_counter() - start < 2.0  # no loop over a count the file merely claims
 
 
-def _assert_reads_like_gguf_py(path: Path) -> None:
-    """read_gguf's metadata, value types and tensors equal gguf-py's GGUFReader's."""
-    from gguf import GGUFReader, GGUFValueType
-
+def _assert_reads_like_gguf_py(path: Path, reader: GGUFReader | None = None) -> None:
+    """read_gguf's metadata, value types and tensors equal gguf-py's GGUFReader's (``reader``, if given)."""
     ours = read_gguf(path)
-    reader = GGUFReader(path)
+    reader = reader or GGUFReader(path)
     fields = {key: field for key, field in reader.fields.items() if not key.startswith("GGUF.")}
     assert list(ours.metadata) == list(fields)
     python_type = {GGUFValueType.BOOL: bool, GGUFValueType.FLOAT32: float, GGUFValueType.FLOAT64: float,
@@ -138,7 +138,7 @@ def test_every_shared_file_reads_like_gguf_py(shared: Path) -> None:
     paths = sorted(shared.rglob("*.gguf"))
     assert paths
     for path in paths:
-        _assert_reads_like_gguf_py(path)
+        _assert_reads_like_gguf_py(path, shared_file_reader(path))
 
 
 @pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])
