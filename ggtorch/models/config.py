@@ -77,8 +77,8 @@ class ModelConfig:
     """``rope.scaling.attn_factor``: cos and sin are multiplied by it (LongRoPE's magnitude scale)."""
     rope_yarn: bool = False
     """``rope.scaling.type = yarn``: each pair's angle mixes the scaled and the unscaled one along
-    ggml's YaRN ramp (between the pairs that turn 32 and 1 times in ``n_ctx_orig`` positions), and cos
-    and sin grow by 1 + 0.1 ln(scaling factor)."""
+    ggml's YaRN ramp (between the pairs that turn ``yarn_beta_fast`` and ``yarn_beta_slow`` times in
+    ``n_ctx_orig_yarn`` positions), and cos and sin grow by 1 + 0.1 ln(scaling factor)."""
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     """Where YaRN's ramp starts and ends, in turns over ``n_ctx_orig`` (llama.cpp's defaults; mistral3 reads
@@ -157,6 +157,12 @@ class ModelConfig:
     @property
     def family(self) -> Family:
         return FAMILIES[self.arch]
+
+    @property
+    def n_ctx_orig_yarn(self) -> int:
+        """``n_ctx_orig`` or, when the file has none, n_ctx_train (llama.cpp's hparams.n_ctx_orig_yarn): where
+        LongRoPE switches factors, YaRN's ramp and the attention temperature's step."""
+        return self.n_ctx_orig or self.n_ctx_train
 
     @property
     def head_dim(self) -> int:

@@ -43,32 +43,20 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_angles(start_pos: int, n_tokens: int, n_rot: int, freq_base: float, freq_scale: float,
-                device: torch.device, freq_factors: torch.Tensor | None = None,
-                attn_factor: float = 1.0, *, ext_factor: float = 0.0, n_ctx_orig: int = 0,
-                beta_fast: float = 32.0, beta_slow: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (T, n_rot/2) of theta = p * freq_scale * base^(-2i/n_rot) / freq_factors[i].
-
-    Mirrors ggml_rope_cache_init: the angle is built in f32 by multiplying the position by
-    theta_scale = base^(-2/n_rot) once per pair (a running product, not a fresh power), so
-    the rounding is ggml's and long positions do not drift from llama.cpp.
-    """
-    positions = torch.arange(start_pos, start_pos + n_tokens, dtype=torch.float32, device=device)
-    return rope_angles_at(positions, n_rot, freq_base, freq_scale, freq_factors, attn_factor,
-                          ext_factor=ext_factor, n_ctx_orig=n_ctx_orig, beta_fast=beta_fast, beta_slow=beta_slow)
-
-
 def rope_angles_at(positions: torch.Tensor, n_rot: int, freq_base: float, freq_scale: float,
                    freq_factors: torch.Tensor | None = None, attn_factor: float = 1.0, *,
                    ext_factor: float = 0.0, n_ctx_orig: int = 0, beta_fast: float = 32.0,
                    beta_slow: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (*positions.shape, n_rot/2) for arbitrary positions (packed records restart at 0).
+    """cos and sin (*positions.shape, n_rot/2) of theta = p * freq_scale * base^(-2i/n_rot) / freq_factors[i],
+    for any positions (packed records restart at 0).
 
-    The same running product as :func:`rope_angles`, so a position gets the same angle either way.
-    ``attn_factor`` multiplies both, as ggml's rope_yarn does with its ``mscale`` (LongRoPE). A
-    non-zero ``ext_factor`` is ggml's YaRN (rope_yarn; its other parameters as ggml_rope_ext's): along the
-    ramp of :func:`yarn_corr_dims` each angle moves from the unscaled one to the scaled one, and the
-    magnitude grows by 1 + 0.1 ln(1 / freq_scale).
+    Mirrors ggml_rope_cache_init: the angle is built in f32 by multiplying the position by
+    theta_scale = base^(-2/n_rot) once per pair (a running product, not a fresh power), so
+    the rounding is ggml's and long positions do not drift from llama.cpp. ``attn_factor`` multiplies
+    cos and sin, as ggml's rope_yarn does with its ``mscale`` (LongRoPE). A non-zero ``ext_factor`` is
+    ggml's YaRN (rope_yarn; its other parameters as ggml_rope_ext's): along the ramp of
+    :func:`yarn_corr_dims` each angle moves from the unscaled one to the scaled one, and the magnitude
+    grows by 1 + 0.1 ln(1 / freq_scale).
     """
     theta_scale = _f32(freq_base) ** (_f32(-2.0) / n_rot)
     steps = torch.full((*positions.shape, n_rot // 2), float(theta_scale), dtype=torch.float32,
@@ -551,7 +539,7 @@ class Transformer(nn.Module):
             self.register_buffer(name, torch.ones(c.n_rot // 2) if present else None)
         if c.tied_output:
             self.output.weight = self.tok_embd.weight  # one Parameter, as llama.cpp reuses token_embd
-        self.n_ctx = c.n_ctx_orig or c.n_ctx_train
+        self.n_ctx = c.n_ctx_orig_yarn
         """The context the model runs with: above ``n_ctx_orig`` LongRoPE takes its long factors,
         as llama.cpp decides from its context size. Generation and training set it."""
 
@@ -591,15 +579,14 @@ class Transformer(nn.Module):
         c = self.config
         factors = self.rope_freqs
         if c.rope_long_short:
-            long = self.n_ctx > (c.n_ctx_orig or c.n_ctx_train)
+            long = self.n_ctx > c.n_ctx_orig_yarn
             factors = self.rope_factors_long if long else self.rope_factors_short
         neox = c.family.rope == "neox"
-        n_ctx_orig = c.n_ctx_orig or c.n_ctx_train
         attn_factor = yarn_attn_factor(c) if c.rope_yarn else c.rope_attn_factor
-        yarn = {"ext_factor": 1.0 if c.rope_yarn else 0.0, "n_ctx_orig": n_ctx_orig,
+        yarn = {"ext_factor": 1.0 if c.rope_yarn else 0.0, "n_ctx_orig": c.n_ctx_orig_yarn,
                 "beta_fast": c.yarn_beta_fast, "beta_slow": c.yarn_beta_slow}
         where = positions if positions is not None else torch.arange(start_pos, start_pos + T, device=device)
-        q_scale = attention_temperature(where, c.attn_temp_scale, n_ctx_orig) if c.attn_temp_scale else None
+        q_scale = attention_temperature(where, c.attn_temp_scale, c.n_ctx_orig_yarn) if c.attn_temp_scale else None
 
         def angles(base: float, scale: float, freq_factors: torch.Tensor | None) -> Rope:
             cos, sin = rope_angles_at(where, c.n_rot, base, scale, freq_factors, attn_factor, **yarn)

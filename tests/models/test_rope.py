@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ggtorch.models import model
-from ggtorch.models.model import apply_rope, rope_angles, rope_pairs
+from ggtorch.models.model import apply_rope, rope_angles_at, rope_pairs
 
 
 def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -29,14 +29,14 @@ def reference_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 def test_values_bit_equal_to_the_pairwise_formula() -> None:
     x = torch.randn(2, 7, 3, 16) * 5
-    cos, sin = rope_angles(3, 7, 16, 10000.0, 1.0, x.device)
+    cos, sin = rope_angles_at(torch.arange(3, 10, device=x.device), 16, 10000.0, 1.0)
     assert torch.equal(apply_rope(x, cos, sin), reference_rope(x, cos, sin))
     per_row = torch.stack([c for c in (cos, cos.flip(0))]), torch.stack([s for s in (sin, sin.flip(0))])
     assert torch.equal(apply_rope(x, *per_row), reference_rope(x, *per_row))
 
 
 def test_gradient_is_the_inverse_rotation() -> None:
-    cos, sin = rope_angles(0, 5, 8, 10000.0, 1.0, torch.device("cpu"))
+    cos, sin = rope_angles_at(torch.arange(0, 5), 8, 10000.0, 1.0)
     x = torch.randn(1, 5, 2, 8, requires_grad=True)
     g = torch.randn(1, 5, 2, 8)
     ours = torch.autograd.grad(apply_rope(x, cos, sin), x, g)[0]
@@ -48,7 +48,7 @@ def test_gradient_is_the_inverse_rotation() -> None:
 
 def test_bf16_input_comes_back_bf16() -> None:
     x = torch.randn(1, 4, 2, 8).bfloat16()
-    cos, sin = rope_angles(0, 4, 8, 10000.0, 1.0, x.device)
+    cos, sin = rope_angles_at(torch.arange(0, 4, device=x.device), 8, 10000.0, 1.0)
     out = apply_rope(x, cos, sin)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, reference_rope(x.float(), cos, sin).bfloat16())
@@ -56,7 +56,7 @@ def test_bf16_input_comes_back_bf16() -> None:
 
 def test_the_real_valued_rope_for_other_devices_matches() -> None:
     """rope_pairs (MPS and other devices without complex64) equals the complex path, values and gradients."""
-    cos, sin = rope_angles(2, 6, 16, 10000.0, 1.0, torch.device("cpu"))
+    cos, sin = rope_angles_at(torch.arange(2, 8), 16, 10000.0, 1.0)
     x = (torch.randn(2, 6, 3, 16) * 4).requires_grad_()
     g = torch.randn(2, 6, 3, 16)
     ours, theirs = apply_rope(x, cos, sin), rope_pairs(x, cos, sin)
@@ -66,11 +66,12 @@ def test_the_real_valued_rope_for_other_devices_matches() -> None:
 
 def test_neox_values_bit_equal_to_the_halves_formula() -> None:
     x = torch.randn(2, 7, 3, 16) * 5
-    cos, sin = rope_angles(3, 7, 16, 10000.0, 1.0, x.device)
+    cos, sin = rope_angles_at(torch.arange(3, 10, device=x.device), 16, 10000.0, 1.0)
     assert torch.equal(apply_rope(x, cos, sin, neox=True), reference_neox(x, cos, sin))
     per_row = torch.stack([cos, cos.flip(0)]), torch.stack([sin, sin.flip(0)])
     assert torch.equal(apply_rope(x, *per_row, neox=True), reference_neox(x, *per_row))
-    partial = rope_angles(3, 7, 8, 10000.0, 1.0, x.device)  # n_rot 8 of 16 dims: the rest pass unchanged
+    partial = rope_angles_at(torch.arange(3, 10, device=x.device), 8, 10000.0, 1.0)  # n_rot 8 of 16 dims
+    # (the other 8 pass unchanged)
     assert torch.equal(apply_rope(x, *partial, neox=True), reference_neox(x, *partial))
     out = apply_rope(x.bfloat16(), cos, sin, neox=True)
     assert out.dtype == torch.bfloat16
@@ -78,7 +79,7 @@ def test_neox_values_bit_equal_to_the_halves_formula() -> None:
 
 
 def test_neox_gradient_is_the_inverse_rotation() -> None:
-    cos, sin = rope_angles(0, 5, 8, 10000.0, 1.0, torch.device("cpu"))
+    cos, sin = rope_angles_at(torch.arange(0, 5), 8, 10000.0, 1.0)
     x = torch.randn(1, 5, 2, 8, requires_grad=True)
     g = torch.randn(1, 2, 5, 8).transpose(1, 2)  # a strided gradient, as attention's transpose hands it back
     ours = torch.autograd.grad(apply_rope(x, cos, sin, neox=True), x, g)[0]
@@ -104,9 +105,8 @@ def test_yarn_angles_equal_transformers_yarn(head_dim: int, base: float, factor:
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
     positions = torch.arange(64, dtype=torch.float64)
     theta = positions[:, None] * inv_freq.double()[None, :]
-    cos, sin = rope_angles(0, 64, head_dim, base, 1 / factor, torch.device("cpu"), ext_factor=1.0,
-                           n_ctx_orig=n_ctx_orig)
+    cos, sin = rope_angles_at(torch.arange(0, 64), head_dim, base, 1 / factor, ext_factor=1.0, n_ctx_orig=n_ctx_orig)
     torch.testing.assert_close(cos.double(), theta.cos() * attention_factor, rtol=0, atol=2e-5)
     torch.testing.assert_close(sin.double(), theta.sin() * attention_factor, rtol=0, atol=2e-5)
-    plain, _ = rope_angles(0, 64, head_dim, base, 1 / factor, torch.device("cpu"))
+    plain, _ = rope_angles_at(torch.arange(0, 64), head_dim, base, 1 / factor)
     assert not torch.allclose(cos, plain, atol=1e-3)  # the ramp and the magnitude both changed the linear angles

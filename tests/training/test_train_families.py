@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ggtorch.models.model import rope_angles
+from ggtorch.models.model import rope_angles_at
 from tests.llama_models import llama_cpp_logits, open_llama_cpp
 from tests.models.test_families import GELU_TABLE_TOLERANCE, GEMMA, ggtorch_logits, tokens_for
 from tests.models.test_model import TOLERANCE
@@ -72,8 +72,8 @@ def test_training_runs_longrope_with_the_factors_llama_cpp_picks_at_its_context(
                                      seed=1), log_records=False)
     model = trainer.model
     ropes, _ = model._ropes(0, 4, torch.device("cpu"), None)
-    expected, _ = rope_angles(0, 4, model.config.n_rot, model.config.rope_freq_base, 1.0, torch.device("cpu"),
-                              getattr(model, f"rope_factors_{factors}"), model.config.rope_attn_factor)
+    expected, _ = rope_angles_at(torch.arange(0, 4), model.config.n_rot, model.config.rope_freq_base, 1.0,
+                                 getattr(model, f"rope_factors_{factors}"), model.config.rope_attn_factor)
     torch.testing.assert_close(ropes.cos, expected, rtol=0, atol=0)
 
 
