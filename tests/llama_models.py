@@ -128,19 +128,20 @@ def plain_cpu_reference() -> None:
     lib.llama_model_default_params = without_extra_buffer_types
 
 
-def open_llama_cpp(path: Path, n_ctx: int, f32_kv_cache: bool = True):  # -> llama_cpp.Llama
+def open_llama_cpp(path: Path, n_ctx: int, f32_kv_cache: bool = True, **extra):  # -> llama_cpp.Llama
     """A llama.cpp context that keeps the logits of every position (the reference model).
 
     The KV cache is F32 when asked (llama.cpp's default is F16, which rounds K and V).
     n_batch = n_ctx so a whole sequence is one decode call. YaRN's betas are left to the file, as
     llama.cpp's own tools leave them (llama_cpp.Llama would otherwise pass 32 and 1 over mistral3's keys).
+    ``extra``: more llama_cpp.Llama arguments (an adapter: ``lora_path``, ``lora_scale``).
     """
     import llama_cpp  # test-only dependency: the reference implementation
 
     kv = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if f32_kv_cache else {}
     return llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                            n_threads=2, n_threads_batch=2, verbose=False, yarn_beta_fast=-1.0, yarn_beta_slow=-1.0,
-                           **kv)
+                           **kv, **extra)
 
 
 def llama_cpp_logits(llm, tokens: list[int]) -> np.ndarray:

@@ -27,19 +27,15 @@ from ggtorch.lora.adapter_file import (
 from ggtorch.models import names
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.loader import build_llama
-from tests.llama_models import GGML_TYPE_F32, llama_cpp_logits
+from tests.llama_models import llama_cpp_logits, open_llama_cpp
 from tests.models.test_model import TOLERANCE, random_tokens
 
 N_TOKENS = 32
 
 
 def llama_cpp_with_adapter(model_path: Path, adapter_path: Path | None, scale: float = 1.0):
-    import llama_cpp
-
     extra = {"lora_path": str(adapter_path), "lora_scale": scale} if adapter_path else {}
-    return llama_cpp.Llama(model_path=str(model_path), logits_all=True, n_ctx=64, n_batch=64, n_ubatch=64,
-                           n_threads=2, verbose=False, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32,
-                           yarn_beta_fast=-1.0, yarn_beta_slow=-1.0, **extra)  # the file's, as open_llama_cpp
+    return open_llama_cpp(model_path, 64, **extra)
 
 
 def trained_looking_model(path: Path, ranks: dict[str, int] | None = None, alpha: float = 8.0):
