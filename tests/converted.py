@@ -133,6 +133,54 @@ def _qwen3():  # -> PretrainedConfig
                        rope_theta=1e6, tie_word_embeddings=True)
 
 
+def _gpt_oss():  # -> PretrainedConfig
+    from transformers import GptOssConfig
+
+    # YaRN 4 over an original context of 64, so the ramp moves angles within 48 tokens. truncate=True: ggml always
+    # floors/ceils the correction range (ggml_rope_yarn_corr_dims), the GGUF has no key for it, and transformers'
+    # gpt-oss default (False) would differ from llama.cpp on every file converted from it.
+    return GptOssConfig(vocab_size=QWEN_N_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=8,
+                        num_experts_per_tok=2, sliding_window=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": True},
+                        tie_word_embeddings=False)
+
+
+GPT_OSS_ROUTER_DIMS = 32
+"""Hidden values only gpt-oss's router reads (tests/families.py's Shape.router_dims)."""
+
+
+def _gpt_oss_weights(model) -> None:  # model: GptOssForCausalLM
+    """gpt-oss's init (std 0.02, zero biases) would leave its quirks idle: tests/families.py's gpt_oss scales instead.
+
+    q/k/v/o rows of gain 1 (o 0.5) and biases of 0.3, sinks N(0, 1), router rows of gain 4 and biases of 0.3, expert
+    gate/up rows of gain 2 and biases of 5 (a real share of values past the SwiGLU's clamps at 7), down rows of gain
+    0.1. The router reads only the last GPT_OSS_ROUTER_DIMS hidden values, which attention and experts never write:
+    they hold the token's embedding, so llama.cpp's activation rounding on quantized files cannot flip its choices."""
+    import torch
+
+    r = GPT_OSS_ROUTER_DIMS
+    for layer in model.model.layers:
+        attn, router, experts = layer.self_attn, layer.mlp.router, layer.mlp.experts
+        for proj, gain in ((attn.q_proj, 1.0), (attn.k_proj, 1.0), (attn.v_proj, 1.0), (attn.o_proj, 0.5)):
+            torch.nn.init.normal_(proj.weight, std=gain / proj.in_features ** 0.5)
+            torch.nn.init.normal_(proj.bias, std=0.3)
+        torch.nn.init.normal_(attn.sinks)
+        torch.nn.init.normal_(router.weight, std=4.0 / router.weight.shape[1] ** 0.5)
+        torch.nn.init.normal_(router.bias, std=0.3)
+        torch.nn.init.normal_(experts.gate_up_proj, std=2.0 / experts.gate_up_proj.shape[1] ** 0.5)  # (E, in, 2 out)
+        torch.nn.init.normal_(experts.gate_up_proj_bias, std=5.0)
+        torch.nn.init.normal_(experts.down_proj, std=0.1 / experts.down_proj.shape[1] ** 0.5)  # (E, in, out)
+        torch.nn.init.normal_(experts.down_proj_bias, std=0.3)
+        router.weight[:, :-r] = 0.0
+        attn.o_proj.weight[-r:] = 0.0
+        attn.o_proj.bias[-r:] = 0.0
+        experts.down_proj[..., -r:] = 0.0
+        experts.down_proj_bias[:, -r:] = 0.0
+
+
 QWEN_N_VOCAB = 151936
 """Qwen's embedding rows (its BPE vocabulary and special tokens, padded)."""
 QWEN_EOS = 151643
@@ -144,13 +192,15 @@ HF_FAMILIES: dict[str, tuple[str, Callable, dict[str, int] | None]] = {
     "mistral": ("LlamaForCausalLM", _mistral, {}),
     "qwen2": ("Qwen2ForCausalLM", _qwen2, None),
     "qwen3": ("Qwen3ForCausalLM", _qwen3, None),
+    "gpt_oss": ("GptOssForCausalLM", _gpt_oss, None),
 }
 EMBEDDING_GAIN = 10.0
 """On the init's std of 0.02: logits with a std of a few units, so argmax is not a coin flip."""
 
 
 def hf_model(name: str, seed: int = 0):  # -> transformers.PreTrainedModel
-    """A tiny random HF model of a family, in eval mode, with norm weights away from their init."""
+    """A tiny random HF model of a family, in eval mode, with norm weights away from their init (and gpt-oss's
+    weights at scales where its quirks matter)."""
     import torch
     import transformers
 
@@ -166,6 +216,8 @@ def hf_model(name: str, seed: int = 0):  # -> transformers.PreTrainedModel
         model.get_input_embeddings().weight.mul_(EMBEDDING_GAIN)
         if not config.tie_word_embeddings:
             model.get_output_embeddings().weight.mul_(EMBEDDING_GAIN)
+        if class_name == "GptOssForCausalLM":
+            _gpt_oss_weights(model)
     return model
 
 

@@ -5,7 +5,8 @@ tensors llama.cpp's loader expects for that architecture (src/models/<family>.cp
 independent input for comparing ggtorch with llama.cpp. FAMILY_PRESETS holds one model per family and
 per quirk worth a test (biases, tied outputs, q/k norms, head size != n_embd / n_head, soft-caps, sliding
 windows crossing a 48-token sequence, gemma3's own rope base for local layers, phi3's fused matrices,
-partial rope and LongRoPE factors, Llama 3's rope_freqs, YaRN).
+partial rope and LongRoPE factors, Llama 3's rope_freqs, YaRN, gpt-oss's attention sinks, biased experts
+and clamped SwiGLU).
 """
 
 from __future__ import annotations
@@ -72,6 +73,18 @@ class Shape:
     router_gain: float = 2.0
     """Scale of the router's random rows: large enough that no two experts' probabilities of a token
     are close, so llama.cpp (quantized activations included) routes every token as ggtorch does."""
+    expert_gain: float = 1.0
+    """Scale of the experts' gate and up rows."""
+    expert_bias: float = 0.3
+    """gpt-oss: scale of the experts' gate and up biases."""
+    expert_down_gain: float = 0.5
+    """Scale of the experts' down rows."""
+    router_dims: int = 0
+    """gpt-oss: the router reads only the last ``router_dims`` values of the residual stream, which attention and
+    experts never write (zero rows and biases there). They hold the token's embedding, which llama.cpp's quantized
+    path reads exactly (get_rows), so its activation rounding moves top-k choices only through the norm's common
+    scale; a larger router_gain cannot do this, the rounding moves the logits by a share of that same gain
+    (0: the router reads everything)."""
     extra_kv: dict = field(default_factory=dict)
     """More metadata written as-is (key -> python value; ints become u32, floats f32)."""
 
@@ -134,10 +147,21 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
     # Mistral-style llama: SPM vocab, GQA 4:1, base 1e6, head_dim 32 != n_embd/n_head (Nemo style)
     "mistral_headdim": ("llama", "llama-spm", Shape(n_head=4, n_head_kv=1, head_dim=32, rope_freq_base=1e6,
                                                     rms_eps=1e-5)),
+    # gpt-oss: even layers slide (window 16), attention sinks, q/k/v/output biases, router and expert biases,
+    # top-2 of 8 by raw logits, SwiGLU clamped at 7 (large gate/up biases put a real share of values past the clamps
+    # without steep rows, which would make quantized runs chaotic), routes that activation rounding cannot flip,
+    # YaRN 4 over an original context of 64 (context_length 256, as gpt-oss's 131072 = 32 x 4096) with the beta keys
+    # the converter writes (llama.cpp reads none for gpt-oss)
+    "gpt_oss": ("gpt-oss", "llama-spm", Shape(n_layer=4, head_dim=32, n_ff=96, qkv_bias=True, rms_eps=1e-5,
+                                              n_ctx=256, rope_freq_base=150000.0, rope_scaling_yarn=4.0, n_ctx_orig=64,
+                                              sliding_window=16, n_expert=8, n_expert_used=2, n_ff_exp=96,
+                                              router_gain=4.0, expert_gain=2.0, expert_bias=5.0,
+                                              expert_down_gain=0.1, router_dims=32, extra_kv={
+                                                  "gpt-oss.rope.scaling.yarn_beta_fast": 32.0,
+                                                  "gpt-oss.rope.scaling.yarn_beta_slow": 1.0})),
 }
 
 
-@functools.cache
 @functools.cache
 def shared_file_reader(path: Path) -> gguf.GGUFReader:
     """gguf-py's reader of a read-only ../shared file, once per session: it takes seconds on a 150k-token
@@ -194,8 +218,8 @@ def llama3_rope_factors(head_dim: int, base: float, factor: float = 8.0, low: fl
 
 def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shape: Shape | None = None,
                        seed: int = 0) -> Path:
-    """Write an F32 GGUF of ``arch`` (llama, qwen2, qwen2moe, qwen3, qwen3moe, gemma2, gemma3, phi3) with random
-    weights and ``vocab_gguf``'s tokenizer. Returns the path."""
+    """Write an F32 GGUF of ``arch`` (llama, qwen2, qwen2moe, qwen3, qwen3moe, gemma2, gemma3, phi3, gpt-oss, ...)
+    with random weights and ``vocab_gguf``'s tokenizer. Returns the path."""
     s = shape or Shape()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -302,9 +326,16 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
             t[p + "attn_q_norm.weight"] = norm(hd)
             t[p + "attn_k_norm.weight"] = norm(hd)
         t[p + "attn_output.weight"] = lin(s.n_embd, nq, 0.5)
+        if arch == "gpt-oss":
+            t[p + "attn_output.bias"] = vec(s.n_embd, 0.3)
+            t[p + "attn_sinks.weight"] = vec(s.n_head, 1.0)
+        if s.router_dims:
+            for name in ("attn_output.weight", "attn_output.bias"):
+                t[p + name][-s.router_dims:] = 0.0
         if gemma:
             t[p + "post_attention_norm.weight"] = norm(s.n_embd)
-        t[p + "ffn_norm.weight"] = norm(s.n_embd)
+        # gpt-oss's FFN norm is named post_attention_norm (llama.cpp's ATTN_POST_NORM); it has no ffn_norm
+        t[p + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight")] = norm(s.n_embd)
         if s.n_expert:
             t |= _random_experts(p, arch, s, lin, vec)
         elif arch == "phi3":
@@ -330,13 +361,23 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
 
 def _random_experts(p: str, arch: str, s: Shape, lin, vec) -> dict[str, np.ndarray]:
     """A MoE layer's tensors: router, expert stacks (llama's experts are n_ff wide, the qwen families'
-    expert_feed_forward_length, else n_ff / n_expert_used, as llama.cpp reads them), qwen2moe's shared
-    expert."""
+    and gpt-oss's expert_feed_forward_length, else n_ff / n_expert_used, as llama.cpp reads them), qwen2moe's
+    shared expert, gpt-oss's router and per-expert biases ((n_expert, width) in numpy order)."""
     nff = s.n_ff if arch == "llama" else (s.n_ff_exp or s.n_ff // s.n_expert_used)
     t = {p + "ffn_gate_inp.weight": lin(s.n_expert, s.n_embd, s.router_gain),
-         p + "ffn_gate_exps.weight": np.stack([lin(nff, s.n_embd) for _ in range(s.n_expert)]),
-         p + "ffn_up_exps.weight": np.stack([lin(nff, s.n_embd) for _ in range(s.n_expert)]),
-         p + "ffn_down_exps.weight": np.stack([lin(s.n_embd, nff, 0.5) for _ in range(s.n_expert)])}
+         p + "ffn_gate_exps.weight": np.stack([lin(nff, s.n_embd, s.expert_gain) for _ in range(s.n_expert)]),
+         p + "ffn_up_exps.weight": np.stack([lin(nff, s.n_embd, s.expert_gain) for _ in range(s.n_expert)]),
+         p + "ffn_down_exps.weight": np.stack([lin(s.n_embd, nff, s.expert_down_gain) for _ in range(s.n_expert)])}
+    if arch == "gpt-oss":
+        t |= {p + "ffn_gate_inp.bias": vec(s.n_expert, 0.3),
+              p + "ffn_gate_exps.bias": vec(s.n_expert * nff, s.expert_bias).reshape(s.n_expert, nff),
+              p + "ffn_up_exps.bias": vec(s.n_expert * nff, s.expert_bias).reshape(s.n_expert, nff),
+              p + "ffn_down_exps.bias": vec(s.n_expert * s.n_embd, 0.3).reshape(s.n_expert, s.n_embd)}
+    if s.router_dims:
+        t[p + "ffn_gate_inp.weight"][:, :-s.router_dims] = 0.0
+        t[p + "ffn_down_exps.weight"][:, -s.router_dims:] = 0.0
+        if p + "ffn_down_exps.bias" in t:
+            t[p + "ffn_down_exps.bias"][:, -s.router_dims:] = 0.0
     if arch == "qwen2moe":
         nsh = s.n_ff_shexp or s.n_ff
         t |= {p + "ffn_gate_inp_shexp.weight": vec(s.n_embd, 1.0 / math.sqrt(s.n_embd)),

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import gguf
 import numpy as np
 
-NEOX_ARCHS = {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3"}
+NEOX_ARCHS = {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "gpt-oss"}
 NORM_ARCHS = {"llama", "mistral3", "smollm3"}
 SUPPORTED = NEOX_ARCHS | NORM_ARCHS
 
@@ -175,6 +175,12 @@ def make_config(meta: dict, tensors: dict[str, np.ndarray]) -> Config:
         c.q_prescale = 1.0 / math.sqrt(hdk)
         c.kq_scale = 1.0
         # phi3 ignores attention.sliding_window (llama.cpp disables SWA for it)
+    elif arch == "gpt-oss":  # src/models/openai-moe.cpp: no yarn beta keys read, the betas stay 32 and 1
+        c.n_swa = int(g("{a}.attention.sliding_window", required=True))
+        c.is_swa = swa_pattern(2)
+        c.rope_freq_base_swa = float(g("{a}.rope.freq_base_swa", c.rope_freq_base))
+        c.rope_freq_scale_swa = c.rope_freq_scale
+        c.kq_scale = 1.0 / math.sqrt(n_rot)  # the graph's head size is n_rot
     return c
 
 
@@ -292,7 +298,7 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
         return w.get("rope_factors_short.weight")
 
     factors = rope_factors()
-    if c.arch in ("qwen2", "qwen3", "gemma2", "gemma3"):
+    if c.arch in ("qwen2", "qwen3", "gemma2", "gemma3", "gpt-oss"):
         factors = None  # these graphs pass no freq factors to ggml_rope_ext
     pos = np.arange(T)
     causal = pos[None, :] <= pos[:, None]  # [query i, key j]
@@ -337,16 +343,21 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
             scores = c.attn_softcap * np.tanh(scores / c.attn_softcap)
         allowed = causal & ((pos[:, None] - pos[None, :] < c.n_swa) if swa else True)
         scores = scores * c.kq_scale + np.where(allowed, 0.0, -np.inf)[None]
-        probs = softmax(scores, axis=-1)
+        if p + "attn_sinks.weight" in w:  # a head's sink logit joins its softmax's denominator only
+            sinks = np.broadcast_to(w[p + "attn_sinks.weight"][:, None, None], (H, T, 1))
+            probs = softmax(np.concatenate([scores, sinks], axis=-1), axis=-1)[..., :-1]
+        else:
+            probs = softmax(scores, axis=-1)
         att = np.einsum("hij,jhd->ihd", probs, vv).reshape(T, H * Dv)
         att = att @ w[p + "attn_output.weight"].T
         if p + "attn_output.bias" in w:
             att = att + w[p + "attn_output.bias"]
-        if p + "post_attention_norm.weight" in w:
+        if p + "post_attention_norm.weight" in w and c.arch != "gpt-oss":
             att = rms_norm(att, w[p + "post_attention_norm.weight"], c.rms_eps)
         x = x + att
 
-        h = rms_norm(x, w[p + "ffn_norm.weight"], c.rms_eps)
+        ffn_norm = "post_attention_norm.weight" if c.arch == "gpt-oss" else "ffn_norm.weight"  # gpt-oss's name
+        h = rms_norm(x, w[p + ffn_norm], c.rms_eps)
         if c.n_expert:
             f = moe_ffn(h, w, p, c)
         elif c.arch == "phi3":
@@ -374,10 +385,21 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
     return logits
 
 
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float = 1.702, limit: float = 7.0) -> np.ndarray:
+    """gpt-oss's SwiGLU (ggml's swiglu_oai): the gate clamped above at limit, the up both ways, x * sigmoid(alpha x)
+    times (up + 1)."""
+    x = np.minimum(gate, limit)
+    return x / (1.0 + np.exp(-alpha * x)) * (np.clip(up, -limit, limit) + 1.0)
+
+
 def moe_ffn(h: np.ndarray, w: dict, p: str, c: Config) -> np.ndarray:
     """Routed experts token by token (llama.cpp's build_moe_ffn, softmax gating): the top
     expert_used_count probabilities, divided by their sum except in qwen2moe (norm_w false there),
-    SwiGLU experts, weighted sum; qwen2moe adds its shared expert times sigmoid(gate . h)."""
+    SwiGLU experts, weighted sum; qwen2moe adds its shared expert times sigmoid(gate . h). gpt-oss
+    (SOFTMAX_WEIGHT gating): the top expert_used_count of the biased router logits, weighted by the softmax
+    of those logits alone, biased experts with swiglu_oai."""
+    if c.arch == "gpt-oss":
+        return _moe_ffn_gpt_oss(h, w, p, c)
     probs = softmax(h @ w[p + "ffn_gate_inp.weight"].T, axis=-1)  # (T, E)
     out = np.zeros_like(h)
     for t in range(h.shape[0]):
@@ -392,4 +414,18 @@ def moe_ffn(h: np.ndarray, w: dict, p: str, c: Config) -> np.ndarray:
         shared = (silu(h @ w[p + "ffn_gate_shexp.weight"].T) * (h @ w[p + "ffn_up_shexp.weight"].T))
         gate = 1.0 / (1.0 + np.exp(-(h @ w[p + "ffn_gate_inp_shexp.weight"])))
         out += (shared @ w[p + "ffn_down_shexp.weight"].T) * gate[:, None]
+    return out
+
+
+def _moe_ffn_gpt_oss(h: np.ndarray, w: dict, p: str, c: Config) -> np.ndarray:
+    logits = h @ w[p + "ffn_gate_inp.weight"].T + w[p + "ffn_gate_inp.bias"]  # (T, E)
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        chosen = np.argsort(-logits[t], kind="stable")[: c.n_expert_used]
+        weights = softmax(logits[t, chosen])
+        for e, weight in zip(chosen, weights, strict=True):
+            gate = w[p + "ffn_gate_exps.weight"][e] @ h[t] + w[p + "ffn_gate_exps.bias"][e]
+            up = w[p + "ffn_up_exps.weight"][e] @ h[t] + w[p + "ffn_up_exps.bias"][e]
+            down = w[p + "ffn_down_exps.weight"][e] @ swiglu_oai(gate, up) + w[p + "ffn_down_exps.bias"][e]
+            out[t] += weight * down
     return out

@@ -77,12 +77,14 @@ FAMILY_HF_MODULES: dict[str, dict[str, str]] = {
              "ffn_up": "model.layers.{bid}.mlp.gate_up_proj",
              "ffn_down": "model.layers.{bid}.mlp.down_proj"},
     "qwen3moe": _NO_FFN,
+    "gpt-oss": _NO_FFN,
     "qwen2moe": _NO_FFN | {"ffn_gate_shexp": "model.layers.{bid}.mlp.shared_expert.gate_proj",
                            "ffn_up_shexp": "model.layers.{bid}.mlp.shared_expert.up_proj",
                            "ffn_down_shexp": "model.layers.{bid}.mlp.shared_expert.down_proj"},
 }
 """Architectures whose Hugging Face module names differ from HF_MODULES: Phi3ForCausalLM's, and the MoE
-models', whose routed experts are no modules (below) and whose FFN is qwen2moe's shared expert."""
+models (qwen3moe, qwen2moe, gpt-oss), whose routed experts are no modules (below) and whose FFN is qwen2moe's
+shared expert."""
 EXPERT_REFUSAL = ("transformers stores a MoE's routed experts as fused 3-D parameters (mlp.experts.gate_up_proj, "
                   "mlp.experts.down_proj), not as modules a PEFT LoRA can target, so expert adapters have no "
                   "PEFT counterpart: train with --rank-exps 0 for a PEFT export, or merge the adapter into the "
@@ -90,7 +92,8 @@ EXPERT_REFUSAL = ("transformers stores a MoE's routed experts as fused 3-D param
 HF_CLASSES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                               "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                               "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                              "mistral3": "Ministral3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                              "mistral3": "Ministral3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                              "gpt-oss": "GptOssForCausalLM"}
 """The Hugging Face model class of each family, for messages."""
 HF_LEAVES: dict[str, str] = {path.rsplit(".", 1)[-1]: kind for kind, path in HF_MODULES.items()}
 """``q_proj`` -> ``attn_q``: the names PEFT's ``target_modules`` usually lists."""

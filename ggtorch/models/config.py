@@ -118,7 +118,7 @@ class ModelConfig:
             raise BadGGUF(f"head count {self.n_head} is not divisible by KV head count {self.n_head_kv}")
         if self.n_rot > self.head_dim or self.n_rot % 2:
             raise BadGGUF(f"rope dimension count {self.n_rot} must be even and at most the head size {self.head_dim}")
-        if self.arch in ("llama", "qwen2", "qwen3", "mistral3", "smollm3") and self.n_rot != self.head_dim:
+        if self.arch in ("llama", "qwen2", "qwen3", "mistral3", "smollm3", "gpt-oss") and self.n_rot != self.head_dim:
             raise Unsupported(f"rope dimension count {self.n_rot} differs from the head size {self.head_dim}; "
                               f"llama.cpp's {self.arch} requires them equal")
         for name in ("rms_eps", "rope_freq_base", "rope_freq_scale", "rope_freq_base_swa", "rope_freq_scale_swa"):

@@ -17,6 +17,7 @@ turns a row plus the file's metadata and tensors into the numbers the model runs
 | phi3     | neox | -       | -         | -       | SwiGLU* | -              | -               | - (key ignored)      |
 | mistral3 | norm | -       | -         | -       | SwiGLU  | -              | -               | -                    |
 | smollm3  | norm | -       | -         | -       | SwiGLU  | -              | -               | -                    |
+| gpt-oss  | neox | -       | -         | -       | SwiGLU† | yes, softmax_w | -               | 1 in 2 global        |
 
 \* over one fused ``ffn_up``. Defaults apply when the file has no key for them. gemma3's sliding layers have
 their own rope base. mistral3 (Ministral 3, Mistral Small 3.x as converted since late 2025) is llama's block
@@ -24,9 +25,14 @@ whose loader also reads YaRN's ``yarn_beta_fast``/``_slow`` and ``yarn_log_multi
 attention temperature (``attention.temperature_scale``). smollm3 (SmolLM3) is llama's block without rope in
 every fourth layer (llama.cpp's ``n_no_rope_layer_step``, fixed at 4).
 
-Experts (llama.cpp's ``build_moe_ffn`` with softmax gating): each token's FFN is the sum of its top
-``expert_used_count`` experts of ``expert_count``, weighted by their softmax probabilities, renormalized
-to sum 1 where the row says "norm" (llama.cpp hard-codes this per family; no key changes it).
+† gpt-oss (OpenAI's gpt-oss-20b/120b): OpenAI's clamped SwiGLU in every expert, biases on every matrix
+(experts and router included), a learned sink logit per attention head, YaRN, and the norm before the FFN
+stored as ``post_attention_norm``. Its sliding layers use the global rope.
+
+Experts (llama.cpp's ``build_moe_ffn``): each token's FFN is the sum of its top ``expert_used_count``
+experts of ``expert_count``, weighted by their softmax probabilities, renormalized to sum 1 where the row
+says "norm" (llama.cpp hard-codes this per family; no key changes it); "softmax_w" picks the top experts by
+their router logits and weights them by a softmax over those logits alone.
 qwen2moe adds a dense shared expert scaled by sigmoid(``ffn_gate_inp_shexp`` · x).
 
 Every family takes q, k and v as separate tensors or as one fused ``attn_qkv`` (llama.cpp's
@@ -52,8 +58,9 @@ class Family:
     ``post_ffw_norm``)."""
     embedding_scale: bool = False
     """Token embeddings multiplied by sqrt(n_embd)."""
-    activation: Literal["silu", "gelu"] = "silu"
-    """The gated FFN's activation: SwiGLU or GeGLU (GELU's tanh approximation)."""
+    activation: Literal["silu", "gelu", "swiglu_oai"] = "silu"
+    """The gated FFN's activation: SwiGLU, GeGLU (GELU's tanh approximation) or OpenAI's SwiGLU
+    (ggml_swiglu_oai: the gate clamped to 7 above, up to [-7, 7], gate·sigmoid(1.702·gate)·(up + 1))."""
     fused_up: bool = False
     """One ``ffn_up`` of 2·n_ff rows: the gate is its first half, the up projection its second."""
     attn_softcap: float = 0.0
@@ -83,6 +90,15 @@ class Family:
     """Routed experts: never, when the file has ``expert_count`` > 0 (llama, Mixtral-style), or always."""
     normalize_expert_weights: bool = True
     """The top-k softmax weights are divided by their sum (``norm_w`` of build_moe_ffn)."""
+    expert_gating: Literal["softmax", "softmax_weight"] = "softmax"
+    """How experts are chosen and weighted: top k of the softmax over all router logits, or top k of the
+    logits with a softmax over those k (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT, gpt-oss)."""
+    attn_sinks: bool = False
+    """A learned logit per query head (``attn_sinks``) joins every softmax's denominator, so a head may
+    attend to nothing (gpt-oss)."""
+    ffn_norm: Literal["ffn_norm", "attn_post_norm"] = "ffn_norm"
+    """The tensor kind of the norm before the FFN: gpt-oss's converter stores it as ``post_attention_norm``
+    (transformers' name for it in every family), the others as ``ffn_norm``."""
     yarn_keys: bool = False
     """The loader reads YaRN's ``rope.scaling.yarn_beta_fast``/``_slow`` and ``yarn_log_multiplier``
     (the other families keep llama.cpp's defaults 32, 1 and 0 whatever the file says)."""
@@ -115,5 +131,10 @@ FAMILIES: dict[str, Family] = {
                                                   "ffn_gate", "ffn_up", "ffn_down"), yarn_keys=True,
                        attn_temperature=True),
     "smollm3": Family(rope="norm", no_rope_step=4),
+    "gpt-oss": Family(rope="neox", activation="swiglu_oai", swa_period=2, swa_rope_base="global", experts="required",
+                      layer_biases=("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate_inp",
+                                    "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
+                      normalize_expert_weights=False, expert_gating="softmax_weight", attn_sinks=True,
+                      ffn_norm="attn_post_norm"),
 }
 """``general.architecture`` -> its row. Architectures not listed are refused by name."""

@@ -53,7 +53,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     per_layer = {
         "attn_norm": (c.n_embd,),
         "attn_output": (c.n_embd, c.n_embd_q),
-        "ffn_norm": (c.n_embd,),
+        c.family.ffn_norm: (c.n_embd,),
     }
     if c.n_expert:
         per_layer |= _expert_shapes(c)
@@ -70,9 +70,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         per_layer |= {"attn_q_norm": (c.head_dim,), "attn_k_norm": (c.head_dim,)}
     if c.family.post_norms:
         per_layer |= {"attn_post_norm": (c.n_embd,), "ffn_post_norm": (c.n_embd,)}
+    if c.family.attn_sinks:
+        per_layer["attn_sinks"] = (c.n_head,)
     for kind in c.biases:
         if kind != "output":
-            per_layer[names.bias_of(kind)] = (per_layer[kind][0],)
+            per_layer[names.bias_of(kind)] = per_layer[kind][:-1]  # one per output row (of each expert)
     for bid in range(c.n_layer):
         for kind, shape in per_layer.items():
             shapes[names.gguf_name(kind, bid)] = shape

@@ -250,9 +250,9 @@ def _with_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias.to(y.dtype)
 
 
-def _bias(config: ModelConfig, kind: str, n: int) -> nn.Parameter | None:
+def _bias(config: ModelConfig, kind: str, *shape: int) -> nn.Parameter | None:
     """A bias parameter for ``kind`` when the file has one (filled by the loader)."""
-    return nn.Parameter(torch.zeros(n)) if kind in config.biases else None
+    return nn.Parameter(torch.zeros(shape)) if kind in config.biases else None
 
 
 class Attention(nn.Module):
@@ -276,6 +276,8 @@ class Attention(nn.Module):
             self.v_bias = _bias(c, "attn_v", c.n_embd_kv)
         self.o = Linear(c.n_embd_q, c.n_embd, bias=False)
         self.o_bias = _bias(c, "attn_output", c.n_embd)
+        self.sinks = nn.Parameter(torch.zeros(c.n_head)) if c.family.attn_sinks else None
+        """gpt-oss's ``attn_sinks``: per head, a logit that joins the softmax's denominator."""
         if c.family.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_eps)
@@ -328,8 +330,8 @@ class Attention(nn.Module):
             mask, causal = _causal_mask(T, S, x.device), False
         if self.window:
             mask = mask & _window_mask(T, S, self.window, x.device, positions)
-        if self.softcap:
-            y = _capped_attention(q, k, v, scale, self.softcap, mask, causal)
+        if self.softcap or self.sinks is not None:
+            y = _scores_attention(q, k, v, scale, mask, causal, cap=self.softcap, sinks=self.sinks)
         else:
             y = attention(q, k, v, scale=scale, causal=causal, mask=mask)  # (B, H, T, D)
         return _with_bias(self.o(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)), self.o_bias)
@@ -351,20 +353,27 @@ def _window_mask(T: int, S: int, window: int, device: torch.device,
     return query - torch.arange(S, device=device)[None, :] < window  # (T, S)
 
 
-def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cap: float,
-                      mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-    """Attention with soft-capped scores, in llama.cpp's order: cap·tanh(q·k / cap), times the scale,
-    masked, softmax (f32), times v. Written out, since no fused kernel takes a cap."""
+def _scores_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+                      causal: bool, *, cap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with the scores written out, for what no fused kernel takes: gemma's soft-cap, in
+    llama.cpp's order (cap·tanh(q·k / cap), times the scale, masked), and gpt-oss's sinks (a logit per head,
+    ``sinks`` (H,), that joins the softmax's denominator only, as ggml_soft_max_add_sinks). Softmax in f32."""
     B, H, T, D = q.shape
     G = H // k.shape[1]
     k = k.repeat_interleave(G, dim=1) if G > 1 else k
     v = v.repeat_interleave(G, dim=1) if G > 1 else v
-    scores = softcap(q.float() @ k.float().transpose(-1, -2), cap) * scale  # (B, H, T, S)
+    scores = q.float() @ k.float().transpose(-1, -2)  # (B, H, T, S)
+    scores = softcap(scores, cap) * scale if cap else scores * scale
     if causal:
         mask = _causal_mask(T, k.shape[2], q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return (torch.softmax(scores, dim=-1).to(v.dtype) @ v).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().view(1, H, 1, 1).expand(B, H, T, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return (probs.to(v.dtype) @ v).to(q.dtype)
 
 
 class MLP(nn.Module):
@@ -397,14 +406,14 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts as llama.cpp's build_moe_ffn computes them with softmax gating, plus qwen2moe's
-    gated shared expert.
+    """Routed experts as llama.cpp's build_moe_ffn computes them, plus qwen2moe's gated shared expert.
 
-    Per token: probabilities = softmax(router(x)) in f32; the top ``n_expert_used`` experts (ties as
-    torch.topk breaks them; llama.cpp's argsort may pick the other of two exactly equal ones);
+    Per token: probabilities = softmax(router(x) + router bias) in f32; the top ``n_expert_used`` experts
+    (ties as torch.topk breaks them; llama.cpp's argsort may pick the other of two exactly equal ones);
     their probabilities, divided by their sum (clamped to 2^-14, llama.cpp's guard) when the family
-    normalizes; the output is the weighted sum of those experts' SwiGLU FFNs. Gradients reach x
-    through the experts and through the weights (the router's softmax), not through the choice.
+    normalizes, or (gpt-oss's softmax_weight gating) the softmax of their logits alone; the output is the
+    weighted sum of those experts' gated FFNs, each with its own biases if the file has them. Gradients
+    reach x through the experts and through the weights (the router's softmax), not through the choice.
 
     Only routed experts run (``routed_only``): the token rows are grouped by expert once, each expert
     multiplies its own rows (ggtorch.ops.experts.grouped) and the results go back to their tokens.
@@ -417,11 +426,17 @@ class MoE(nn.Module):
         c = config
         assert c.n_ff_exp is not None
         self.router = Linear(c.n_embd, c.n_expert, bias=False)
+        self.router_bias = _bias(c, "ffn_gate_inp", c.n_expert)
         self.gate_exps = Experts(c.n_expert, c.n_ff_exp, c.n_embd)
         self.up_exps = Experts(c.n_expert, c.n_ff_exp, c.n_embd)
         self.down_exps = Experts(c.n_expert, c.n_embd, c.n_ff_exp)
+        self.gate_exps_bias = _bias(c, "ffn_gate_exps", c.n_expert, c.n_ff_exp)
+        self.up_exps_bias = _bias(c, "ffn_up_exps", c.n_expert, c.n_ff_exp)
+        self.down_exps_bias = _bias(c, "ffn_down_exps", c.n_expert, c.n_embd)
         self.n_expert, self.n_used = c.n_expert, c.n_expert_used
         self.normalize = c.family.normalize_expert_weights
+        self.gating = c.family.expert_gating
+        self.activation = swiglu_oai if c.family.activation == "swiglu_oai" else swiglu
         self.routed_only = True
         self.shared: MLP | None = None
         if c.family.shared_expert:
@@ -430,10 +445,18 @@ class MoE(nn.Module):
             self.shared_gate = nn.Parameter(torch.zeros(c.n_embd))
             """``ffn_gate_inp_shexp``: the shared expert's output is scaled by sigmoid(shared_gate · x)."""
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, E) f32: how strongly each row of x (N, C) calls on each expert, the router's bias included."""
+        logits = self.router(x).float()
+        return logits if self.router_bias is None else logits + self.router_bias.float()
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights (N, k) f32, experts (N, k)) of the rows of x (N, C), best expert first."""
-        probs = torch.softmax(self.router(x).float(), dim=-1)  # (N, E)
-        weights, experts = torch.topk(probs, self.n_used, dim=-1)  # (N, k)
+        logits = self.router_logits(x)  # (N, E)
+        if self.gating == "softmax_weight":
+            top, experts = torch.topk(logits, self.n_used, dim=-1)  # (N, k)
+            return torch.softmax(top, dim=-1), experts
+        weights, experts = torch.topk(torch.softmax(logits, dim=-1), self.n_used, dim=-1)  # (N, k)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=6.103515625e-5)
         return weights, experts
@@ -453,7 +476,14 @@ class MoE(nn.Module):
         return out.to(y.dtype).reshape(shape)
 
     def _ffn(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return self.down_exps(swiglu(self.gate_exps(rows, counts), self.up_exps(rows, counts)), counts)
+        """The experts' FFNs of ``rows`` grouped by expert, ``counts[e]`` rows for expert e."""
+        ids = None  # each row's expert, for the experts' biases (llama.cpp's ggml_add_id)
+        if self.down_exps_bias is not None or self.gate_exps_bias is not None or self.up_exps_bias is not None:
+            ids = torch.arange(len(counts), device=rows.device).repeat_interleave(
+                torch.tensor(counts, device=rows.device), output_size=rows.shape[0])
+        gate = _expert_bias(self.gate_exps(rows, counts), self.gate_exps_bias, ids)
+        up = _expert_bias(self.up_exps(rows, counts), self.up_exps_bias, ids)
+        return _expert_bias(self.down_exps(self.activation(gate, up), counts), self.down_exps_bias, ids)
 
     def _routed(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """(N, k, C): each token's chosen experts' outputs, computing only routed experts."""
@@ -471,6 +501,19 @@ class MoE(nn.Module):
         N = x.shape[0]
         y = self._ffn(x.repeat(self.n_expert, 1), [N] * self.n_expert).reshape(self.n_expert, N, -1)  # (E, N, C)
         return y[experts, torch.arange(N, device=x.device).unsqueeze(-1)]  # (N, k, C)
+
+
+def _expert_bias(y: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None) -> torch.Tensor:
+    """Rows of ``y`` plus their own expert's bias row (``bias`` (E, out), ``ids`` each row's expert)."""
+    return y if bias is None or ids is None else y + bias[ids].to(y.dtype)
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """OpenAI's SwiGLU (gpt-oss), as ggml_swiglu_oai computes it: x·sigmoid(alpha·x)·(y + 1) with the gate
+    x clamped to ``limit`` from above and y = up clamped to [-limit, limit]. llama.cpp fixes alpha and limit
+    for gpt-oss; no key carries them. Past a clamp the gradient is zero, as for torch.clamp."""
+    x = gate.clamp(max=limit)
+    return x * torch.sigmoid(x * alpha) * (up.clamp(-limit, limit) + 1)
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
@@ -492,7 +535,9 @@ class Block(nn.Module):
         c = config
         self.attn_norm = RMSNorm(c.n_embd, c.rms_eps)
         self.attn = Attention(c, layer)
-        self.ffn_norm = RMSNorm(c.n_embd, c.rms_eps)
+        self.ffn_norm_name = c.family.ffn_norm
+        """The attribute holding the norm before the FFN, named after its tensor kind (gpt-oss: attn_post_norm)."""
+        setattr(self, self.ffn_norm_name, RMSNorm(c.n_embd, c.rms_eps))
         self.ffn = MoE(c) if c.n_expert else MLP(c)
         self.post_norms = c.family.post_norms
         if self.post_norms:
@@ -508,7 +553,7 @@ class Block(nn.Module):
         if self.post_norms:
             h = self.attn_post_norm(h)
         x = x + h
-        h = self.ffn(self.ffn_norm(x))
+        h = self.ffn(getattr(self, self.ffn_norm_name)(x))
         if self.post_norms:
             h = self.ffn_post_norm(h)
         return x + h

@@ -47,6 +47,11 @@ TENSOR_KINDS: dict[str, tuple[str, str]] = {
     "ffn_gate_bias": ("blk.{bid}.ffn_gate.bias", "layers.{bid}.ffn.gate_bias"),
     "ffn_up_bias": ("blk.{bid}.ffn_up.bias", "layers.{bid}.ffn.up_bias"),
     "ffn_down_bias": ("blk.{bid}.ffn_down.bias", "layers.{bid}.ffn.down_bias"),
+    "ffn_gate_inp_bias": ("blk.{bid}.ffn_gate_inp.bias", "layers.{bid}.ffn.router_bias"),
+    "ffn_gate_exps_bias": ("blk.{bid}.ffn_gate_exps.bias", "layers.{bid}.ffn.gate_exps_bias"),
+    "ffn_up_exps_bias": ("blk.{bid}.ffn_up_exps.bias", "layers.{bid}.ffn.up_exps_bias"),
+    "ffn_down_exps_bias": ("blk.{bid}.ffn_down_exps.bias", "layers.{bid}.ffn.down_exps_bias"),
+    "attn_sinks": ("blk.{bid}.attn_sinks.weight", "layers.{bid}.attn.sinks"),
 }
 
 ROPE_FREQS = "rope_freqs.weight"
@@ -68,10 +73,12 @@ NORM_KINDS: tuple[str, ...] = ("attn_norm", "ffn_norm", "output_norm", "attn_q_n
                                "attn_post_norm", "ffn_post_norm")
 """RMS norm gains: 1-D, always kept in float."""
 BIAS_KINDS: tuple[str, ...] = tuple(k for k in TENSOR_KINDS if k.endswith("_bias"))
-"""Biases: 1-D, always kept in float; ``bias_of("attn_q") == "attn_q_bias"``."""
-VECTOR_KINDS: tuple[str, ...] = BIAS_KINDS + ("ffn_gate_inp_shexp",)
-"""1-D parameters that are no norm gain: biases and qwen2moe's shared-expert gate (llama.cpp multiplies
-it with the hidden state as a one-row matrix; it is never quantized), kept in float and never adapted."""
+"""Biases: 1-D, or (n_expert, out) for an expert stack's; always kept in float;
+``bias_of("attn_q") == "attn_q_bias"``."""
+VECTOR_KINDS: tuple[str, ...] = BIAS_KINDS + ("ffn_gate_inp_shexp", "attn_sinks")
+"""Parameters that are no matrix and no norm gain: biases, qwen2moe's shared-expert gate (llama.cpp
+multiplies it with the hidden state as a one-row matrix; it is never quantized) and gpt-oss's attention
+sinks; kept in float and never adapted."""
 EXPERT_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_down_exps", "ffn_up_exps")
 """Stacks of per-expert matrices, (n_expert, out, in) in torch order."""
 MATRIX_KINDS: tuple[str, ...] = tuple(k for k in TENSOR_KINDS if k not in NORM_KINDS + VECTOR_KINDS)

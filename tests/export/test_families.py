@@ -28,7 +28,7 @@ from tests.models.test_experts import routing_margins
 from tests.models.test_families import (
     GELU_TABLE_TOLERANCE,
     float64_model,
-    hf_from_llama_underneath,
+    hf_own_model,
     load,
     transformers_overrides,
 )
@@ -111,6 +111,7 @@ PEFT_TARGETS: dict[str, list[str]] = {
     "mistral3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
                  "lm_head"],
     "smollm3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "gpt_oss": ["q_proj", "k_proj", "v_proj", "o_proj", "embed_tokens", "lm_head"],
 }
 PEFT_FAMILIES = list(PEFT_TARGETS)
 """Not llama_moe: transformers loads a llama GGUF with experts as a dense llama (random MLPs), silently."""
@@ -134,8 +135,8 @@ def hf_model(family_model: Callable[..., Path], tmp_path_factory: pytest.TempPat
     def load_hf(name: str) -> torch.nn.Module:
         if name not in cache:
             path = family_model(name)
-            if name in ("mistral3", "smollm3"):  # transformers' GGUF loader has neither
-                cache[name] = hf_from_llama_underneath(path, tmp_path_factory.mktemp(name))
+            if name in ("mistral3", "smollm3", "gpt_oss"):  # transformers' GGUF loader reads none of them
+                cache[name] = hf_own_model(name, path, tmp_path_factory.mktemp(name))
             else:
                 cache[name] = AutoModelForCausalLM.from_pretrained(
                     str(path.parent), gguf_file=path.name, dtype=torch.float32,

@@ -48,6 +48,7 @@ EXPECTED_KINDS: dict[str, set[str]] = {
     "llama_moe": ATTENTION | EXPERTS | UNTIED,
     "mistral3": SEPARATE | UNTIED,
     "smollm3": SEPARATE,  # tied
+    "gpt_oss": ATTENTION | EXPERTS | UNTIED,  # routers, sinks and biases are not adapted
 }
 """Preset -> the kinds a default LoRA adapts (every matrix llama.cpp can take an adapter for)."""
 

@@ -32,7 +32,7 @@ def routing_margins(model: Transformer, tokens: list[int]) -> torch.Tensor:
 
     def record(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         x = args[0].reshape(-1, args[0].shape[-1])
-        probs = torch.softmax(module.router(x).float(), dim=-1).sort(dim=-1, descending=True).values
+        probs = torch.softmax(module.router_logits(x), dim=-1).sort(dim=-1, descending=True).values
         gaps.append(probs[:, module.n_used - 1] - probs[:, module.n_used])
 
     hooks = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, MoE)]

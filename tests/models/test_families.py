@@ -38,7 +38,7 @@ LLAMA_CPP_CONTEXT = 256
 PRESETS = list(FAMILY_PRESETS)
 GEMMA = [name for name, (arch, _, _) in FAMILY_PRESETS.items() if arch.startswith("gemma")]
 ONE_PER_FAMILY = ["llama3_rope_freqs", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "smollm3"]
-MOE = ["qwen3moe", "qwen2moe", "llama_moe"]
+MOE = ["qwen3moe", "qwen2moe", "llama_moe", "gpt_oss"]
 GELU_TABLE_TOLERANCE = 0.02
 """ggml-cpu's fp16 GELU table against the formula, through a few layers (measured up to ~5e-3)."""
 
@@ -131,7 +131,25 @@ def test_quantized_logits_equal_llama_cpp(family_model: Callable[..., Path], nam
     assert name.split("-")[0] not in MOE or wanted in experts, experts
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "qwen3", "qwen2moe"])
+def test_gpt_oss_as_released_mxfp4_experts_equal_llama_cpp(family_model: Callable[..., Path]) -> None:
+    """gpt-oss's files carry MXFP4 experts (llama.cpp's MXFP4_MOE: the other matrices Q8_0); ggtorch keeps the
+    experts in their blocks and computes llama.cpp's logits."""
+    from ggtorch.quant.modules import QuantExperts
+
+    path = family_model("gpt_oss", "MXFP4_MOE")
+    tokens = tokens_for(path)
+    model = load(path)
+    experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    assert experts and {m.ggml_type.name for m in experts} == {"MXFP4"}
+    with torch.no_grad():
+        ours = model(torch.tensor([tokens]))[0].numpy()
+    ref = llama_cpp_logits(open_llama_cpp(path, 64), tokens)
+    tol = TOLERANCE["Q8_0"]
+    assert np.abs(ours - ref).max() <= tol, f"max |diff| {np.abs(ours - ref).max():.3g} > {tol}"
+    assert_top1_agrees(ours, ref, tol)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "qwen3", "qwen2moe", "gpt_oss"])
 def test_kv_cache_equals_full_forward(family_model: Callable[..., Path], name: str) -> None:
     """Generation through the cache (sliding windows, per-layer rope, q/k norms) computes the full forward."""
     model = load(family_model(name))
@@ -144,7 +162,7 @@ def test_kv_cache_equals_full_forward(family_model: Callable[..., Path], name: s
     torch.testing.assert_close(torch.cat(steps), full, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3_pattern"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_pattern", "gpt_oss"])
 def test_packed_rows_equal_separate_forwards(family_model: Callable[..., Path], name: str) -> None:
     """Two records packed in one row, positions restarting: each computes as if alone (sliding windows too)."""
     model = load(family_model(name))
@@ -189,6 +207,12 @@ EXPECTED_CONFIG = {
     "smollm3": dict(tied_output=True, n_rot=16),
     "mistral3": dict(rope_yarn=True, rope_freq_scale=0.25, n_ctx_orig=16, yarn_beta_fast=16.0, yarn_beta_slow=2.0,
                      yarn_log_mul=0.5, attn_temp_scale=0.1, n_rot=32),
+    # gpt-oss: even layers slide with the global rope (YaRN included); its loader reads no YaRN beta keys
+    "gpt_oss": dict(arch="gpt-oss", biases=("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp",
+                                            "ffn_gate_exps", "ffn_down_exps", "ffn_up_exps"),
+                    swa_layers=(True, False, True, False), sliding_window=16, rope_yarn=True, rope_freq_scale=0.25,
+                    rope_freq_base_swa=150000.0, rope_freq_scale_swa=0.25, yarn_beta_fast=32.0, yarn_beta_slow=1.0,
+                    n_ctx_orig=64, n_expert=8, n_expert_used=2, n_ff_exp=96),
 }
 
 
@@ -238,6 +262,14 @@ BROKEN = {
                                    r"'blk\.1\.ffn_gate_exps\.weight' is missing"),
     "qwen2moe without its shared-expert gate": ("qwen2moe", dict(drop_tensors=("blk.0.ffn_gate_inp_shexp.weight",)),
                                                 BadGGUF, r"'blk\.0\.ffn_gate_inp_shexp\.weight' is missing"),
+    "gpt-oss without its attention sinks": ("gpt_oss", dict(drop_tensors=("blk.2.attn_sinks.weight",)), BadGGUF,
+                                            r"'blk\.2\.attn_sinks\.weight' is missing"),
+    "qwen3moe with a router bias llama.cpp does not read": (
+        "qwen3moe", dict(add_tensors={"blk.0.ffn_gate_inp.bias": np.zeros(8, np.float32)}), Unsupported,
+        r"'blk\.0\.ffn_gate_inp\.bias' is not part of a qwen3moe model"),
+    "gpt-oss expert bias of the wrong width": (
+        "gpt_oss", dict(add_tensors={"blk.1.ffn_up_exps.bias": np.zeros((8, 32), np.float32)}), BadGGUF,
+        r"'blk\.1\.ffn_up_exps\.bias' has shape \(8, 32\), expected \(8, 96\)"),
     "qwen2 without a head count": ("qwen2", dict(drop_keys=("qwen2.attention.head_count",)), BadGGUF,
                                    r"qwen2\.attention\.head_count"),
 }
@@ -347,13 +379,65 @@ def hf_from_llama_underneath(path: Path, tmp: Path) -> torch.nn.Module:
     return model.eval()
 
 
-@pytest.mark.parametrize("name", ["mistral3", "smollm3"])
+def hf_gpt_oss(model: reference_forward.Model) -> torch.nn.Module:
+    """transformers' own model of a gpt-oss GGUF (GptOssForCausalLM), configured from the file's keys.
+
+    Its GGUF loader cannot read one: it reads each rope.scaling key's name length as its value (and fails on it), maps
+    no expert or sink tensors, and drops head_dim and the sliding window. The weights move in by
+    hand, undoing the converter: gate and up interleave again in gate_up_proj (gate at even columns), and the
+    expert matrices go back to transformers' (in, out) layout. YaRN truncates its correction range as ggml does
+    (transformers' gpt-oss default does not)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    c, w = model.config, model.w
+    n_ff = int(model.meta["gpt-oss.expert_feed_forward_length"])
+    config = GptOssConfig(
+        vocab_size=c.n_vocab, hidden_size=c.n_embd, intermediate_size=n_ff, num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head, num_key_value_heads=c.n_head_kv, head_dim=c.head_dim_k,
+        num_local_experts=c.n_expert, num_experts_per_tok=c.n_expert_used, sliding_window=c.n_swa,
+        layer_types=["sliding_attention" if s else "full_attention" for s in c.is_swa], rms_norm_eps=c.rms_eps,
+        max_position_embeddings=c.n_ctx_train, tie_word_embeddings=False, attn_implementation="eager",
+        rope_parameters={"rope_type": "yarn", "rope_theta": c.rope_freq_base, "factor": 1.0 / c.rope_freq_scale,
+                         "original_max_position_embeddings": c.n_ctx_orig, "beta_fast": c.yarn_beta_fast,
+                         "beta_slow": c.yarn_beta_slow, "truncate": True})
+    state = {"model.embed_tokens.weight": w["token_embd.weight"], "model.norm.weight": w["output_norm.weight"],
+             "lm_head.weight": w["output.weight"]}
+    for i in range(c.n_layer):
+        p, q = f"blk.{i}.", f"model.layers.{i}."
+        state |= {q + "input_layernorm.weight": w[p + "attn_norm.weight"],
+                  q + "post_attention_layernorm.weight": w[p + "post_attention_norm.weight"],
+                  q + "self_attn.sinks": w[p + "attn_sinks.weight"],
+                  q + "mlp.router.weight": w[p + "ffn_gate_inp.weight"],
+                  q + "mlp.router.bias": w[p + "ffn_gate_inp.bias"],
+                  q + "mlp.experts.down_proj": w[p + "ffn_down_exps.weight"].transpose(0, 2, 1),
+                  q + "mlp.experts.down_proj_bias": w[p + "ffn_down_exps.bias"]}
+        for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("output", "o_proj")):
+            state |= {q + f"self_attn.{theirs}.weight": w[p + f"attn_{ours}.weight"],
+                      q + f"self_attn.{theirs}.bias": w[p + f"attn_{ours}.bias"]}
+        gate, up = w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"]  # (n_expert, n_ff, n_embd)
+        gate_up = np.empty((c.n_expert, c.n_embd, 2 * n_ff))
+        gate_up[..., ::2], gate_up[..., 1::2] = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+        gate_up_bias = np.empty((c.n_expert, 2 * n_ff))
+        gate_up_bias[:, ::2], gate_up_bias[:, 1::2] = w[p + "ffn_gate_exps.bias"], w[p + "ffn_up_exps.bias"]
+        state |= {q + "mlp.experts.gate_up_proj": gate_up, q + "mlp.experts.gate_up_proj_bias": gate_up_bias}
+    hf = GptOssForCausalLM(config)
+    hf.load_state_dict({k: torch.tensor(np.ascontiguousarray(v), dtype=torch.float32) for k, v in state.items()},
+                       strict=True)
+    return hf.eval()
+
+
+def hf_own_model(name: str, path: Path, tmp: Path) -> torch.nn.Module:
+    """transformers' model of a preset whose GGUF its loader cannot read (mistral3, smollm3, gpt-oss)."""
+    return hf_gpt_oss(float64_model(path)) if name == "gpt_oss" else hf_from_llama_underneath(path, tmp)
+
+
+@pytest.mark.parametrize("name", ["mistral3", "smollm3", "gpt_oss"])
 def test_logits_equal_transformers_own_model_of_the_family(family_model: Callable[..., Path], tmp_path: Path,
                                                            name: str) -> None:
     path = family_model(name)
     tokens = tokens_for(path)
     with torch.no_grad():
-        theirs = hf_from_llama_underneath(path, tmp_path)(torch.tensor([tokens])).logits[0].numpy()
+        theirs = hf_own_model(name, path, tmp_path)(torch.tensor([tokens])).logits[0].numpy()
     np.testing.assert_allclose(ggtorch_logits(path, tokens), theirs, rtol=0, atol=TOLERANCE["F32"])
 
 
@@ -393,7 +477,8 @@ def test_perplexity_equals_the_float64_forward(family_model: Callable[..., Path]
     assert ours.nll == pytest.approx(nll / ours.n_scored, rel=1e-5)
 
 
-@pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "gemma3", "phi3", "qwen3moe", "mistral3", "smollm3"])
+@pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "gemma3", "phi3", "qwen3moe", "mistral3", "smollm3",
+                                  "gpt_oss"])
 def test_info_generate_and_perplexity_commands_run(family_model: Callable[..., Path], shared: Path, tmp_path: Path,
                                                    name: str) -> None:
     from tests.helpers import run_cli
