@@ -1,8 +1,9 @@
 """Full models back to GGUF: a base's (or a new model's) metadata plus float tensors, each stored as
 ``--outtype``: f32, f16, bf16, or one of the legacy block types gguf-py's numpy quantizer writes
-(q8_0, q4_0, q4_1, q5_0, q5_1). Norms stay F32 (llama.cpp keeps 1-D tensors F32), and a matrix
-whose rows do not divide into blocks falls back to F16, as llama.cpp's quantizer falls back for
-such rows.
+(q8_0, q4_0, q4_1, q5_0, q5_1). What llama.cpp's quantizer leaves F32 stays F32 (its
+``tensor_allows_quantization``): 1-D tensors, tensors not named ``*.weight`` (gpt-oss's 2-D expert
+biases) and MoE routers (``ffn_gate_inp``). A matrix whose rows do not divide into blocks falls back to
+F16, as llama.cpp's quantizer falls back for such rows.
 """
 
 from __future__ import annotations
@@ -49,11 +50,16 @@ def write_model(path: str | os.PathLike[str], metadata: dict[str, Any], value_ty
     types = {k: v for k, v in value_types.items() if k != Keys.General.FILE_TYPE}
     outs = []
     for name, t in tensors.items():
-        wanted = OUTTYPES[outtype] if t.dim() >= 2 else Q.F32
+        wanted = OUTTYPES[outtype] if _quantizable(name, t) else Q.F32
         ggml_type, data = encode(t, wanted, name=name, fallback=True)
         outs.append(TensorOut(name, ggml_type, tuple(t.shape), data))
     write_gguf(path, str(metadata[Keys.General.ARCHITECTURE]), meta, outs, value_types=types)
     return Path(path)
+
+
+def _quantizable(name: str, t: torch.Tensor) -> bool:
+    """Whether --outtype applies to a tensor, by llama.cpp's rules (see the module docstring)."""
+    return t.dim() >= 2 and name.endswith(".weight") and "ffn_gate_inp." not in name
 
 
 def ggml_n_dims(shape: tuple[int, ...]) -> int:
