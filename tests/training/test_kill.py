@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,13 +84,21 @@ def _adapter_tensors(path: Path) -> dict[str, bytes]:
     return {name: bytes(t.data) for name, t in read_gguf(path).tensors.items()}
 
 
-def _reference_adapter(stories260k: Path, train: Path, tmp_path: Path, n: int, batch: int) -> dict[str, bytes]:
-    """The adapter of the same run, uninterrupted."""
+def _reference_adapter(stories260k: Path, train: Path, tmp_path: Path, n: int,
+                       batch: int) -> Callable[[], dict[str, bytes]]:
+    """Start the same run, uninterrupted, beside the test's own (each runs one thread); the returned
+    function waits for it and gives its adapter."""
     work = tmp_path / "reference"
     work.mkdir()
-    subprocess.run(_finetune_cmd(stories260k, train, n, batch, resume=False), cwd=work, check=True,
-                   capture_output=True, timeout=300)
-    return _adapter_tensors(work / "ggml-lora-LATEST-f32.gguf")
+    proc = subprocess.Popen(_finetune_cmd(stories260k, train, n, batch, resume=False), cwd=work,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def adapter() -> dict[str, bytes]:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        return _adapter_tensors(work / "ggml-lora-LATEST-f32.gguf")
+
+    return adapter
 
 
 def test_an_allocation_refused_by_ulimit_keeps_the_checkpoint_and_says_how_to_resume(
@@ -99,6 +108,7 @@ def test_an_allocation_refused_by_ulimit_keeps_the_checkpoint_and_says_how_to_re
     import resource
 
     train = texts["train"]
+    reference = _reference_adapter(stories260k, train, tmp_path, 4, 2)
     work = tmp_path / "run"
     work.mkdir()
     subprocess.run(_finetune_cmd(stories260k, train, 2, 2, resume=False), cwd=work, check=True, capture_output=True,
@@ -122,8 +132,7 @@ def test_an_allocation_refused_by_ulimit_keeps_the_checkpoint_and_says_how_to_re
     subprocess.run(_finetune_cmd(stories260k, train, 2, 2, resume=True), cwd=work, check=True, capture_output=True,
                    timeout=300)
     assert load_checkpoint(latest).iteration == 4
-    reference = _reference_adapter(stories260k, train, tmp_path, 4, 2)
-    assert _adapter_tensors(work / "ggml-lora-LATEST-f32.gguf") == reference
+    assert _adapter_tensors(work / "ggml-lora-LATEST-f32.gguf") == reference()
 
 
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
@@ -162,6 +171,7 @@ def test_killed_by_the_oom_killer_mid_run_resumes_exactly(stories260k: Path, tex
     work.mkdir()
     latest = work / "checkpoint-LATEST.gguf"
     n, batch = 12, 64
+    reference = _reference_adapter(stories260k, train, tmp_path, n, batch)
     try:
         (group / "memory.swappiness").write_text("0")
         # glibc as it comes, every large block mmapped and unmapped again (a run otherwise keeps its
@@ -194,5 +204,4 @@ def test_killed_by_the_oom_killer_mid_run_resumes_exactly(stories260k: Path, tex
     subprocess.run(_finetune_cmd(stories260k, train, n - saved, batch, resume=True), cwd=work, check=True,
                    capture_output=True, timeout=300)
     assert load_checkpoint(latest).iteration == n
-    assert _adapter_tensors(work / "ggml-lora-LATEST-f32.gguf") == _reference_adapter(
-        stories260k, train, tmp_path, n, batch)
+    assert _adapter_tensors(work / "ggml-lora-LATEST-f32.gguf") == reference()
