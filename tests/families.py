@@ -71,8 +71,10 @@ class Shape:
     n_ff_shexp: int | None = None
     """qwen2moe: ``expert_shared_feed_forward_length`` (None: not written, n_ff)."""
     router_gain: float = 2.0
-    """Scale of the router's random rows: large enough that no two experts' probabilities of a token
-    are close, so llama.cpp (quantized activations included) routes every token as ggtorch does."""
+    """Scale of the router's random rows: large enough that, for these presets' tokens, no two experts'
+    probabilities are close, so llama.cpp (quantized activations included) routes every token as ggtorch does.
+    The gain alone guarantees nothing (rounding moves the logits by a share of the same gain): gpt_oss, whose
+    biased experts make larger activations, also needs ``router_dims``."""
     expert_gain: float = 1.0
     """Scale of the experts' gate and up rows."""
     expert_bias: float = 0.3
