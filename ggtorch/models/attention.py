@@ -1,5 +1,5 @@
 """Causal self-attention for training: batched matrix products on CPU for short sequences
-(:func:`products_max_tokens`), ``F.scaled_dot_product_attention`` everywhere else.
+(:func:`products_max_tokens`), ``F.scaled_dot_product_attention`` everywhere else (gpt-oss's sinks included).
 
 torch's CPU flash attention walks the sequence in small blocks; at training lengths that is
 slower than writing the score matrix out and running plain batched products. The products go a
@@ -29,24 +29,61 @@ WIDE_HEAD_DIM = 128
 WIDE_HEAD_MAX_TOKENS = 512
 """Longest f32 sequence on the products path for heads of :data:`WIDE_HEAD_DIM` or more."""
 
+SINK_COLUMNS = 8
+"""Columns added to each query and key head to carry gpt-oss's sinks (:func:`_attention_with_sinks`): the first
+holds the sink, the others keep the head size a multiple of 8, as CUDA's fused kernels want it."""
+
 BLOCK_ROWS = 128
 """Queries per block of the products path: small enough that the blocks skip most of the masked
 triangle, large enough for full-speed batched products."""
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
+              mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T · scale + masking) v for q (B, H, T, D) and k, v (B, Hkv, S, D), H a multiple
     of Hkv (query head h reads key/value head h // (H / Hkv), as llama.cpp's broadcast does).
 
-    ``mask`` (broadcastable to (B, 1, T, S), True where a query may attend) or ``causal``.
+    ``mask`` (broadcastable to (B, 1, T, S), True where a query may attend) or ``causal``. ``sinks`` (H,):
+    gpt-oss's per-head logit that joins every softmax's denominator (ggml_soft_max_add_sinks).
     """
+    if sinks is not None:
+        return _attention_with_sinks(q, k, v, scale, causal, mask, sinks)
     if _as_products(q, k, v, causal, mask):
         allowed = mask if mask is not None else torch.ones(q.shape[2], q.shape[2], dtype=torch.bool,
                                                                device=q.device).tril()
         return _ProductAttention.apply(q, k, v, allowed, scale)
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal,
                                           scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                          mask: torch.Tensor | None, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax denominators also hold exp(sinks[h]), through the fused kernel: one more key,
+    first, that every query sees and whose value is zero, so it adds its share to the denominator and nothing
+    to the output. Its score is the sink: query head h carries sinks[h] / scale in an extra column, real keys
+    0 there and the sink key 1 (a sink per query head survives grouped-query attention). Flash keeps one
+    log-sum-exp per row where written-out scores keep every probability."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    dtype = q.dtype
+
+    def widened(t: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+        rest = t.new_zeros(*t.shape[:-1], SINK_COLUMNS - (first is not None))
+        return torch.cat((t, rest) if first is None else (t, first, rest), dim=-1)
+
+    sink_column = (sinks.float() / scale).to(dtype).view(1, H, 1, 1).expand(B, H, T, 1)
+    sink_key = q.new_zeros(B, Hkv, 1, D + SINK_COLUMNS)
+    sink_key[..., D] = 1.0
+    keys = torch.cat((sink_key, widened(k.to(dtype))), dim=2)  # (B, Hkv, 1 + S, D + SINK_COLUMNS)
+    values = torch.cat((q.new_zeros(B, Hkv, 1, D + SINK_COLUMNS), widened(v.to(dtype))), dim=2)
+    if mask is None:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device)
+        if causal:
+            mask = mask.tril(diagonal=S - T)
+    mask = torch.cat((mask.new_ones(*mask.shape[:-1], 1), mask), dim=-1)  # the sink key: seen by every query
+    out = F.scaled_dot_product_attention(widened(q, sink_column), keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=H != Hkv)
+    return out[..., :D]
 
 
 def products_max_tokens(dtype: torch.dtype, head_dim: int) -> int:

@@ -330,10 +330,10 @@ class Attention(nn.Module):
             mask, causal = _causal_mask(T, S, x.device), False
         if self.window:
             mask = mask & _window_mask(T, S, self.window, x.device, positions)
-        if self.softcap or self.sinks is not None:
+        if self.softcap:
             y = _scores_attention(q, k, v, scale, mask, causal, cap=self.softcap, sinks=self.sinks)
         else:
-            y = attention(q, k, v, scale=scale, causal=causal, mask=mask)  # (B, H, T, D)
+            y = attention(q, k, v, scale=scale, causal=causal, mask=mask, sinks=self.sinks)  # (B, H, T, D)
         return _with_bias(self.o(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)), self.o_bias)
 
 
@@ -356,8 +356,9 @@ def _window_mask(T: int, S: int, window: int, device: torch.device,
 def _scores_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
                       causal: bool, *, cap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention with the scores written out, for what no fused kernel takes: gemma's soft-cap, in
-    llama.cpp's order (cap·tanh(q·k / cap), times the scale, masked), and gpt-oss's sinks (a logit per head,
-    ``sinks`` (H,), that joins the softmax's denominator only, as ggml_soft_max_add_sinks). Softmax in f32."""
+    llama.cpp's order (cap·tanh(q·k / cap), times the scale, masked), with sinks too (a logit per head,
+    ``sinks`` (H,), that joins the softmax's denominator only, as ggml_soft_max_add_sinks) should a family
+    have both. Softmax in f32."""
     B, H, T, D = q.shape
     G = H // k.shape[1]
     k = k.repeat_interleave(G, dim=1) if G > 1 else k

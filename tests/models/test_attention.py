@@ -1,7 +1,8 @@
 """Training attention as batched products against torch's own scaled_dot_product_attention in
 float64: outputs and gradients of q, k, v, causal, packed and non-causal masks, grouped-query heads,
 one block of queries and several (the last one partial); and the dispatch: products only where
-PRODUCTS_MAX_TOKENS allows and a backward follows."""
+PRODUCTS_MAX_TOKENS allows and a backward follows. gpt-oss's sinks through SDPA against the softmax
+with sinks written out."""
 
 from __future__ import annotations
 
@@ -143,3 +144,41 @@ def test_inference_and_cache_calls_keep_flash() -> None:
     q.requires_grad_()
     y = attention(q[:, :, -4:], k, v, scale=SCALE, causal=False)  # 4 new queries over 16 cached keys
     assert type(y.grad_fn).__name__ != "_ProductAttentionBackward"
+
+
+def _sinks_formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                   allowed: torch.Tensor) -> torch.Tensor:
+    """ggml_soft_max_add_sinks written out: each head's sink logit joins its rows' softmax denominators."""
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    scores = (q @ k.transpose(-1, -2) * SCALE).masked_fill(~allowed, float("-inf"))  # (B, H, T, S)
+    e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    sink = torch.exp(sinks.view(1, -1, 1, 1) - scores.amax(dim=-1, keepdim=True))
+    return e / (e.sum(dim=-1, keepdim=True) + sink) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masking", ["causal", "packed", "decoding"])
+def test_sinks_through_the_fused_kernel_equal_the_formula_in_float64(dtype: torch.dtype, masking: str) -> None:
+    """gpt-oss's sinks as one more key of SDPA: outputs and the gradients of q, k, v and the sinks equal the
+    written-out softmax with the sinks in its denominators (grouped-query heads; decoding: 5 queries at the end
+    of 40 keys)."""
+    B, H, Hkv, T = 2, 8, 2, 40
+    q, k, v = _qkv(B, H, Hkv, T, q_scale=2.0)
+    sinks = torch.randn(H, generator=torch.Generator().manual_seed(5)) * 2
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    mask = {"causal": None, "packed": _packed_mask(B, T), "decoding": causal[-5:]}[masking]
+    if masking == "decoding":
+        q = q[:, :, -5:]
+    allowed = causal if mask is None else mask
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(6))
+
+    def ours(q, k, v, s):
+        return attention(q, k, v, scale=SCALE, causal=mask is None, mask=mask, sinks=s)
+
+    got, _ = _run(ours, [q, k, v, sinks], dtype, grad_out)
+    ref, _ = _run(lambda q, k, v, s: _sinks_formula(q, k, v, s, allowed), [q, k, v, sinks], torch.float64, grad_out)
+    tol = 1e-5 if dtype == torch.float32 else 0.03  # bf16: the inputs' own rounding
+    for name, a, b in zip(("out", "q", "k", "v", "sinks"), got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=tol * max(1.0, float(b.abs().max())), msg=name)
+    assert float(ref[4].abs().min()) > 1e-3  # every sink takes a share of its rows
