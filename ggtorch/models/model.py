@@ -3,7 +3,8 @@
 One file, nanoGPT style: RMSNorm, rope, Attention, MLP, MoE, Block, Transformer. What a family changes
 (models/families.py) arrives through ModelConfig switches: rope layout and partial rope, q/k norms,
 fused q/k/v, biases, post norms, GeGLU, embedding scale, soft-capping, sliding-window layers,
-rope factors, YaRN, layers without rope, attention temperature, routed experts. Module paths follow
+rope factors, YaRN, layers without rope, attention temperature, attention sinks, routed experts (with
+biases and OpenAI's clamped SwiGLU for gpt-oss). Module paths follow
 ``ggtorch.models.names`` (``layers.{i}.attn.q`` ...), so GGUF tensors map one-to-one onto modules.
 Linear layers are ``ggtorch.ops.matmul.Linear`` (an ``nn.Linear``) or, for weights kept in their ggml
 blocks, ``ggtorch.quant.modules.QuantLinear``: this file only calls them, and keeps biases as separate
