@@ -6,7 +6,7 @@ independent input for comparing ggtorch with llama.cpp. FAMILY_PRESETS holds one
 per quirk worth a test (biases, tied outputs, q/k norms, head size != n_embd / n_head, soft-caps, sliding
 windows crossing a 48-token sequence, gemma3's own rope base for local layers, phi3's fused matrices,
 partial rope and LongRoPE factors, Llama 3's rope_freqs, YaRN, gpt-oss's attention sinks, biased experts
-and clamped SwiGLU).
+and clamped SwiGLU, Granite's four multipliers).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ class Shape:
     """None: no ``rope.freq_base`` key (llama.cpp then uses 10000)."""
     tied_output: bool = False
     logit_scale: float = 4.0
+    embd_std: float | None = None
+    """Standard deviation of token_embd's values (None: 1, or logit_scale / sqrt(n_embd) when tied)."""
     # llama / qwen2 extras
     qkv_bias: bool = False
     output_bias: bool = False
@@ -161,6 +163,14 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
                                               expert_down_gain=0.1, router_dims=32, extra_kv={
                                                   "gpt-oss.rope.scaling.yarn_beta_fast": 32.0,
                                                   "gpt-oss.rope.scaling.yarn_beta_slow": 1.0})),
+    # Granite 3.x (granite): llama's block (NORM rope, untied, GQA) with the converter's four multipliers: embeddings
+    # times embedding_scale, attention and FFN outputs times residual_scale before their residual adds, kq scale
+    # attention.scale (1/16, not 1/sqrt(16)), logits divided by logit_scale; head_dim is never written. Small
+    # embeddings (as muP-trained ones are) so the blocks' scaled outputs move the residual stream; output rows of gain
+    # 24 over granite.logit_scale 8 give logits of std ~3
+    "granite": ("granite", "llama-spm", Shape(rms_eps=1e-5, logit_scale=24.0, embd_std=0.1, extra_kv={
+        "granite.embedding_scale": 12.0, "granite.residual_scale": 0.22, "granite.attention.scale": 0.0625,
+        "granite.logit_scale": 8.0})),
 }
 
 
@@ -255,11 +265,11 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
     if s.head_dim is not None:
         w.add_uint32(f"{a}.attention.key_length", hd)
         w.add_uint32(f"{a}.attention.value_length", hd)
-    if s.n_rot is not None or arch in ("llama", "mistral3", "smollm3", "phi3"):
+    if s.n_rot is not None or arch in ("llama", "mistral3", "smollm3", "granite", "phi3"):
         w.add_uint32(f"{a}.rope.dimension_count", n_rot)
     if s.rope_freq_base is not None:
         w.add_float32(f"{a}.rope.freq_base", s.rope_freq_base)
-    if arch in ("llama", "mistral3", "smollm3"):  # LlamaModel's converter writes it (ggtorch reads it for llama)
+    if arch in ("llama", "mistral3", "smollm3", "granite"):  # LlamaModel's converter (ggtorch reads it for llama)
         w.add_uint32(f"{a}.vocab_size", n_vocab)
     if s.n_ctx_orig is not None:
         w.add_uint32(f"{a}.rope.scaling.original_context_length", s.n_ctx_orig)
@@ -297,7 +307,7 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
         w.add_key_value(key, value, vtype, sub)
 
     t: dict[str, np.ndarray] = {}
-    emb_std = 1.0 if not s.tied_output else s.logit_scale / math.sqrt(s.n_embd)
+    emb_std = s.embd_std or (1.0 if not s.tied_output else s.logit_scale / math.sqrt(s.n_embd))
     t["token_embd.weight"] = (emb_std * rng.standard_normal((n_vocab, s.n_embd))).astype(np.float32)
     t["output_norm.weight"] = norm(s.n_embd)
     if not s.tied_output and arch != "gemma2":  # gemma2 never reads output.weight (an extra tensor fails the load)

@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 
 NEOX_ARCHS = {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "gpt-oss"}
-NORM_ARCHS = {"llama", "mistral3", "smollm3"}
+NORM_ARCHS = {"llama", "mistral3", "smollm3", "granite"}
 SUPPORTED = NEOX_ARCHS | NORM_ARCHS
 
 
@@ -55,6 +55,10 @@ class Config:
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     embd_scale: float = 1.0
+    residual_scale: float = 1.0
+    """granite: attention and FFN outputs multiplied by this before their residual adds."""
+    logit_scale: float = 1.0
+    """granite: the logits divided by this."""
     # experts
     n_expert: int = 0
     n_expert_used: int = 0
@@ -142,7 +146,7 @@ def make_config(meta: dict, tensors: dict[str, np.ndarray]) -> Config:
         period = int(pat) if pat is not None else default_period
         return [period == 0 or (il % period < period - 1) for il in range(n_layer)]
 
-    if arch in ("llama", "mistral3", "smollm3"):
+    if arch in ("llama", "mistral3", "smollm3", "granite"):
         if n_rot != hdk:
             raise ValueError(f"invalid n_rot: {n_rot}, expected {hdk}")
     if arch == "mistral3":
@@ -150,6 +154,11 @@ def make_config(meta: dict, tensors: dict[str, np.ndarray]) -> Config:
         c.yarn_beta_slow = float(g("{a}.rope.scaling.yarn_beta_slow", 1.0))
         c.yarn_log_mul = float(g("{a}.rope.scaling.yarn_log_multiplier", 0.0))
         c.attn_temp_scale = float(g("{a}.attention.temperature_scale", 0.0))
+    elif arch == "granite":  # src/models/granite.cpp: a zero or absent optional scale is no scale
+        c.logit_scale = float(g("{a}.logit_scale", required=True))
+        c.embd_scale = float(g("{a}.embedding_scale", 0.0)) or 1.0
+        c.residual_scale = float(g("{a}.residual_scale", 0.0)) or 1.0
+        c.kq_scale = float(g("{a}.attention.scale", 0.0)) or c.kq_scale
     elif arch == "gemma2":
         c.n_swa = int(g("{a}.attention.sliding_window", 4096))
         c.is_swa = swa_pattern(2)
@@ -354,7 +363,7 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
             att = att + w[p + "attn_output.bias"]
         if p + "post_attention_norm.weight" in w and c.arch != "gpt-oss":
             att = rms_norm(att, w[p + "post_attention_norm.weight"], c.rms_eps)
-        x = x + att
+        x = x + att * c.residual_scale
 
         ffn_norm = "post_attention_norm.weight" if c.arch == "gpt-oss" else "ffn_norm.weight"  # gpt-oss's name
         h = rms_norm(x, w[p + ffn_norm], c.rms_eps)
@@ -371,7 +380,7 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
             f = (act * up) @ w[p + "ffn_down.weight"].T + w.get(p + "ffn_down.bias", 0.0)
         if p + "post_ffw_norm.weight" in w:
             f = rms_norm(f, w[p + "post_ffw_norm.weight"], c.rms_eps)
-        x = x + f
+        x = x + f * c.residual_scale
 
     x = rms_norm(x, w["output_norm.weight"], c.rms_eps)
     out_w = w.get("output.weight", w["token_embd.weight"])
@@ -382,7 +391,7 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
         logits = logits + w["output.bias"]
     if c.final_softcap:
         logits = c.final_softcap * np.tanh(logits / c.final_softcap)
-    return logits
+    return logits / c.logit_scale
 
 
 def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float = 1.702, limit: float = 7.0) -> np.ndarray:

@@ -89,6 +89,13 @@ class ModelConfig:
     attn_temp_scale: float = 0.0
     """``attention.temperature_scale`` (mistral3, Llama 4's beta): queries at position p are multiplied by
     1 + beta ln(floor(p / n_ctx_orig) + 1) after rope (0: off)."""
+    embedding_multiplier: float = 0.0
+    """``embedding_scale`` (granite): token embeddings are multiplied by it (0: not)."""
+    residual_multiplier: float = 0.0
+    """``residual_scale`` (granite): attention and FFN outputs are multiplied by it before their residual add
+    (0: not)."""
+    logit_scale: float = 0.0
+    """``logit_scale`` (granite): logits are multiplied by 1 / logit_scale (0: not)."""
     fused_qkv: bool = False
     """q, k and v come from one ``attn_qkv`` matrix."""
     biases: tuple[str, ...] = ()
@@ -118,7 +125,8 @@ class ModelConfig:
             raise BadGGUF(f"head count {self.n_head} is not divisible by KV head count {self.n_head_kv}")
         if self.n_rot > self.head_dim or self.n_rot % 2:
             raise BadGGUF(f"rope dimension count {self.n_rot} must be even and at most the head size {self.head_dim}")
-        if self.arch in ("llama", "qwen2", "qwen3", "mistral3", "smollm3", "gpt-oss") and self.n_rot != self.head_dim:
+        if (self.arch in ("llama", "qwen2", "qwen3", "mistral3", "smollm3", "gpt-oss", "granite")
+                and self.n_rot != self.head_dim):
             raise Unsupported(f"rope dimension count {self.n_rot} differs from the head size {self.head_dim}; "
                               f"llama.cpp's {self.arch} requires them equal")
         for name in ("rms_eps", "rope_freq_base", "rope_freq_scale", "rope_freq_base_swa", "rope_freq_scale_swa"):
@@ -261,6 +269,8 @@ class ModelConfig:
         if family.query_prescale:
             width = n_embd // n_head if n_layer in family.large_layer_counts else head_dim
             attention_scale = 1.0 / math.sqrt(width)
+        if family.multipliers and float(optional(Keys.Attention.SCALE, 0.0)):  # granite: 0 means 1/sqrt(head size)
+            attention_scale = float(optional(Keys.Attention.SCALE, 0.0))
         n_ctx_train = integer(Keys.LLM.CONTEXT_LENGTH, required(Keys.LLM.CONTEXT_LENGTH))
         tensors = f.tensors
         fused_qkv = names.gguf_name("attn_qkv", 0) in tensors
@@ -294,6 +304,7 @@ class ModelConfig:
             rope_attn_factor=float(optional(Keys.Rope.SCALING_ATTN_FACTOR, 1.0)),
             rope_yarn=scaling_type == "yarn",
             **_mistral3_keys(family, optional),
+            **_granite_keys(f, family, optional, required),
             fused_qkv=fused_qkv,
             biases=biases,
             **_experts(f, family, integer, optional),
@@ -321,6 +332,19 @@ def _mistral3_keys(family: Family, optional: Any) -> dict[str, float]:
     if family.attn_temperature:
         out["attn_temp_scale"] = float(optional(Keys.Attention.TEMPERATURE_SCALE, 0.0))
     return out
+
+
+def _granite_keys(f: GGUFFile, family: Family, optional: Any, required: Any) -> dict[str, float]:
+    """Granite's scales of the embeddings, residual branches and logits (llama_model_granite::load_arch_hparams:
+    logit_scale required, the others optional, 0 meaning off)."""
+    if not family.multipliers:
+        return {}
+    if optional(Keys.Rope.SCALING_FINETUNED, True) is False:  # llama.cpp's granite then applies no rope at all
+        raise Unsupported(f"{f.path}: '{Keys.Rope.SCALING_FINETUNED.format(arch=f.architecture)}' is false (a "
+                          "granite without rope); ggtorch supports granite models with rope")
+    return {"embedding_multiplier": float(optional(Keys.LLM.EMBEDDING_SCALE, 0.0)),
+            "residual_multiplier": float(optional(Keys.LLM.RESIDUAL_SCALE, 0.0)),
+            "logit_scale": float(required(Keys.LLM.LOGIT_SCALE))}
 
 
 def _experts(f: GGUFFile, family: Family, integer: Any, optional: Any) -> dict[str, int | None]:

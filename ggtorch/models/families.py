@@ -18,6 +18,7 @@ turns a row plus the file's metadata and tensors into the numbers the model runs
 | mistral3 | norm | -       | -         | -       | SwiGLU  | -              | -               | -                    |
 | smollm3  | norm | -       | -         | -       | SwiGLU  | -              | -               | -                    |
 | gpt-oss  | neox | -       | -         | -       | SwiGLU† | yes, softmax_w | -               | 1 in 2 global        |
+| granite  | norm | -       | -         | × key   | SwiGLU  | -              | -               | -                    |
 
 \* over one fused ``ffn_up``. Defaults apply when the file has no key for them. gemma3's sliding layers have
 their own rope base. mistral3 (Ministral 3, Mistral Small 3.x as converted since late 2025) is llama's block
@@ -27,7 +28,9 @@ every fourth layer (llama.cpp's ``n_no_rope_layer_step``, fixed at 4).
 
 † gpt-oss (OpenAI's gpt-oss-20b/120b): OpenAI's clamped SwiGLU in every expert, biases on every matrix
 (experts and router included), a learned sink logit per attention head, YaRN, and the norm before the FFN
-stored as ``post_attention_norm``. Its sliding layers use the global rope.
+stored as ``post_attention_norm``. Its sliding layers use the global rope. granite (IBM Granite 3.x) is llama's
+block scaled by four keys: ``embedding_scale`` (× key above), ``residual_scale`` on the attention and FFN
+outputs before each residual add, ``attention.scale`` as the q·k scale, and ``logit_scale`` dividing the logits.
 
 Experts (llama.cpp's ``build_moe_ffn``): each token's FFN is the sum of its top ``expert_used_count``
 experts of ``expert_count``, weighted by their softmax probabilities, renormalized to sum 1 where the row
@@ -109,6 +112,9 @@ class Family:
     are multiplied by 1 + beta ln(floor(p / n_ctx_orig) + 1) after rope."""
     shared_expert: bool = False
     """A dense SwiGLU expert beside the routed ones, scaled by a sigmoid gate (qwen2moe)."""
+    multipliers: bool = False
+    """Granite's scales: the loader reads ``embedding_scale``, ``residual_scale``, ``attention.scale`` and (required)
+    ``logit_scale``."""
     large_layer_counts: tuple[int, ...] = ()
     """Layer counts of gemma's 27B models, whose attention scale llama.cpp takes as 1/sqrt(n_embd/n_head)
     instead of 1/sqrt(head_dim) (gemma_pytorch's ``query_pre_attn_scalar``)."""
@@ -131,6 +137,8 @@ FAMILIES: dict[str, Family] = {
                                                   "ffn_gate", "ffn_up", "ffn_down"), yarn_keys=True,
                        attn_temperature=True),
     "smollm3": Family(rope="norm", no_rope_step=4),
+    "granite": Family(rope="norm", layer_biases=("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output",
+                                                 "ffn_gate", "ffn_up", "ffn_down"), multipliers=True),
     "gpt-oss": Family(rope="neox", activation="swiglu_oai", swa_period=2, swa_rope_base="global", experts="required",
                       layer_biases=("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate_inp",
                                     "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),

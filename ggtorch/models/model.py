@@ -4,7 +4,7 @@ One file, nanoGPT style: RMSNorm, rope, Attention, MLP, MoE, Block, Transformer.
 (models/families.py) arrives through ModelConfig switches: rope layout and partial rope, q/k norms,
 fused q/k/v, biases, post norms, GeGLU, embedding scale, soft-capping, sliding-window layers,
 rope factors, YaRN, layers without rope, attention temperature, attention sinks, routed experts (with
-biases and OpenAI's clamped SwiGLU for gpt-oss). Module paths follow
+biases and OpenAI's clamped SwiGLU for gpt-oss), granite's embedding, residual and logit scales. Module paths follow
 ``ggtorch.models.names`` (``layers.{i}.attn.q`` ...), so GGUF tensors map one-to-one onto modules.
 Linear layers are ``ggtorch.ops.matmul.Linear`` (an ``nn.Linear``) or, for weights kept in their ggml
 blocks, ``ggtorch.quant.modules.QuantLinear``: this file only calls them, and keeps biases as separate
@@ -547,6 +547,8 @@ class Block(nn.Module):
             self.ffn_post_norm = RMSNorm(c.n_embd, c.rms_eps)
         self.sliding = c.is_swa(layer)
         """Whether the layer attends within a sliding window (its own rope in gemma3)."""
+        self.residual_multiplier = c.residual_multiplier
+        """granite's ``residual_scale``: each branch's output is multiplied by it before its residual add (0: not)."""
 
     def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                 start_pos: int = 0, attn_mask: torch.Tensor | None = None,
@@ -554,10 +556,14 @@ class Block(nn.Module):
         h = self.attn(self.attn_norm(x), rope, kv, start_pos, attn_mask, positions)
         if self.post_norms:
             h = self.attn_post_norm(h)
+        if self.residual_multiplier:
+            h = h * self.residual_multiplier
         x = x + h
         h = self.ffn(getattr(self, self.ffn_norm_name)(x))
         if self.post_norms:
             h = self.ffn_post_norm(h)
+        if self.residual_multiplier:
+            h = h * self.residual_multiplier
         return x + h
 
 
@@ -605,11 +611,13 @@ class Transformer(nn.Module):
     def plain_head(self) -> bool:
         """Whether the logits are exactly ``self.output(hidden)``: no output bias, no soft-capping,
         so a loss may apply the output projection itself (ggtorch.training.loss.output_cross_entropy)."""
-        return self.output_bias is None and not self.config.final_softcap
+        return self.output_bias is None and not self.config.final_softcap and not self.config.logit_scale
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (f32) from the normed hidden states: output projection, bias, final soft-capping."""
         logits = _with_bias(self.output(hidden), self.output_bias).float()
+        if self.config.logit_scale:  # granite: ggml_scale by 1.0f / logit_scale
+            logits = logits * float(1 / _f32(self.config.logit_scale))
         if self.config.final_softcap:
             logits = softcap(logits, self.config.final_softcap)
         return logits
@@ -670,6 +678,8 @@ class Transformer(nn.Module):
         x = self.tok_embd(tokens)  # (B, T, C)
         if self.config.family.embedding_scale:
             x = x * torch.tensor(self.config.n_embd, dtype=torch.float32).sqrt()  # ggml_scale by sqrtf(n_embd)
+        if self.config.embedding_multiplier:  # granite's embedding_scale
+            x = x * self.config.embedding_multiplier
         rope, rope_swa = self._ropes(start_pos, T, x.device, positions)
         mask = None if segments is None else segment_mask(segments)
         with recompute_outputs() if torch.is_grad_enabled() else nullcontext():

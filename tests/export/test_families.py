@@ -111,6 +111,8 @@ PEFT_TARGETS: dict[str, list[str]] = {
     "mistral3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
                  "lm_head"],
     "smollm3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "granite": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
+                "lm_head"],
     "gpt_oss": ["q_proj", "k_proj", "v_proj", "o_proj", "embed_tokens", "lm_head"],
 }
 PEFT_FAMILIES = list(PEFT_TARGETS)
@@ -135,7 +137,7 @@ def hf_model(family_model: Callable[..., Path], tmp_path_factory: pytest.TempPat
     def load_hf(name: str) -> torch.nn.Module:
         if name not in cache:
             path = family_model(name)
-            if name in ("mistral3", "smollm3", "gpt_oss"):  # transformers' GGUF loader reads none of them
+            if name in ("mistral3", "smollm3", "granite", "gpt_oss"):  # transformers' GGUF loader reads none of them
                 cache[name] = hf_own_model(name, path, tmp_path_factory.mktemp(name))
             else:
                 cache[name] = AutoModelForCausalLM.from_pretrained(

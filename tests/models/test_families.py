@@ -37,7 +37,7 @@ LLAMA_CPP_CONTEXT = 256
 """llama.cpp's per-sequence context for n_ctx=64 (it pads contexts to 256)."""
 PRESETS = list(FAMILY_PRESETS)
 GEMMA = [name for name, (arch, _, _) in FAMILY_PRESETS.items() if arch.startswith("gemma")]
-ONE_PER_FAMILY = ["llama3_rope_freqs", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "smollm3"]
+ONE_PER_FAMILY = ["llama3_rope_freqs", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "smollm3", "granite"]
 MOE = ["qwen3moe", "qwen2moe", "llama_moe", "gpt_oss"]
 GELU_TABLE_TOLERANCE = 0.02
 """ggml-cpu's fp16 GELU table against the formula, through a few layers (measured up to ~5e-3)."""
@@ -270,6 +270,8 @@ BROKEN = {
     "gpt-oss expert bias of the wrong width": (
         "gpt_oss", dict(add_tensors={"blk.1.ffn_up_exps.bias": np.zeros((8, 32), np.float32)}), BadGGUF,
         r"'blk\.1\.ffn_up_exps\.bias' has shape \(8, 32\), expected \(8, 96\)"),
+    "granite without its logit scale": ("granite", dict(drop_keys=("granite.logit_scale",)), BadGGUF,
+                                        r"granite\.logit_scale"),
     "qwen2 without a head count": ("qwen2", dict(drop_keys=("qwen2.attention.head_count",)), BadGGUF,
                                    r"qwen2\.attention\.head_count"),
 }
@@ -332,14 +334,17 @@ def transformers_overrides(name: str, model: reference_forward.Model) -> dict:
 
 
 def hf_from_llama_underneath(path: Path, tmp: Path) -> torch.nn.Module:
-    """transformers' own model of a mistral3 or smollm3 GGUF (Ministral3ForCausalLM, SmolLM3ForCausalLM).
+    """transformers' own model of a mistral3, smollm3 or granite GGUF (Ministral3ForCausalLM, SmolLM3ForCausalLM,
+    GraniteForCausalLM).
 
-    Its GGUF loader knows neither architecture, so the file is read as the llama it is underneath (the same
+    Its GGUF loader knows none of these architectures, so the file is read as the llama it is underneath (the same
     tensors and q/k row order) and the weights move into the family's model class, whose own code adds what
     differs, configured from the file's keys: YaRN with mscale_all_dim and Llama 4's attention temperature
-    (Ministral 3), layers without rope (SmolLM3)."""
+    (Ministral 3), layers without rope (SmolLM3), the four multipliers (Granite)."""
     from transformers import (
         AutoModelForCausalLM,
+        GraniteConfig,
+        GraniteForCausalLM,
         Ministral3Config,
         Ministral3ForCausalLM,
         SmolLM3Config,
@@ -363,7 +368,12 @@ def hf_from_llama_underneath(path: Path, tmp: Path) -> torch.nn.Module:
                  rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
                  max_position_embeddings=int(key("context_length")),
                  tie_word_embeddings="output.weight" not in f.tensors)
-    if arch == "smollm3":
+    if arch == "granite":
+        model = GraniteForCausalLM(GraniteConfig(
+            **shape, embedding_multiplier=key("embedding_scale"), residual_multiplier=key("residual_scale"),
+            attention_multiplier=key("attention.scale"), logits_scaling=key("logit_scale"),
+            rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base")}))
+    elif arch == "smollm3":
         model = SmolLM3ForCausalLM(SmolLM3Config(**shape, no_rope_layer_interval=4, pad_token_id=None, rope_parameters={
             "rope_type": "default", "rope_theta": key("rope.freq_base")}))
     else:
@@ -427,11 +437,11 @@ def hf_gpt_oss(model: reference_forward.Model) -> torch.nn.Module:
 
 
 def hf_own_model(name: str, path: Path, tmp: Path) -> torch.nn.Module:
-    """transformers' model of a preset whose GGUF its loader cannot read (mistral3, smollm3, gpt-oss)."""
+    """transformers' model of a preset whose GGUF its loader cannot read (mistral3, smollm3, granite, gpt-oss)."""
     return hf_gpt_oss(float64_model(path)) if name == "gpt_oss" else hf_from_llama_underneath(path, tmp)
 
 
-@pytest.mark.parametrize("name", ["mistral3", "smollm3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["mistral3", "smollm3", "granite", "gpt_oss"])
 def test_logits_equal_transformers_own_model_of_the_family(family_model: Callable[..., Path], tmp_path: Path,
                                                            name: str) -> None:
     path = family_model(name)
@@ -478,7 +488,7 @@ def test_perplexity_equals_the_float64_forward(family_model: Callable[..., Path]
 
 
 @pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "gemma3", "phi3", "qwen3moe", "mistral3", "smollm3",
-                                  "gpt_oss"])
+                                  "granite", "gpt_oss"])
 def test_info_generate_and_perplexity_commands_run(family_model: Callable[..., Path], shared: Path, tmp_path: Path,
                                                    name: str) -> None:
     from tests.helpers import run_cli
