@@ -269,8 +269,8 @@ class ModelConfig:
         if family.query_prescale:
             width = n_embd // n_head if n_layer in family.large_layer_counts else head_dim
             attention_scale = 1.0 / math.sqrt(width)
-        if family.multipliers and float(optional(Keys.Attention.SCALE, 0.0)):  # granite: 0 means 1/sqrt(head size)
-            attention_scale = float(optional(Keys.Attention.SCALE, 0.0))
+        if family.multipliers:  # granite: attention.scale, 0 or absent meaning 1/sqrt(head size)
+            attention_scale = float(optional(Keys.Attention.SCALE, 0.0)) or attention_scale
         n_ctx_train = integer(Keys.LLM.CONTEXT_LENGTH, required(Keys.LLM.CONTEXT_LENGTH))
         tensors = f.tensors
         fused_qkv = names.gguf_name("attn_qkv", 0) in tensors

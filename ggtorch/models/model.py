@@ -331,8 +331,8 @@ class Attention(nn.Module):
             mask, causal = _causal_mask(T, S, x.device), False
         if self.window:
             mask = mask & _window_mask(T, S, self.window, x.device, positions)
-        if self.softcap:
-            y = _scores_attention(q, k, v, scale, mask, causal, cap=self.softcap, sinks=self.sinks)
+        if self.softcap:  # no family has both soft-capping and sinks
+            y = _capped_attention(q, k, v, scale, self.softcap, mask, causal)
         else:
             y = attention(q, k, v, scale=scale, causal=causal, mask=mask, sinks=self.sinks)  # (B, H, T, D)
         return _with_bias(self.o(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)), self.o_bias)
@@ -354,28 +354,20 @@ def _window_mask(T: int, S: int, window: int, device: torch.device,
     return query - torch.arange(S, device=device)[None, :] < window  # (T, S)
 
 
-def _scores_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
-                      causal: bool, *, cap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention with the scores written out, for what no fused kernel takes: gemma's soft-cap, in
-    llama.cpp's order (cap·tanh(q·k / cap), times the scale, masked), with sinks too (a logit per head,
-    ``sinks`` (H,), that joins the softmax's denominator only, as ggml_soft_max_add_sinks) should a family
-    have both. Softmax in f32."""
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cap: float,
+                      mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """Attention with soft-capped scores, in llama.cpp's order: cap·tanh(q·k / cap), times the scale,
+    masked, softmax (f32), times v. Written out, since no fused kernel takes a cap."""
     B, H, T, D = q.shape
     G = H // k.shape[1]
     k = k.repeat_interleave(G, dim=1) if G > 1 else k
     v = v.repeat_interleave(G, dim=1) if G > 1 else v
-    scores = q.float() @ k.float().transpose(-1, -2)  # (B, H, T, S)
-    scores = softcap(scores, cap) * scale if cap else scores * scale
+    scores = softcap(q.float() @ k.float().transpose(-1, -2), cap) * scale  # (B, H, T, S)
     if causal:
         mask = _causal_mask(T, k.shape[2], q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1)
-    else:
-        sink = sinks.float().view(1, H, 1, 1).expand(B, H, T, 1)
-        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
-    return (probs.to(v.dtype) @ v).to(q.dtype)
+    return (torch.softmax(scores, dim=-1).to(v.dtype) @ v).to(q.dtype)
 
 
 class MLP(nn.Module):
@@ -609,12 +601,13 @@ class Transformer(nn.Module):
 
     @property
     def plain_head(self) -> bool:
-        """Whether the logits are exactly ``self.output(hidden)``: no output bias, no soft-capping,
-        so a loss may apply the output projection itself (ggtorch.training.loss.output_cross_entropy)."""
+        """Whether the logits are exactly ``self.output(hidden)``: no output bias, no logit scale, no
+        soft-capping, so a loss may apply the output projection itself (ggtorch.training.loss.output_cross_entropy)."""
         return self.output_bias is None and not self.config.final_softcap and not self.config.logit_scale
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits (f32) from the normed hidden states: output projection, bias, final soft-capping."""
+        """Logits (f32) from the normed hidden states: output projection, bias, granite's logit scale, final
+        soft-capping."""
         logits = _with_bias(self.output(hidden), self.output_bias).float()
         if self.config.logit_scale:  # granite: ggml_scale by 1.0f / logit_scale
             logits = logits * float(1 / _f32(self.config.logit_scale))
