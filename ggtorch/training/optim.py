@@ -209,6 +209,17 @@ class _Convergence:
     past: list[float] | None = None
 
 
+def _adamw(groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.AdamW:
+    """torch's fused AdamW where every parameter's device has that kernel (CPU and CUDA do), else its
+    default implementation. Fused, a tensor's update is one kernel instead of a dozen ops, which is most
+    of an optimizer step over a LoRA's or a small model's many small tensors. Both compute the update
+    above; they differ only in float rounding (a few ulp), which the ggml tests' tolerance covers."""
+    try:
+        return torch.optim.AdamW(groups, fused=True, **hyper)
+    except RuntimeError:  # torch refuses fused=True at construction for a device without the kernel
+        return torch.optim.AdamW(groups, **hyper)
+
+
 class GGMLAdamW:
     """torch AdamW + LambdaLR + global-norm clipping that step exactly as ggml's AdamW.
 
@@ -239,8 +250,8 @@ class GGMLAdamW:
              "weight_decay": cfg.decay if wanted else 0.0}
             for wanted in (True, False)
         ]
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.alpha,
-                                           betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        self.optimizer = _adamw([g for g in groups if g["params"]], lr=cfg.alpha, betas=(cfg.beta1, cfg.beta2),
+                                eps=cfg.eps)
         self.scheduler = LambdaLR(self.optimizer, lambda step: learning_schedule(step, self.cfg))
         self.iteration = 0
         """ggml's opt->iter: updates done, 1-based after the first, continuing across resumes."""
@@ -352,7 +363,10 @@ class GGMLAdamW:
         if saved_past != self.cfg.opt_past:
             raise BadFlag(f"--opt-past {self.cfg.opt_past} differs from the checkpoint's {saved_past}; "
                           f"pass --opt-past {saved_past} to resume it")
-        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        fused = bool(self.optimizer.defaults.get("fused"))
+        # where torch's AdamW keeps the step count: beside the parameter in f32 for the fused kernel,
+        # else on the CPU in the default float type
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 and not fused else torch.float32
         for name, p in zip(self.names, self.params, strict=True):
             saved = moments[name]
             if not saved:
@@ -364,7 +378,7 @@ class GGMLAdamW:
                                   f"{tuple(saved[key].shape)}, the tensor has {tuple(p.shape)}; "
                                   "pass the LoRA ranks the checkpoint was trained with")
             self.optimizer.state[p] = {
-                "step": saved["step"].detach().to("cpu", scalar).clone(),
+                "step": saved["step"].detach().to(p.device if fused else "cpu", scalar).clone(),
                 "exp_avg": saved["exp_avg"].detach().to(p.device, p.dtype).clone(),
                 "exp_avg_sq": saved["exp_avg_sq"].detach().to(p.device, p.dtype).clone(),
             }
