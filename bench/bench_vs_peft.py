@@ -12,9 +12,10 @@ Like for like: both sides of a row run on the same allocator. Every row runs wit
 system malloc (what the README's setup gives a user), both with the glibc thresholds a ggtorch run
 sets itself (``ggtorch.ops.malloc``; the peer gets them from the environment); when jemalloc is
 installed, the 110M and gemma3-270M rows run again with both on jemalloc. Both train LoRA rank 4 (alpha 4) on
-q/k/v/o/gate/up/down from the same token batches (ggtorch's data pipeline over the same text, same
+q/k/v/o/gate/up/down from the same token stream (ggtorch's data pipeline over the same text, same
 seed), with AdamW (lr 1e-3, decay 0.1, clip 1.0) and the same batch, context and threads. Tokens/s
-is the median over the timed optimizer steps after three warm-up steps.
+is the median over the timed optimizer steps after each side's warm-up: three steps for the peer,
+one for ggtorch (``GGTORCH_WARMUP``).
 ``f32``/``bf16`` is the compute dtype: ggtorch runs bf16 autocast over its base; the peer runs its
 model in bf16 (what a transformers user does), and the ggtorch bf16 rows are also compared with the
 peer in f32.
@@ -117,6 +118,7 @@ class Case:
     batch: int
     checkpointing: bool = False
     warmup: int = 1
+    """Warm-up steps of the peer; ggtorch's are at most :data:`GGTORCH_WARMUP`."""
     steps: int = 3
     repeat: int = 1
     """Runs per side, alternating ggtorch, peer, ggtorch, ...; the table shows each side's fastest."""
@@ -126,11 +128,25 @@ class Case:
     """ggtorch's --keep-dequantized-mib (0: the default, each quantized matrix decoded again in backward)."""
 
     @property
+    def peer_case(self) -> Case:
+        """The case whose peer runs measure this one: the peer has no --keep-dequantized-mib, so a keep
+        row shares the peer of the same row without it instead of measuring the same work again."""
+        return replace(self, keep_mib=0)
+
+    def side_warmup(self, side: str) -> int:
+        """Warm-up steps of ``side`` in this case."""
+        return min(self.warmup, GGTORCH_WARMUP) if side == "ggtorch" else self.warmup
+
+    @property
     def label(self) -> str:
         ck = " ckpt" if self.checkpointing else ""
         keep = f" keep{self.keep_mib}" if self.keep_mib else ""
         return f"{self.shape} {self.ftype} {self.dtype} b{self.batch}x{self.ctx}{ck}{keep}"
 
+
+GGTORCH_WARMUP = 1
+"""ggtorch's warm-up steps: its first step faults its memory in (a Trainer keeps glibc from returning it),
+its second already runs at the pace of the later ones, where the peer's third and fourth are still slower."""
 
 KEEP_MIB = 8192
 """--keep-dequantized-mib of the row that shows what keeping decoded matrices buys: room for every one."""
@@ -139,9 +155,8 @@ KEEP_MIB = 8192
 def full_cases(jemalloc: bool) -> list[Case]:
     """The rows of a full run; the 110M and gemma3-270M rows once more on jemalloc when it is installed. Not
     the 1.1B ones, the slowest rows, whose peer at b1×256 allocates no block as big as those glibc always mmaps."""
-    # Three warm-up steps: on glibc's default thresholds the peer ran its second and third steps 30-40%
-    # slower than the later ones (the mmap threshold rises as the step's large blocks are freed); ggtorch
-    # its first.
+    # Three warm-up steps of the peer: its second and third steps run 20-40% slower than the later ones;
+    # ggtorch only its first (GGTORCH_WARMUP).
     base = Case("110M", "F32", "f32", ctx=256, batch=4, warmup=3, steps=2)
     rows = [
         # the 110M targets' rows: each side's best of two alternating runs (a single run of the peer moved
@@ -154,8 +169,9 @@ def full_cases(jemalloc: bool) -> list[Case]:
         # the 1.1B targets' rows: the median of three timed steps, not one
         replace(base, shape="1.1B", ftype="Q4_0", batch=1, steps=3),
         replace(base, shape="1.1B", ftype="Q4_K_M", batch=1, steps=3),
-        # not a target: what --keep-dequantized-mib buys (one decode per matrix and step) and costs (memory)
-        replace(base, shape="1.1B", ftype="Q4_0", batch=1, steps=1, keep_mib=KEEP_MIB),
+        # not a target: what --keep-dequantized-mib buys (one decode per matrix and step) and costs (memory),
+        # against the peer runs of the row above (Case.peer_case)
+        replace(base, shape="1.1B", ftype="Q4_0", batch=1, steps=3, keep_mib=KEEP_MIB),
         replace(base, shape="gemma3-270M", ftype="Q8_0"),
     ]
     if jemalloc:  # one run per side, to keep the second pairing short
@@ -300,7 +316,8 @@ def child_ggtorch(spec: dict[str, Any]) -> dict[str, Any]:
     clock.marks = [time.process_time()]
     results = trainer.train()
     cpu = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)]
-    out = {"load_s": load, "step_s": [r.seconds for r in results], "cpu_s": cpu, "loss": [r.loss for r in results]}
+    out = {"load_s": load, "step_s": [r.seconds for r in results], "cpu_s": cpu, "loss": [r.loss for r in results],
+           "warmup": spec["warmup"]}
     if spec["checkpointing"]:
         out["peak_rss"] = peak_rss_bytes()  # of the checkpointed steps, before any step without it
         out["alternating_s"] = alternate(checkpointing_steps(trainer), cold="plain")
@@ -409,7 +426,7 @@ def child_peer(spec: dict[str, Any]) -> dict[str, Any]:
         step_s.append(time.perf_counter() - t)
         cpu_s.append(time.process_time() - c)
         losses.append(float(loss))
-    return {"load_s": load, "step_s": step_s, "cpu_s": cpu_s, "loss": losses}
+    return {"load_s": load, "step_s": step_s, "cpu_s": cpu_s, "loss": losses, "warmup": spec["warmup"]}
 
 
 def child_gemm(spec: dict[str, Any]) -> dict[str, Any]:
@@ -512,12 +529,13 @@ def best_run(runs: list[dict[str, Any]], case: Case) -> dict[str, Any]:
 
 
 def tokens_per_second(result: dict[str, Any], case: Case, key: str = "step_s") -> float | None:
-    """Median over the steps after warm-up (tokens per optimizer step = batch*ctx).
+    """Median over the steps after the side's warm-up, as its child reports it, else the case's
+    (tokens per optimizer step = batch*ctx).
 
     ``key="cpu_s"``: tokens per second of process CPU time, which other processes on a busy
     machine disturb much less than wall time (the ratio of the sides stays meaningful)."""
     steps = result.get(key) or []
-    timed = steps[case.warmup:] or steps
+    timed = steps[result.get("warmup", case.warmup):] or steps
     if not timed:
         return None
     return case.batch * case.ctx / statistics.median(timed)
@@ -603,6 +621,7 @@ def main() -> None:
           f"jemalloc {jemalloc or 'not installed'}", flush=True)
 
     gemm: dict[tuple[str, int], dict[str, Any]] = {}
+    peer_runs: dict[Case, list[dict[str, Any]]] = {}  # by Case.peer_case: a keep row shares its twin's peer
     rows = []
     building = 0.0
     for case in cases:
@@ -628,9 +647,15 @@ def main() -> None:
         read_into_page_cache(path)
         row: dict[str, Any] = {"case": case, "gemm": gemm[(case.shape, n_rows)]}
         runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+        shared = [side for side in sides if side == "peer" and case.peer_case in peer_runs]
+        for side in shared:
+            runs[side] = peer_runs[case.peer_case]
         for _ in range(case.repeat):  # sides alternate, so a slow spell of the machine hits both
             for side in sides:
-                runs[side].append(run_child(side, spec, args.timeout))
+                if side not in shared:
+                    runs[side].append(run_child(side, {**spec, "warmup": case.side_warmup(side)}, args.timeout))
+        if "peer" in sides:
+            peer_runs.setdefault(case.peer_case, runs["peer"])
         row["wall_s"] = time.perf_counter() - t - built
         for side in sides:
             row[side] = best_run(runs[side], case)
@@ -801,13 +826,13 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "sliding window 512 on five layers of six) with a 262,144-token vocabulary (the llama vocabulary grown with "
         "unused tokens) whose Q8_0 embedding is the output projection.",
         "Both sides train LoRA rank 4 (alpha 4) on q/k/v/o/gate/up/down with AdamW (lr 1e-3, weight decay 0.1, "
-        "gradient clipping 1.0) on the same token batches, each side in its own process, both on the row's "
+        "gradient clipping 1.0) on the same token stream, each side in its own process, both on the row's "
         "allocator. ggtorch runs its `Trainer` (what `ggtorch finetune` runs) with the base kept as stored in the "
         "GGUF (with bf16 compute, float matrices are held in bf16, as autocast would round them in every step); "
         "the peer loads the GGUF with transformers (dequantized on load) and wraps it with peft. Compute bf16 "
         "means bf16 autocast for ggtorch and a bf16 model for the peer. tok/s: median over the timed steps after "
-        "three warm-up steps (on glibc's default thresholds the peer's second and third steps ran 30-40% slower "
-        "than its later ones); on the system malloc, the 110M rows without checkpointing run each side twice, "
+        "each side's warm-up: three steps for the peer, whose second and third steps run 20-40% slower than its "
+        "later ones, one for ggtorch, whose second step already runs at its later pace; on the system malloc, the 110M rows without checkpointing run each side twice, "
         "alternating, and show each side's faster run (all runs are listed below the table), on jemalloc once. "
         "By CPU time: the same ratio from each side's process CPU time "
         "per step. RSS: peak resident set of the side's process (VmHWM). Load: model + LoRA setup. Before each "
@@ -817,8 +842,8 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "measured in the same run (for the 110M shape twice, before the first row and after the last; the higher "
         "counts). Dequantization: every dequantization of one more ggtorch step, timed call by call, over that "
         "step's time. Cases ending in ckpt run both sides with gradient checkpointing; in keepN, ggtorch runs "
-        "with `--keep-dequantized-mib N` (a forward keeps up to N MiB of decoded matrices for its backward) and "
-        "the peer as without it.",
+        "with `--keep-dequantized-mib N` (a forward keeps up to N MiB of decoded matrices for its backward) "
+        "against the peer runs of the same row without it (the peer has no such option).",
         "",
     ]
     lines += ["## Headline", ""] + [f"- {h}" for h in headline(rows)] + [""]

@@ -76,6 +76,24 @@ def test_median_after_warmup(bench: Any) -> None:
     assert bench.tokens_per_second({"step_s": [50.0, 4.0, 8.0, 2.0]}, case) == 1024 / 4.0
 
 
+def test_each_side_median_after_its_own_warmup(bench: Any) -> None:
+    case = bench.Case("110M", "F32", "f32", ctx=256, batch=4, warmup=3, steps=2)
+    assert (case.side_warmup("ggtorch"), case.side_warmup("peer")) == (1, 3)
+    steps = [50.0, 4.0, 2.0, 8.0, 8.0]
+    assert bench.tokens_per_second({"step_s": steps, "warmup": 1}, case) == 1024 / 6.0  # median of 4, 2, 8, 8
+    assert bench.tokens_per_second({"step_s": steps, "warmup": 3}, case) == 1024 / 8.0
+    assert bench.tokens_per_second({"step_s": steps}, case) == 1024 / 8.0  # no warmup reported: the case's
+
+
+def test_keep_row_shares_the_peer_of_its_twin(bench: Any) -> None:
+    cases = bench.full_cases(jemalloc=False)
+    keep = [i for i, c in enumerate(cases) if c.keep_mib]
+    assert len(keep) == 1
+    twin = cases[keep[0]].peer_case
+    assert twin in cases[:keep[0]] and twin.shape == "1.1B" and twin.ftype == "Q4_0" and not twin.keep_mib
+    assert all(c.peer_case == c for c in cases if not c.keep_mib)  # every other row measures its own peer
+
+
 def test_flops_per_token_of_the_shapes(bench: Any) -> None:
     assert bench.SHAPES["110M"].flops_per_token() == FLOPS_110M
     # Gemma 3 270M: q (1024 = 4 heads x 256) and o, k and v one head of 256, the 262,144 x 640 output

@@ -130,8 +130,25 @@ TOL = 1e-6  # absolute, on parameters of size ~1 after 50 steps of size ~alpha (
 
 
 # --- (1) 50 steps against the numpy ggml AdamW ----------------------------------------------------
+def _without_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.optim.AdamW as on a device that has no fused kernel: fused=True refused at construction."""
+    real = torch.optim.AdamW
+
+    def adamw(params: object, *, fused: bool | None = None, **hyper: object) -> torch.optim.AdamW:
+        if fused:
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of "
+                               "supported devices")
+        return real(params, **hyper)
+
+    monkeypatch.setattr(torch.optim, "AdamW", adamw)
+
+
+@pytest.mark.parametrize("kernel", ["fused", "default"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_fifty_steps_equal_ggml_adamw(name: str) -> None:
+def test_fifty_steps_equal_ggml_adamw(name: str, kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's fused AdamW (CPU has it) and, where a device has none, its default implementation."""
+    if kernel == "default":
+        _without_fused_kernel(monkeypatch)
     cfg = CONFIGS[name]
     grads = random_grads(50, gclip=cfg.gclip)
     params = make_params()
@@ -140,6 +157,7 @@ def test_fifty_steps_equal_ggml_adamw(name: str) -> None:
         ref.step(gs, ref_sched_of(cfg, t - 1))  # update t uses the schedule of iteration t-1
     opt = run_ggtorch(cfg, grads, params)
 
+    assert bool(opt.optimizer.defaults.get("fused")) == (kernel == "fused")
     assert opt.iteration == 50
     if cfg.gclip > 0:
         assert 0 < ref.clipped < 50, "the gradients must clip on some steps and not on others"
@@ -279,8 +297,11 @@ def _only_plain(obj: object) -> bool:
     return obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor))
 
 
+@pytest.mark.parametrize("kernel", ["fused", "default"])
 @pytest.mark.parametrize("k", [0, 1, 7])
-def test_state_dict_resume_is_bit_exact(k: int) -> None:
+def test_state_dict_resume_is_bit_exact(k: int, kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if kernel == "default":
+        _without_fused_kernel(monkeypatch)
     cfg = AdamConfig(alpha=1e-2, warmup=3, cos_decay_steps=8, enable_restart=True, opt_past=3,
                      opt_max_no_improvement=50)
     grads = random_grads(15)
