@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: there xdist's workers run every test side by side
+    fcntl = None  # type: ignore[assignment]
 
 from ggtorch.ops.threads import pin_threads
 from tests.llama_models import RandomLlamaShape, plain_cpu_reference, quantize_with_llama_cpp, write_random_llama
@@ -19,6 +26,28 @@ the summation order between two runs a test compares byte for byte. tests/ops/te
 tests/cli/test_under_load.py test the load-following default, in their own objects and processes."""
 
 SHARED = Path(os.environ.get("GGTORCH_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_serial(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under pytest-xdist (the suite runs on two workers), a test marked ``serial`` runs while no other
+    test does: it measures the machine's load or wall time, which a test on the other worker would
+    change. Two file locks shared by the run's workers: every test holds the room shared, a serial one
+    alone; the door makes a waiting serial test go next instead of waiting behind a stream of others."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None or fcntl is None:
+        yield
+        return
+    serial = request.node.get_closest_marker("serial") is not None
+    folder = Path(tempfile.gettempdir())
+    with ExitStack() as held:
+        door = held.enter_context(open(folder / f"ggtorch-tests-{run}.door", "a+b"))
+        room = held.enter_context(open(folder / f"ggtorch-tests-{run}.room", "a+b"))
+        fcntl.flock(door, fcntl.LOCK_EX)
+        fcntl.flock(room, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+        if not serial:
+            fcntl.flock(door, fcntl.LOCK_UN)  # a serial test keeps the door shut until it is done
+        yield  # closing the files releases both locks
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,8 @@ import pytest
 
 from tests.llama_models import RandomLlamaShape
 
+pytestmark = pytest.mark.serial  # measures other processes' load on the CPUs
+
 LOAD_BOUND = 5.0
 """Loaded default-threads step time / idle one-thread step time may reach this (issue 23)."""
 

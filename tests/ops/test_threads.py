@@ -13,6 +13,8 @@ import torch
 from ggtorch.ops import threads
 from ggtorch.ops.threads import _FreeCores, read_busy_seconds, threads_for
 
+pytestmark = pytest.mark.serial  # measures other processes' load on the CPUs
+
 STAT = """cpu  900 0 300 5000 40 0 10 0 0 0
 cpu0 500 0 100 2500 20 0 5 0 0 0
 cpu1 400 0 200 2500 20 0 5 7 0 0
