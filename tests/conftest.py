@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 
 try:
     import fcntl
-except ImportError:  # not on Windows: there xdist's workers run every test side by side
+except ImportError:  # Windows has none: there the workers run every test side by side
     fcntl = None  # type: ignore[assignment]
 
 from ggtorch.ops.threads import pin_threads
@@ -29,20 +28,20 @@ SHARED = Path(os.environ.get("GGTORCH_SHARED", Path(__file__).resolve().parents[
 
 
 @pytest.fixture(autouse=True)
-def _alone_when_serial(request: pytest.FixtureRequest) -> Iterator[None]:
+def _alone_when_serial(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Under pytest-xdist (the suite runs on two workers), a test marked ``serial`` runs while no other
     test does: it measures the machine's load or wall time, which a test on the other worker would
-    change. Two file locks shared by the run's workers: every test holds the room shared, a serial one
-    alone; the door makes a waiting serial test go next instead of waiting behind a stream of others."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None or fcntl is None:
+    change. Two file locks in the run's temporary folder, which its workers share (pytest removes old ones):
+    every test holds the room shared, a serial one alone; the door makes a waiting serial test go next
+    instead of waiting behind a stream of others."""
+    if "PYTEST_XDIST_WORKER" not in os.environ or fcntl is None:
         yield
         return
     serial = request.node.get_closest_marker("serial") is not None
-    folder = Path(tempfile.gettempdir())
+    folder = tmp_path_factory.getbasetemp().parent  # .../pytest-N, above each worker's popen-gwK
     with ExitStack() as held:
-        door = held.enter_context(open(folder / f"ggtorch-tests-{run}.door", "a+b"))
-        room = held.enter_context(open(folder / f"ggtorch-tests-{run}.room", "a+b"))
+        door = held.enter_context(open(folder / "serial-tests.door", "a+b"))
+        room = held.enter_context(open(folder / "serial-tests.room", "a+b"))
         fcntl.flock(door, fcntl.LOCK_EX)
         fcntl.flock(room, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
         if not serial:
