@@ -653,15 +653,14 @@ def main() -> None:
         read_into_page_cache(path)
         row: dict[str, Any] = {"case": case, "gemm": gemm[(case.shape, n_rows)]}
         runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
-        shared = [side for side in sides if side == "peer" and case.peer_case in peer_runs]
-        for side in shared:
-            runs[side] = peer_runs[case.peer_case]
+        measured = [side for side in sides if not (side == "peer" and case.peer_case in peer_runs)]
+        if "peer" in sides and "peer" not in measured:
+            runs["peer"] = list(peer_runs[case.peer_case])
         for _ in range(case.repeat):  # sides alternate, so a slow spell of the machine hits both
-            for side in sides:
-                if side not in shared:
-                    runs[side].append(run_child(side, {**spec, "warmup": case.side_warmup(side)}, args.timeout))
-        if "peer" in sides:
-            peer_runs.setdefault(case.peer_case, runs["peer"])
+            for side in measured:
+                runs[side].append(run_child(side, {**spec, "warmup": case.side_warmup(side)}, args.timeout))
+        if "peer" in measured:
+            peer_runs[case.peer_case] = runs["peer"]
         row["wall_s"] = time.perf_counter() - t - built
         for side in sides:
             row[side] = best_run(runs[side], case)
@@ -834,23 +833,23 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "Both sides train LoRA rank 4 (alpha 4) on q/k/v/o/gate/up/down with AdamW (lr 1e-3, weight decay 0.1, "
         "gradient clipping 1.0) on the same token stream, each side in its own process, both on the row's "
         "allocator. ggtorch runs its `Trainer` (what `ggtorch finetune` runs) with the base kept as stored in the "
-        "GGUF (with bf16 compute, float matrices are held in bf16, as autocast would round them in every step); "
-        "the peer loads the GGUF with transformers (dequantized on load) and wraps it with peft. Compute bf16 "
-        "means bf16 autocast for ggtorch and a bf16 model for the peer. tok/s: median over the timed steps after "
-        "each side's warm-up: three steps for the peer, whose second and third steps run 20-40% slower than its "
-        "later ones, one for ggtorch, whose second step already runs at its later pace; on the system malloc, the 110M rows without checkpointing run each side twice, "
-        "alternating, and show each side's faster run (all runs are listed below the table), on jemalloc once. "
-        "By CPU time: the same ratio from each side's process CPU time "
-        "per step. RSS: peak resident set of the side's process (VmHWM). Load: model + LoRA setup. Before each "
-        "row the model file is read once, so both sides start from a warm page cache. GFLOP/s counts 4 × base "
-        "matrix parameters per token (forward + input gradient) against the best GEMM GFLOP/s over the model's "
-        "matrix shapes (rows = batch × ctx; a vocabulary wider than 32,000 words as a 32,000-column slab) of "
-        "torch.mm and oneDNN (`ggtorch.ops.matmul` with oneDNN forced), "
-        "measured in the same run (for the 110M shape twice, before the first row and after the last; the higher "
-        "counts). Dequantization: every dequantization of one more ggtorch step, timed call by call, over that "
-        "step's time. Cases ending in ckpt run both sides with gradient checkpointing; in keepN, ggtorch runs "
-        "with `--keep-dequantized-mib N` (a forward keeps up to N MiB of decoded matrices for its backward) "
-        "against the peer runs of the same row without it (the peer has no such option).",
+        "GGUF (with bf16 compute, float matrices are held in bf16, as autocast would round them in every step); the "
+        "peer loads the GGUF with transformers (dequantized on load) and wraps it with peft. Compute bf16 means "
+        "bf16 autocast for ggtorch and a bf16 model for the peer. tok/s: median over the timed steps after each "
+        "side's warm-up: three steps for the peer, whose second and third steps run 20-40% slower than its later "
+        "ones, one for ggtorch, whose second step already runs at its later pace; on the system malloc, the 110M "
+        "rows without checkpointing run each side twice, alternating, and show each side's faster run (all runs are "
+        "listed below the table), on jemalloc once. By CPU time: the same ratio from each side's process CPU time "
+        "per step. RSS: peak resident set of the side's process (VmHWM). Load: model + LoRA setup. Before each row "
+        "the model file is read once, so both sides start from a warm page cache. GFLOP/s counts 4 × base matrix "
+        "parameters per token (forward + input gradient) against the best GEMM GFLOP/s over the model's matrix "
+        "shapes (rows = batch × ctx; a vocabulary wider than 32,000 words as a 32,000-column slab) of torch.mm and "
+        "oneDNN (`ggtorch.ops.matmul` with oneDNN forced), measured in the same run (for the 110M shape twice, "
+        "before the first row and after the last; the higher counts). Dequantization: every dequantization of one "
+        "more ggtorch step, timed call by call, over that step's time. Cases ending in ckpt run both sides with "
+        "gradient checkpointing; in keepN, ggtorch runs with `--keep-dequantized-mib N` (a forward keeps up to N "
+        "MiB of decoded matrices for its backward) against the peer runs of the same row without it (the peer has "
+        "no such option).",
         "",
     ]
     lines += ["## Headline", ""] + [f"- {h}" for h in headline(rows)] + [""]

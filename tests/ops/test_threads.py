@@ -13,8 +13,6 @@ import torch
 from ggtorch.ops import threads
 from ggtorch.ops.threads import _FreeCores, read_busy_seconds, threads_for
 
-pytestmark = pytest.mark.serial  # measures other processes' load on the CPUs
-
 STAT = """cpu  900 0 300 5000 40 0 10 0 0 0
 cpu0 500 0 100 2500 20 0 5 0 0 0
 cpu1 400 0 200 2500 20 0 5 7 0 0
@@ -48,6 +46,7 @@ def _spinning_child(seconds: float) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
+@pytest.mark.serial  # measures other processes' load on the CPUs
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
 def test_a_busy_process_takes_a_thread_and_gives_it_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """A process spinning on one CPU lowers the team by one; once it ends, the team grows back."""
