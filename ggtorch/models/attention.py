@@ -27,11 +27,15 @@ WIDE_HEAD_DIM = 128
 """Heads at least this wide run f32 products up to :data:`WIDE_HEAD_MAX_TOKENS`."""
 
 WIDE_HEAD_MAX_TOKENS = 512
-"""Longest f32 sequence on the products path for heads of :data:`WIDE_HEAD_DIM` or more."""
+"""Longest f32 sequence on the products path for heads of :data:`WIDE_HEAD_DIM` or more, or
+narrower than :data:`NARROW_COLUMNS`."""
 
 SINK_COLUMNS = 8
 """Columns added to each query and key head to carry gpt-oss's sinks (:func:`_attention_with_sinks`): the first
 holds the sink, the others keep the head size a multiple of 8, as CUDA's fused kernels want it."""
+
+NARROW_COLUMNS = 16
+"""Below this many output columns an f32 batched product runs transposed (:func:`_bmm`)."""
 
 BLOCK_ROWS = 128
 """Queries per block of the products path: small enough that the blocks skip most of the masked
@@ -49,9 +53,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     if sinks is not None:
         return _attention_with_sinks(q, k, v, scale, causal, mask, sinks)
     if _as_products(q, k, v, causal, mask):
-        allowed = mask if mask is not None else torch.ones(q.shape[2], q.shape[2], dtype=torch.bool,
-                                                               device=q.device).tril()
-        return _ProductAttention.apply(q, k, v, allowed, scale)
+        return _ProductAttention.apply(q, k, v, mask, scale)
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal,
                                           scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -90,10 +92,10 @@ def products_max_tokens(dtype: torch.dtype, head_dim: int) -> int:
     """Longest sequence whose training attention on CPU runs as batched products (0: never).
 
     The products' softmax and its backward walk every score once per pass whatever the head size,
-    their GEMMs grow with it: narrow f32 heads past 128 tokens gain nothing over flash within a
-    training step (the saved probabilities crowd the caches the rest of the step uses), wide ones
-    do up to 512."""
-    if dtype == torch.float32 and head_dim >= WIDE_HEAD_DIM:
+    their GEMMs grow with it: f32 heads of 16 to 64 columns past 128 tokens gain nothing over flash
+    within a training step (the saved probabilities crowd the caches the rest of the step uses),
+    wide ones do up to 512. So do very narrow ones, where flash's blocks are mostly overhead."""
+    if dtype == torch.float32 and (head_dim >= WIDE_HEAD_DIM or head_dim < NARROW_COLUMNS):
         return WIDE_HEAD_MAX_TOKENS
     return PRODUCTS_MAX_TOKENS.get(dtype, 0)
 
@@ -131,13 +133,22 @@ def _rows(t: torch.Tensor, r0: int, r1: int, n_kv: int) -> torch.Tensor:
     return t[:, :, r0:r1].reshape(B * n_kv, (H // n_kv) * (r1 - r0), D)
 
 
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (batched). An f32 product into fewer than :data:`NARROW_COLUMNS` columns (a narrow head's
+    outputs and gradients) runs as its transpose, b^T a^T, whose few rows the CPU GEMM handles far
+    better than few columns; the result is then a transposed view."""
+    if a.dtype == torch.float32 and b.shape[-1] < NARROW_COLUMNS:
+        return torch.bmm(b.mT, a.mT).mT
+    return torch.bmm(a, b)
+
+
 def _add_bmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b (batched) for a block's slice of a key or value gradient. Into a strided slice,
     an f32 baddbmm_ runs far slower than the product and a separate add."""
-    if acc.is_contiguous() or acc.dtype != torch.float32:
+    if acc.dtype != torch.float32 or (acc.is_contiguous() and b.shape[-1] >= NARROW_COLUMNS):
         acc.baddbmm_(a, b)
     else:
-        acc += torch.bmm(a, b)
+        acc += _bmm(a, b)
 
 
 class _ProductAttention(torch.autograd.Function):
@@ -149,16 +160,21 @@ class _ProductAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                allowed: torch.Tensor, scale: float) -> torch.Tensor:
+                allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         G = H // Hkv
         k3, v3 = k.reshape(B * Hkv, T, D), v.reshape(B * Hkv, T, D)
         k3f = k3.float()
-        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=q.device).masked_fill_(~allowed, float("-inf"))
-        if bias.dim() == 4:  # (B|1, 1, T, T): one bias for every head of a row
-            bias = bias.unsqueeze(2)  # (B|1, 1, 1, T, T)
-        ends = _key_ends(allowed, T)
+        if allowed is None:  # causal: -inf above the diagonal, each block's keys end at its last query
+            bias = torch.full((T, T), float("-inf"), device=q.device).triu_(1)
+            ends = [r1 for _, r1 in _blocks(T)]
+        else:
+            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=q.device).masked_fill_(~allowed,
+                                                                                              float("-inf"))
+            if bias.dim() == 4:  # (B|1, 1, T, T): one bias for every head of a row
+                bias = bias.unsqueeze(2)  # (B|1, 1, 1, T, T)
+            ends = _key_ends(allowed, T)
         out = torch.empty(B * Hkv, G, T, D, dtype=q.dtype, device=q.device)
         probs = []
         for (r0, r1), end in zip(_blocks(T), ends, strict=True):
@@ -166,7 +182,7 @@ class _ProductAttention(torch.autograd.Function):
             s5 = scores.view(B, Hkv, G, r1 - r0, end)
             torch.add(bias[..., r0:r1, :end], s5, alpha=scale, out=s5)
             p = torch.softmax(scores, dim=-1, out=scores).to(q.dtype)
-            out[:, :, r0:r1] = torch.bmm(p, v3[:, :end]).view(B * Hkv, G, r1 - r0, D)
+            out[:, :, r0:r1] = _bmm(p, v3[:, :end]).reshape(B * Hkv, G, r1 - r0, D)
             probs.append(p)
         ctx.save_for_backward(q, k3, v3, out, *probs)
         ctx.scale, ctx.ends, ctx.kv_shape = scale, ends, k.shape
@@ -191,7 +207,7 @@ class _ProductAttention(torch.autograd.Function):
             grad_probs = torch.bmm(g3, v3[:, :end].transpose(1, 2)).float()  # (B·Hkv, G·n, end)
             grad_probs.view(B * Hkv, G, r1 - r0, end).sub_(row_dot[:, :, r0:r1])
             grad_scores = grad_probs.mul_(p).mul_(ctx.scale).to(q.dtype)
-            grad_q[:, :, r0:r1] = torch.bmm(grad_scores, k3[:, :end]).view(B * Hkv, G, r1 - r0, D)
+            grad_q[:, :, r0:r1] = _bmm(grad_scores, k3[:, :end]).reshape(B * Hkv, G, r1 - r0, D)
             _add_bmm_(grad_k[:, :end], grad_scores.transpose(1, 2), _rows(q, r0, r1, Hkv))
         kv_shape = ctx.kv_shape
         return (grad_q.view(B, H, T, D), grad_k.view(kv_shape), grad_v.view(kv_shape),

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ggtorch.models.attention import (
     BLOCK_ROWS,
+    NARROW_COLUMNS,
     PRODUCTS_MAX_TOKENS,
     WIDE_HEAD_DIM,
     WIDE_HEAD_MAX_TOKENS,
@@ -56,20 +57,21 @@ def _reference(tensors: list[torch.Tensor], grad_out: torch.Tensor, mask: torch.
     return _run(sdpa, tensors, torch.float64, grad_out)[0]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "D"), [(torch.float32, 64), (torch.bfloat16, 64),
+                                          (torch.float32, NARROW_COLUMNS // 2)], ids=["f32", "bf16", "f32-narrow"])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("masking", ["causal", "packed", "bidirectional"])
 @pytest.mark.parametrize("T", [64, 2 * BLOCK_ROWS + 44], ids=["one-block", "three-blocks"])
-def test_products_match_sdpa_in_float64(dtype: torch.dtype, heads: tuple[int, int], masking: str, T: int,
+def test_products_match_sdpa_in_float64(dtype: torch.dtype, heads: tuple[int, int], masking: str, T: int, D: int,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """f32: to f32 rounding. bf16: no further from float64 than torch's flash kernel in bf16 (the
     path it replaces), times 1.25. A bidirectional mask lets a block's queries see keys past its
-    end, which the blocks must then include. (The length limit is lifted to T: the dispatch has
-    its own tests.)"""
+    end, which the blocks must then include. Narrow f32 heads take the transposed products.
+    (The length limit is lifted to T: the dispatch has its own tests.)"""
     monkeypatch.setitem(PRODUCTS_MAX_TOKENS, dtype, T)
     B = 2
-    tensors = _qkv(B, heads[0], heads[1], T)
-    grad_out = torch.randn(B, heads[0], T, 64, generator=torch.Generator().manual_seed(1))
+    tensors = _qkv(B, heads[0], heads[1], T, D=D)
+    grad_out = torch.randn(B, heads[0], T, D, generator=torch.Generator().manual_seed(1))
     mask = _mask(masking, B, T)
     want = _reference(tensors, grad_out, mask)
     got, node = _run(lambda q, k, v: attention(q, k, v, scale=SCALE, causal=mask is None, mask=mask),
@@ -125,11 +127,12 @@ def test_the_products_path_and_flash_give_the_same_training_step_result() -> Non
 @pytest.mark.parametrize(("dtype", "D", "limit"), [
     (torch.float32, 64, PRODUCTS_MAX_TOKENS[torch.float32]),
     (torch.float32, WIDE_HEAD_DIM, WIDE_HEAD_MAX_TOKENS),
+    (torch.float32, NARROW_COLUMNS // 2, WIDE_HEAD_MAX_TOKENS),
     (torch.bfloat16, 64, PRODUCTS_MAX_TOKENS[torch.bfloat16]),
     (torch.bfloat16, WIDE_HEAD_DIM, PRODUCTS_MAX_TOKENS[torch.bfloat16]),
 ])
 def test_the_length_limit_depends_on_dtype_and_head_size(dtype: torch.dtype, D: int, limit: int) -> None:
-    """Wide f32 heads take the products further than narrow ones; bf16 has one limit."""
+    """Wide and very narrow f32 heads take the products further than others; bf16 has one limit."""
     for T, products in ((limit, True), (limit + 1, False)):
         q, k, v = (t.to(dtype).requires_grad_() for t in _qkv(1, 2, 1, T, D=D))
         y = attention(q, k, v, scale=SCALE, causal=True)
