@@ -45,7 +45,7 @@ def u32(field: torch.Tensor) -> torch.Tensor:
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
 
 
-def _words(qs: torch.Tensor) -> tuple[torch.Tensor, int]:
+def words(qs: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``qs``'s bytes, contiguous, viewed as the widest integer words its rows allow (``qs`` itself
     when none), and that word's width: one shift and mask then handles several bytes at once."""
     qs = qs.contiguous()
@@ -74,13 +74,13 @@ def crumbs(qs: torch.Tensor, bits: int) -> torch.Tensor:
     off), so the result is the byte-wise one on any little-endian device.
     """
     mask = (1 << bits) - 1
-    words, width = _words(qs)
+    packed, width = words(qs)
     wide = mask * int.from_bytes(b"\x01" * width, "little")
     # each shift written straight into its place, then one mask over all: two passes fewer per
     # field than shifting, masking and stacking copies
-    fields = torch.empty(*words.shape[:-1], 8 // bits, words.shape[-1], dtype=words.dtype, device=words.device)
+    fields = torch.empty(*packed.shape[:-1], 8 // bits, packed.shape[-1], dtype=packed.dtype, device=packed.device)
     for i, shift in enumerate(range(0, 8, bits)):
-        torch.bitwise_right_shift(words, shift, out=fields[..., i, :])
+        torch.bitwise_right_shift(packed, shift, out=fields[..., i, :])
     return fields.bitwise_and_(wide).view(torch.uint8)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ggtorch.quant.fields import crumbs, f16, nibbles, split
+from ggtorch.quant.fields import crumbs, f16, nibbles, split, words
 
 QK_K = 256
 
@@ -61,37 +61,44 @@ def dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
     return q.reshape(n, 16, 16).mul_(dl).reshape(n, QK_K)
 
 
-def _k4_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mirrors get_scale_min_k4 for j = 0..7: 6-bit scales and mins packed in 12 bytes."""
-    a, b, c = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
-    sc = torch.cat((a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)), dim=-1)
-    mn = torch.cat((b & 0x3F, (c >> 4) | ((b >> 6) << 4)), dim=-1)
-    return sc.to(torch.float32), mn.to(torch.float32)
+def _k4_scales_mins(scales: torch.Tensor) -> torch.Tensor:
+    """Mirrors get_scale_min_k4 for j = 0..7: 6-bit scales and mins packed in 12 bytes, as f32
+    (2, n, 8): the blocks' 8 scales, then their 8 mins.
+
+    Scale j < 4 is the low 6 bits of byte j (min j: of byte 4 + j); scale j >= 4 is the low nibble
+    of byte 8 + j - 4 under the top 2 bits of byte j - 4 (min: the high nibble, under byte j's).
+    Cut from the three 4-byte words a, b, c at once, each byte keeping its own bits."""
+    abc = words(scales)[0]  # (n, 3) int32: 12 bytes are 3 words
+    a, b, c = abc[:, 0], abc[:, 1], abc[:, 2]
+    packed = torch.empty(2, abc.shape[0], 2, dtype=torch.int32, device=scales.device)  # (sc | mn, n, lo | hi)
+    torch.bitwise_and(a, 0x3F3F3F3F, out=packed[0, :, 0])
+    torch.bitwise_or(c & 0x0F0F0F0F, (a >> 2) & 0x30303030, out=packed[0, :, 1])
+    torch.bitwise_and(b, 0x3F3F3F3F, out=packed[1, :, 0])
+    torch.bitwise_or((c >> 4) & 0x0F0F0F0F, (b >> 2) & 0x30303030, out=packed[1, :, 1])
+    return packed.view(torch.uint8).to(torch.float32)
 
 
-def _k4_apply(d: torch.Tensor, dmin: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """y = (d * sc) * q - (dmin * m) over 8 groups of 32 values."""
-    sc, mn = _k4_scales_mins(scales)
-    d1 = (f16(d) * sc).unsqueeze(-1)
-    m1 = (f16(dmin) * mn).unsqueeze(-1)
+def _k4_apply(d_dmin: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """y = (d * sc) * q - (dmin * m) over 8 groups of 32 values; ``d_dmin`` the two f16 fields' 4 bytes."""
+    d1, m1 = _k4_scales_mins(scales).mul_(f16(d_dmin).T.unsqueeze(-1)).unsqueeze(-1)  # (n, 8, 1) each
     return _mul_sub(d1, q, m1).reshape(q.shape[0], QK_K)
 
 
 def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     """Mirrors dequantize_row_q4_K: d, dmin, scales[12], qs[128]; group 2c+s is nibble s of qs[c*32 + l]."""
     n = blocks.shape[0]
-    d, dmin, scales, qs = split(blocks, [2, 2, 12])
+    d_dmin, scales, qs = split(blocks, [4, 12])
     q = nibbles(qs.reshape(n, 4, 32)).reshape(n, 8, 32)
-    return _k4_apply(d, dmin, scales, q)
+    return _k4_apply(d_dmin, scales, q)
 
 
 def dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
     """Mirrors dequantize_row_q5_K: d, dmin, scales[12], qh[32], qs[128]; group g adds bit g of qh[l] as 16."""
     n = blocks.shape[0]
-    d, dmin, scales, qh, qs = split(blocks, [2, 2, 12, QK_K // 8])
+    d_dmin, scales, qh, qs = split(blocks, [4, 12, QK_K // 8])
     low = nibbles(qs.reshape(n, 4, 32)).reshape(n, 8, 32)
     high = crumbs(qh, 1)  # (n, g, 32): bit g of qh[l]
-    return _k4_apply(d, dmin, scales, low | (high << 4))
+    return _k4_apply(d_dmin, scales, high.bitwise_left_shift_(4).bitwise_or_(low))  # in place on high's copy
 
 
 def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -104,6 +111,7 @@ def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     ql, qh, scales, d = split(blocks, [QK_K // 2, QK_K // 4, QK_K // 16])
     low = nibbles(ql.reshape(n, 2, 64)).reshape(n, 2, 4, 32)  # k = nibble * 2 + (k % 2)
     high = crumbs(qh.reshape(n, 2, 32), 2)  # (n, h, k, 32)
-    q = ((low | (high << 4)) - 32).view(torch.int8).to(torch.float32)
+    # (low | high << 4) - 32 in place on high's own copy: three passes with no new memory
+    q = high.bitwise_left_shift_(4).bitwise_or_(low).sub_(32).view(torch.int8).to(torch.float32)
     dl = (f16(d) * scales.view(torch.int8).to(torch.float32)).unsqueeze(-1)
     return q.reshape(n, 16, 16).mul_(dl).reshape(n, QK_K)
