@@ -15,10 +15,14 @@ llama.cpp trains one sequence of ``ctx`` tokens per optimizer step (n_batch = n_
 so K and V get gradients); ggtorch runs the same shape (batch 1, one step per sequence), f32.
 Each side trains every weight; the first steps (graph allocation / warm-up) are not timed.
 
-Each side's figure is its tokens over the total time of its timed steps; the median and slowest step are
-printed beside it, so a stall shows.
+Both sides live in this one process, set up once, and run in alternating rounds (``--rounds``, 3): each
+round ``warmup`` untimed steps, then ``steps`` timed ones. A round's figure is its tokens over the wall time
+of its timed steps; each round's median and slowest step are printed beside it, so a stall shows. Each side's
+figure is its fastest round: a slow spell of the machine (its speed drifts by 10-25% within minutes) then
+costs neither side its figure, as in bench_vs_peft.py's repeated rows.
 
-Usage: python bench/bench_full_finetune.py [--model M.gguf] [--ctx 256] [--steps 100] [--threads 2] [--quick]
+Usage: python bench/bench_full_finetune.py [--model M.gguf] [--ctx 256] [--steps 100] [--rounds 3]
+       [--threads 2] [--quick]
 """
 
 from __future__ import annotations
@@ -57,104 +61,122 @@ def _opt_params_struct(llama_cpp: object) -> type[ctypes.Structure]:
     return LlamaOptParams
 
 
-def bench_llama_cpp(model: Path, tokens: list[int], ctx: int, steps: int, warmup: int, threads: int) -> float:
-    """Tokens/s of llama.cpp's full finetune (llama_opt_epoch over ``warmup + steps`` sequences)."""
-    import llama_cpp
+class LlamaCppTraining:
+    """llama.cpp's full finetune (``llama_opt_epoch``) of ``model`` on ``rows`` sequences of ``ctx`` tokens,
+    set up once; each :meth:`round` runs one epoch over them."""
 
-    libdir = Path(llama_cpp.__file__).parent / "lib"
-    ggml_base = ctypes.CDLL(str(libdir / "libggml-base.so"))
-    ggml = ctypes.CDLL(str(libdir / "libggml.so"))
-    for lib in (ggml_base, ggml):
-        if hasattr(lib, "ggml_opt_dataset_init"):
-            opt = lib
-            break
-    else:
-        raise RuntimeError("ggml_opt_dataset_init is in none of llama-cpp-python's ggml libraries")
-    opt.ggml_opt_dataset_init.restype = ctypes.c_void_p
-    opt.ggml_opt_dataset_init.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                                          ctypes.c_int64, ctypes.c_int64]
-    opt.ggml_opt_dataset_data.restype = ctypes.c_void_p
-    opt.ggml_opt_dataset_data.argtypes = [ctypes.c_void_p]
-    opt.ggml_opt_dataset_labels.restype = ctypes.c_void_p
-    opt.ggml_opt_dataset_labels.argtypes = [ctypes.c_void_p]
-    opt.ggml_opt_result_init.restype = ctypes.c_void_p
-    opt.ggml_opt_result_loss.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_double),
-                                         ctypes.POINTER(ctypes.c_double)]
-    opt.ggml_opt_result_free.argtypes = [ctypes.c_void_p]
-    opt.ggml_opt_dataset_free.argtypes = [ctypes.c_void_p]
-    ggml_base.ggml_get_data.restype = ctypes.c_void_p
-    ggml_base.ggml_get_data.argtypes = [ctypes.c_void_p]
+    def __init__(self, model: Path, tokens: list[int], ctx: int, rows: int, threads: int) -> None:
+        import llama_cpp
 
-    ndata = warmup + steps
-    dataset = opt.ggml_opt_dataset_init(GGML_TYPE_I32, GGML_TYPE_I32, ctx, ctx, ndata, 1)
-    data = (ctypes.c_int32 * (ctx * ndata)).from_address(ggml_base.ggml_get_data(opt.ggml_opt_dataset_data(dataset)))
-    labels = (ctypes.c_int32 * (ctx * ndata)).from_address(
-        ggml_base.ggml_get_data(opt.ggml_opt_dataset_labels(dataset)))
-    for i in range(ndata):  # stride = ctx: disjoint sequences, the same ones ggtorch trains on
-        for j in range(ctx):
-            data[i * ctx + j] = tokens[i * ctx + j]
-            labels[i * ctx + j] = tokens[i * ctx + j + 1]
+        self.llama_cpp, self.ctx, self.rows = llama_cpp, ctx, rows
+        libdir = Path(llama_cpp.__file__).parent / "lib"
+        ggml_base = ctypes.CDLL(str(libdir / "libggml-base.so"))
+        ggml = ctypes.CDLL(str(libdir / "libggml.so"))
+        for lib in (ggml_base, ggml):
+            if hasattr(lib, "ggml_opt_dataset_init"):
+                opt = lib
+                break
+        else:
+            raise RuntimeError("ggml_opt_dataset_init is in none of llama-cpp-python's ggml libraries")
+        opt.ggml_opt_dataset_init.restype = ctypes.c_void_p
+        opt.ggml_opt_dataset_init.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                              ctypes.c_int64, ctypes.c_int64]
+        opt.ggml_opt_dataset_data.restype = ctypes.c_void_p
+        opt.ggml_opt_dataset_data.argtypes = [ctypes.c_void_p]
+        opt.ggml_opt_dataset_labels.restype = ctypes.c_void_p
+        opt.ggml_opt_dataset_labels.argtypes = [ctypes.c_void_p]
+        opt.ggml_opt_result_init.restype = ctypes.c_void_p
+        opt.ggml_opt_result_loss.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_double),
+                                             ctypes.POINTER(ctypes.c_double)]
+        opt.ggml_opt_result_free.argtypes = [ctypes.c_void_p]
+        opt.ggml_opt_dataset_free.argtypes = [ctypes.c_void_p]
+        ggml_base.ggml_get_data.restype = ctypes.c_void_p
+        ggml_base.ggml_get_data.argtypes = [ctypes.c_void_p]
+        self.opt = opt
 
-    llm = llama_cpp.Llama(model_path=str(model), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, use_mmap=False,
-                          n_threads=threads, n_threads_batch=threads, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32,
-                          flash_attn=False, verbose=False)
-    pars = OptimizerParams(1e-5, 0.9, 0.999, 1e-8, 0.0, 1e-5, 0.0)
-    params_cls = _opt_params_struct(llama_cpp)
-    filter_all = ctypes.cast(llama_cpp.llama_cpp._lib.llama_opt_param_filter_all, llama_cpp.llama_opt_param_filter)
-    lopt = params_cls(0, filter_all, None,
-                      ctypes.cast(opt.ggml_opt_get_constant_optimizer_params, ctypes.c_void_p).value,
-                      ctypes.cast(ctypes.pointer(pars), ctypes.c_void_p).value, 0)
-    init = llama_cpp.llama_cpp._lib.llama_opt_init
-    init.argtypes = [ctypes.c_void_p, ctypes.c_void_p, params_cls]
-    init.restype = None
-    init(llm._ctx.ctx, llm._model.model, lopt)
+        self.dataset = opt.ggml_opt_dataset_init(GGML_TYPE_I32, GGML_TYPE_I32, ctx, ctx, rows, 1)
+        data = (ctypes.c_int32 * (ctx * rows)).from_address(
+            ggml_base.ggml_get_data(opt.ggml_opt_dataset_data(self.dataset)))
+        labels = (ctypes.c_int32 * (ctx * rows)).from_address(
+            ggml_base.ggml_get_data(opt.ggml_opt_dataset_labels(self.dataset)))
+        for i in range(rows):  # stride = ctx: disjoint sequences, the same ones ggtorch trains on
+            for j in range(ctx):
+                data[i * ctx + j] = tokens[i * ctx + j]
+                labels[i * ctx + j] = tokens[i * ctx + j + 1]
 
-    times: list[float] = []
+        self.llm = llama_cpp.Llama(model_path=str(model), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, use_mmap=False,
+                                   n_threads=threads, n_threads_batch=threads, type_k=GGML_TYPE_F32,
+                                   type_v=GGML_TYPE_F32, flash_attn=False, verbose=False)
+        self.pars = OptimizerParams(1e-5, 0.9, 0.999, 1e-8, 0.0, 1e-5, 0.0)  # read by ggml through a pointer
+        params_cls = _opt_params_struct(llama_cpp)
+        filter_all = ctypes.cast(llama_cpp.llama_cpp._lib.llama_opt_param_filter_all,
+                                 llama_cpp.llama_opt_param_filter)
+        lopt = params_cls(0, filter_all, None,
+                          ctypes.cast(opt.ggml_opt_get_constant_optimizer_params, ctypes.c_void_p).value,
+                          ctypes.cast(ctypes.pointer(self.pars), ctypes.c_void_p).value, 0)
+        init = llama_cpp.llama_cpp._lib.llama_opt_init
+        init.argtypes = [ctypes.c_void_p, ctypes.c_void_p, params_cls]
+        init.restype = None
+        init(self.llm._ctx.ctx, self.llm._model.model, lopt)
+        self.epoch = llama_cpp.llama_cpp._lib.llama_opt_epoch
+        self.epoch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_void_p, ctypes.c_void_p]
+        self.epoch.restype = None
 
-    @ctypes.CFUNCTYPE(None, ctypes.c_bool, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                      ctypes.c_int64, ctypes.c_int64)
-    def on_step(train: bool, *_: object) -> None:
-        times.append(time.perf_counter())
+    def round(self, warmup: int, steps: int) -> tuple[float, list[float], float]:
+        """One epoch of ``warmup + steps`` (its rows): tokens/s over the steps after the first ``warmup``, their
+        seconds, the epoch's mean loss."""
+        if warmup + steps != self.rows:
+            raise ValueError(f"an epoch is {self.rows} steps, not {warmup} + {steps}")
+        times: list[float] = []
 
-    result_train, result_eval = opt.ggml_opt_result_init(), opt.ggml_opt_result_init()
-    epoch = llama_cpp.llama_cpp._lib.llama_opt_epoch
-    epoch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                      ctypes.c_void_p, ctypes.c_void_p]
-    epoch.restype = None
-    epoch(llm._ctx.ctx, dataset, result_train, result_eval, ndata,
-          ctypes.cast(on_step, ctypes.c_void_p), None)
-    loss, unc = ctypes.c_double(), ctypes.c_double()
-    opt.ggml_opt_result_loss(result_train, ctypes.byref(loss), ctypes.byref(unc))
-    opt.ggml_opt_result_free(result_train), opt.ggml_opt_result_free(result_eval)
-    opt.ggml_opt_dataset_free(dataset)
-    if len(times) != ndata:
-        raise RuntimeError(f"llama_opt_epoch ran {len(times)} steps, expected {ndata}")
-    step_s = [t1 - t0 for t0, t1 in zip(times[warmup - 1:-1], times[warmup:], strict=True)]
-    print(f"llama.cpp: {ndata} steps, mean train loss {loss.value:.4f}, {_spread(step_s)}")
-    return steps * ctx / (times[-1] - times[warmup - 1])
+        @ctypes.CFUNCTYPE(None, ctypes.c_bool, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                          ctypes.c_int64, ctypes.c_int64)
+        def on_step(train: bool, *_: object) -> None:
+            times.append(time.perf_counter())
+
+        result_train, result_eval = self.opt.ggml_opt_result_init(), self.opt.ggml_opt_result_init()
+        self.epoch(self.llm._ctx.ctx, self.dataset, result_train, result_eval, self.rows,
+                   ctypes.cast(on_step, ctypes.c_void_p), None)
+        loss, unc = ctypes.c_double(), ctypes.c_double()
+        self.opt.ggml_opt_result_loss(result_train, ctypes.byref(loss), ctypes.byref(unc))
+        self.opt.ggml_opt_result_free(result_train), self.opt.ggml_opt_result_free(result_eval)
+        if len(times) != self.rows:
+            raise RuntimeError(f"llama_opt_epoch ran {len(times)} steps, expected {self.rows}")
+        step_s = [t1 - t0 for t0, t1 in zip(times[warmup - 1:-1], times[warmup:], strict=True)]
+        return steps * self.ctx / (times[-1] - times[warmup - 1]), step_s, loss.value
+
+    def close(self) -> None:
+        self.opt.ggml_opt_dataset_free(self.dataset)
+
+
+class GgtorchTraining:
+    """ggtorch's full finetune as ``ggtorch train --model-base`` runs it (its ``Trainer``), batch 1, f32."""
+
+    def __init__(self, model: Path, text: Path, ctx: int, threads: int, steps: int, directory: str) -> None:
+        from ggtorch.training.config import TrainConfig
+        from ggtorch.training.trainer import Trainer
+
+        config = TrainConfig(model_base=str(model), train_data=str(text), ctx=ctx, batch=1, adam_iter=steps,
+                             threads=threads, seed=1, save_every=0, checkpoint_in="", checkpoint_out="",
+                             model_out="", log_file=str(Path(directory) / "log.jsonl"), use_checkpointing=False)
+        self.trainer, self.ctx = Trainer(config), ctx
+
+    def round(self, warmup: int, steps: int) -> tuple[float, list[float], float]:
+        """``warmup`` untimed steps, then ``steps`` timed ones: tokens/s over their wall time, their seconds,
+        the last loss."""
+        self.trainer.train(warmup)
+        t0 = time.perf_counter()
+        results = self.trainer.train(steps)
+        return steps * self.ctx / (time.perf_counter() - t0), [r.seconds for r in results], results[-1].loss
+
+    def close(self) -> None:
+        self.trainer.close()
 
 
 def _spread(seconds: list[float]) -> str:
     """The timed steps' median and slowest, in ms."""
     return f"step ms median {1e3 * statistics.median(seconds):.1f}, slowest {1e3 * max(seconds):.1f}"
-
-
-def bench_ggtorch(model: Path, text: Path, ctx: int, steps: int, warmup: int, threads: int) -> float:
-    """Tokens/s of ggtorch's full finetune (``ggtorch train --model-base``), batch 1, f32."""
-    from ggtorch.training.config import TrainConfig
-    from ggtorch.training.trainer import Trainer
-
-    with tempfile.TemporaryDirectory() as d:
-        config = TrainConfig(model_base=str(model), train_data=str(text), ctx=ctx, batch=1, adam_iter=warmup + steps,
-                             threads=threads, seed=1, save_every=0, checkpoint_in="", checkpoint_out="",
-                             model_out="", log_file=str(Path(d) / "log.jsonl"), use_checkpointing=False)
-        trainer = Trainer(config)
-        results = trainer.train()
-        trainer.close()
-    timed = results[warmup:]
-    print(f"ggtorch: {len(results)} steps, loss {results[0].loss:.4f} -> {results[-1].loss:.4f}, "
-          f"{_spread([r.seconds for r in timed])}")
-    return sum(ctx for _ in timed) / sum(r.seconds for r in timed)
 
 
 def main() -> None:
@@ -165,10 +187,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="4 timed steps")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per side, the sides alternating")
+    p.add_argument("--quick", action="store_true", help="one round of 4 timed steps")
     args = p.parse_args()
     if args.quick:
-        args.steps = 4
+        args.steps, args.rounds = 4, 1
     if args.ctx % 256:
         # llama.cpp pads a context's n_ctx up to a multiple of 256, and opt_epoch takes one dataset row
         # per n_ctx: any other ctx would train llama.cpp on a different sequence length than ggtorch.
@@ -182,13 +205,25 @@ def main() -> None:
     need = (args.warmup + args.steps) * args.ctx + 1
     if len(tokens) < need:
         raise SystemExit(f"{args.text} has {len(tokens)} tokens, {need} needed")
-    print(f"model {args.model.name}, ctx {args.ctx}, {args.steps} timed steps after {args.warmup}, "
-          f"{args.threads} threads, f32, all weights trained")
-    ours = bench_ggtorch(args.model, args.text, args.ctx, args.steps, args.warmup, args.threads)
-    ref = bench_llama_cpp(args.model, tokens, args.ctx, args.steps, args.warmup, args.threads)
-    print(f"ggtorch   {ours:10.0f} tokens/s")
-    print(f"llama.cpp {ref:10.0f} tokens/s")
-    print(f"ratio ggtorch / llama.cpp: {ours / ref:.2f}x")
+    print(f"model {args.model.name}, ctx {args.ctx}, {args.rounds} rounds per side of {args.steps} timed steps "
+          f"after {args.warmup}, alternating, {args.threads} threads, f32, all weights trained")
+    best: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as d:
+        per_side = args.rounds * (args.warmup + args.steps)
+        sides = {"ggtorch": GgtorchTraining(args.model, args.text, args.ctx, args.threads, per_side, d),
+                 "llama.cpp": LlamaCppTraining(args.model, tokens, args.ctx, args.warmup + args.steps, args.threads)}
+        rounds: dict[str, list[float]] = {side: [] for side in sides}
+        for r in range(args.rounds):
+            for side, training in sides.items():
+                tok_s, step_s, loss = training.round(args.warmup, args.steps)
+                rounds[side].append(tok_s)
+                print(f"round {r + 1} {side}: {tok_s:.0f} tokens/s, {_spread(step_s)}, loss {loss:.4f}", flush=True)
+        for training in sides.values():
+            training.close()
+    for side, figures in rounds.items():
+        best[side] = max(figures)
+        print(f"{side:9s} {best[side]:10.0f} tokens/s")
+    print(f"ratio ggtorch / llama.cpp: {best['ggtorch'] / best['llama.cpp']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -765,11 +765,25 @@ def full_finetune(threads: int, timeout: float) -> dict[str, Any]:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except (subprocess.SubprocessError, OSError) as e:
         return {"error": str(e)}
-    found = {side: re.search(rf"^{side}\s+(\d+) tokens/s$", proc.stdout, re.M) for side in ("ggtorch", "llama.cpp")}
-    if proc.returncode != 0 or not all(found.values()):
+    full = parse_full_finetune(proc.stdout)
+    if proc.returncode != 0 or full is None:
         return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-300:]}"}
     print(proc.stdout, flush=True)
-    return {"what": proc.stdout.splitlines()[0], **{side: float(m.group(1)) for side, m in found.items() if m}}
+    return full
+
+
+def parse_full_finetune(stdout: str) -> dict[str, Any] | None:
+    """bench_full_finetune.py's output as the report's figures: each side's tokens/s (its fastest round),
+    every round's, and the first line (what was run); None when a side's figure is missing."""
+    found = {side: re.search(rf"^{re.escape(side)}\s+(\d+) tokens/s$", stdout, re.M)
+             for side in ("ggtorch", "llama.cpp")}
+    if not all(found.values()):
+        return None
+    rounds: dict[str, list[float]] = {side: [] for side in found}
+    for side, tok_s in re.findall(r"^round \d+ (ggtorch|llama\.cpp): (\d+) tokens/s", stdout, re.M):
+        rounds[side].append(float(tok_s))
+    return {"what": stdout.splitlines()[0], "rounds": rounds,
+            **{side: float(m.group(1)) for side, m in found.items() if m}}
 
 
 def distributed_overhead(timeout: float) -> str:
@@ -901,8 +915,10 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
             lines += [f"Every weight trained, AdamW, one sequence per step; llama.cpp's own training "
                       f"(`llama_opt_epoch`, F32) against `ggtorch train --model-base` (f32 weights, compute and "
                       f"AdamW state). {full['what']}.", "",
-                      "| side | tok/s |", "|---|---:|",
-                      f"| ggtorch | {fmt(full['ggtorch'])} |", f"| llama.cpp | {fmt(full['llama.cpp'])} |", "",
+                      "Each side's figure is its fastest round; every round is listed, in the order run.", "",
+                      "| side | tok/s | every round |", "|---|---:|---|",
+                      *(f"| {side} | {fmt(full[side])} | {', '.join(map(fmt, full.get('rounds', {}).get(side, [])))} |"
+                        for side in ("ggtorch", "llama.cpp")), "",
                       f"ggtorch / llama.cpp: {full['ggtorch'] / full['llama.cpp']:.2f}×"]
     lines += ["", "GEMM peaks measured (GFLOP/s, best over the model's shapes; the peak is the faster of torch.mm "
               "and oneDNN, shown as ggtorch.ops.matmul):", ""]

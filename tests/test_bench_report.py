@@ -187,7 +187,8 @@ def test_report_renders_every_row_allocator_and_full_finetune(bench: Any) -> Non
             "peft": "z", "python": "3", "load": 0.5, "jemalloc": None}
     args = argparse.Namespace(quick=False, threads=2, only="", sides="ggtorch,peer")
     text = bench.report(rows, ["ggtorch", "peer"], info, args, 60.0,
-                        {"ggtorch": 15000.0, "llama.cpp": 5000.0, "what": "model stories260K.gguf, ctx 256"})
+                        {"ggtorch": 15000.0, "llama.cpp": 5000.0, "what": "model stories260K.gguf, ctx 256",
+                         "rounds": {"ggtorch": [14000.0, 15000.0], "llama.cpp": [5000.0, 4500.0]}})
     table = [line for line in text.splitlines() if line.startswith(("| 110M", "| 1.1B", "| gemma3"))]
     assert len(table) == len(rows)
     assert "jemalloc is not installed on this machine" in text
@@ -196,7 +197,22 @@ def test_report_renders_every_row_allocator_and_full_finetune(bench: Any) -> Non
     gf = 600 * FLOPS_110M / 1e9
     assert f"| {gf:.0f} | {gf / 400:.0%} of 400 | — |" in text  # a float base: no dequantization
     assert "- f32 LoRA, 110M b4×256: ggtorch 1.50× the peer's tokens/s" in text  # the headline
-    assert "| ggtorch | 15000 |" in text and "ggtorch / llama.cpp: 3.00×" in text
+    assert "| ggtorch | 15000 | 14000, 15000 |" in text and "| llama.cpp | 5000 | 5000, 4500 |" in text
+    assert "ggtorch / llama.cpp: 3.00×" in text
+
+
+def test_full_finetune_figures_are_each_sides_fastest_round(bench: Any) -> None:
+    """The parse of bench_full_finetune.py's own output (its lines as printed)."""
+    stdout = ("model stories260K.gguf, ctx 256, 2 rounds per side of 100 timed steps after 2, alternating\n"
+              "round 1 ggtorch: 9943 tokens/s, step ms median 23.7, slowest 36.0, loss 3.0165\n"
+              "round 1 llama.cpp: 4625 tokens/s, step ms median 51.3, slowest 78.0, loss 4.1118\n"
+              "round 2 ggtorch: 10863 tokens/s, step ms median 22.1, slowest 37.0, loss 2.8820\n"
+              "round 2 llama.cpp: 4097 tokens/s, step ms median 59.4, slowest 87.5, loss 3.6029\n"
+              "ggtorch        10863 tokens/s\nllama.cpp       4625 tokens/s\nratio ggtorch / llama.cpp: 2.35x\n")
+    full = bench.parse_full_finetune(stdout)
+    assert full == {"what": stdout.splitlines()[0], "ggtorch": 10863.0, "llama.cpp": 4625.0,
+                    "rounds": {"ggtorch": [9943.0, 10863.0], "llama.cpp": [4625.0, 4097.0]}}
+    assert bench.parse_full_finetune(stdout.replace("llama.cpp       4625", "llama.cpp failed")) is None
 
 
 def test_gemm_peak_keeps_the_faster_of_two_measurements(bench: Any) -> None:
