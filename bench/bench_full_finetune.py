@@ -68,7 +68,7 @@ class LlamaCppTraining:
     def __init__(self, model: Path, tokens: list[int], ctx: int, rows: int, threads: int) -> None:
         import llama_cpp
 
-        self.llama_cpp, self.ctx, self.rows = llama_cpp, ctx, rows
+        self.ctx, self.rows = ctx, rows
         libdir = Path(llama_cpp.__file__).parent / "lib"
         ggml_base = ctypes.CDLL(str(libdir / "libggml-base.so"))
         ggml = ctypes.CDLL(str(libdir / "libggml.so"))

@@ -917,7 +917,7 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
                       f"AdamW state). {full['what']}.", "",
                       "Each side's figure is its fastest round; every round is listed, in the order run.", "",
                       "| side | tok/s | every round |", "|---|---:|---|",
-                      *(f"| {side} | {fmt(full[side])} | {', '.join(map(fmt, full.get('rounds', {}).get(side, [])))} |"
+                      *(f"| {side} | {fmt(full[side])} | {', '.join(map(fmt, full['rounds'][side]))} |"
                         for side in ("ggtorch", "llama.cpp")), "",
                       f"ggtorch / llama.cpp: {full['ggtorch'] / full['llama.cpp']:.2f}×"]
     lines += ["", "GEMM peaks measured (GFLOP/s, best over the model's shapes; the peak is the faster of torch.mm "

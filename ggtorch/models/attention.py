@@ -133,19 +133,24 @@ def _rows(t: torch.Tensor, r0: int, r1: int, n_kv: int) -> torch.Tensor:
     return t[:, :, r0:r1].reshape(B * n_kv, (H // n_kv) * (r1 - r0), D)
 
 
+def _runs_transposed(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a @ b runs as its transpose, b^T a^T: an f32 product into fewer than :data:`NARROW_COLUMNS`
+    columns (a narrow head's outputs and gradients), whose few rows the CPU GEMM handles far better
+    than few columns."""
+    return a.dtype == torch.float32 and b.shape[-1] < NARROW_COLUMNS
+
+
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b (batched). An f32 product into fewer than :data:`NARROW_COLUMNS` columns (a narrow head's
-    outputs and gradients) runs as its transpose, b^T a^T, whose few rows the CPU GEMM handles far
-    better than few columns; the result is then a transposed view."""
-    if a.dtype == torch.float32 and b.shape[-1] < NARROW_COLUMNS:
+    """a @ b (batched); a transposed view when :func:`_runs_transposed`."""
+    if _runs_transposed(a, b):
         return torch.bmm(b.mT, a.mT).mT
     return torch.bmm(a, b)
 
 
 def _add_bmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b (batched) for a block's slice of a key or value gradient. Into a strided slice,
-    an f32 baddbmm_ runs far slower than the product and a separate add."""
-    if acc.dtype != torch.float32 or (acc.is_contiguous() and b.shape[-1] >= NARROW_COLUMNS):
+    an f32 baddbmm_ runs far slower than the product and a separate add; so does a transposed one."""
+    if acc.dtype != torch.float32 or (acc.is_contiguous() and not _runs_transposed(a, b)):
         acc.baddbmm_(a, b)
     else:
         acc += _bmm(a, b)
