@@ -1,4 +1,5 @@
-"""bench/bench_vs_peft.py's verdicts follow issue 24's thresholds, from made-up measurements.
+"""bench/bench_vs_peft.py's verdicts follow issue 24's thresholds, from made-up measurements (and
+bench_moe.py picks each configuration's figure from its rounds as it says).
 
 The benchmark itself is too slow for the suite; its arithmetic is not. Every expected figure
 below is worked out by hand from the rows, so a slip in the report (a ratio inverted, the wrong
@@ -228,3 +229,13 @@ def test_sections_of_other_commands_survive_a_rerun(bench: Any) -> None:
                 "## Data-parallel overhead (`python bench/bench_distributed.py`)\n\nold\n" + moe)
     assert bench.kept_sections(previous) == moe
     assert bench.kept_sections("# Benchmarks\n\n## Results\n") == ""
+
+
+def test_moe_bench_takes_each_configurations_fastest_round_and_highest_rss() -> None:
+    spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "bench" / "bench_moe.py")
+    assert spec and spec.loader
+    moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(moe)
+    runs = [{"step_s": 1.9, "peak_rss_gib": 1.20, "loss": 10.4}, {"step_s": 1.6, "peak_rss_gib": 1.25, "loss": 10.4},
+            {"step_s": 1.7, "peak_rss_gib": 1.22, "loss": 10.4}]
+    assert moe.fastest(runs) == {"step_s": 1.6, "peak_rss_gib": 1.25}
