@@ -5,9 +5,9 @@ torch's CPU flash attention walks the sequence in small blocks; at training leng
 slower than writing the score matrix out and running plain batched products. The products go a
 block of :data:`BLOCK_ROWS` queries at a time against only the keys that block may see (under a
 causal mask, the keys up to its last query), so the masked upper triangle beyond the diagonal
-blocks is never computed: about a quarter of the work at two blocks, more at four. Their price is
-memory: each block's probabilities are saved for backward, where flash keeps one log-sum-exp per
-row, and past the length limit that memory grows with the square of the sequence.
+blocks is never computed: a quarter of the work at two blocks, 3/8 at four. Their price is memory:
+each block's probabilities are saved for backward, where flash keeps one log-sum-exp per row, and
+past the length limit that memory grows with the square of the sequence.
 
 Precision matches flash's: scores, softmax and its backward in f32, the products with the
 probabilities in the input dtype, as the flash kernel does for bf16. Key and value gradients are
@@ -20,15 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-PRODUCTS_MAX_TOKENS: dict[torch.dtype, int] = {torch.float32: 128, torch.bfloat16: 256}
-"""Longest sequence, by dtype, whose training attention on CPU runs as batched products."""
-
-WIDE_HEAD_DIM = 128
-"""Heads at least this wide run f32 products up to :data:`WIDE_HEAD_MAX_TOKENS`."""
-
-WIDE_HEAD_MAX_TOKENS = 512
-"""Longest f32 sequence on the products path for heads of :data:`WIDE_HEAD_DIM` or more, or
-narrower than :data:`NARROW_COLUMNS`."""
+PRODUCTS_MAX_TOKENS: dict[torch.dtype, int] = {torch.float32: 512, torch.bfloat16: 512}
+"""Longest sequence, by dtype, whose training attention on CPU runs as batched products: there they
+beat flash at every head width from 8 to 256 columns; past it the saved probabilities' memory
+outgrows the gain (:func:`saved_keys_per_query`)."""
 
 SINK_COLUMNS = 8
 """Columns added to each query and key head to carry gpt-oss's sinks (:func:`_attention_with_sinks`): the first
@@ -39,7 +34,8 @@ NARROW_COLUMNS = 16
 
 BLOCK_ROWS = 128
 """Queries per block of the products path: small enough that the blocks skip most of the masked
-triangle, large enough for full-speed batched products."""
+triangle, large enough for full-speed batched products (and few enough blocks per call: at 64 rows
+isolated calls ran faster, whole training steps of tiny models slower, the rest no faster)."""
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
@@ -88,15 +84,8 @@ def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     return out[..., :D]
 
 
-def products_max_tokens(dtype: torch.dtype, head_dim: int) -> int:
-    """Longest sequence whose training attention on CPU runs as batched products (0: never).
-
-    The products' softmax and its backward walk every score once per pass whatever the head size,
-    their GEMMs grow with it: f32 heads of 16 to 64 columns past 128 tokens gain nothing over flash
-    within a training step (the saved probabilities crowd the caches the rest of the step uses),
-    wide ones do up to 512. So do very narrow ones, where flash's blocks are mostly overhead."""
-    if dtype == torch.float32 and (head_dim >= WIDE_HEAD_DIM or head_dim < NARROW_COLUMNS):
-        return WIDE_HEAD_MAX_TOKENS
+def products_max_tokens(dtype: torch.dtype) -> int:
+    """Longest sequence whose training attention on CPU runs as batched products (0: never)."""
     return PRODUCTS_MAX_TOKENS.get(dtype, 0)
 
 
@@ -115,7 +104,7 @@ def _as_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     """Training (a backward will follow) on CPU, self-attention over a short sequence, causal or a
     boolean mask; inference and KV-cache calls keep flash."""
     T, S = q.shape[2], k.shape[2]
-    return (q.device.type == "cpu" and T == S and T <= products_max_tokens(q.dtype, q.shape[3])
+    return (q.device.type == "cpu" and T == S and T <= products_max_tokens(q.dtype)
             and k.dtype == v.dtype == q.dtype and (causal or (mask is not None and mask.dtype == torch.bool))
             and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 

@@ -169,7 +169,7 @@ def _layer_bytes_per_token(c: ModelConfig, ctx: int, e: int, compute_dtype: torc
         saved += (c.n_embd_q + c.n_embd_kv) * 2 * e
     if c.attn_softcap:
         saved += c.n_head * ctx * (4 + 4 + e)  # the capped scores, their softmax (f32) and the probabilities
-    elif device.type == "cpu" and ctx <= products_max_tokens(compute_dtype, c.head_dim):
+    elif device.type == "cpu" and ctx <= products_max_tokens(compute_dtype):
         saved += int(c.n_head * saved_keys_per_query(ctx)) * e
     if c.n_expert:
         saved += c.n_expert_used * (c.n_embd + 3 * (c.n_ff_exp or c.n_ff)) * e + c.n_expert * 4

@@ -14,8 +14,6 @@ from ggtorch.models.attention import (
     BLOCK_ROWS,
     NARROW_COLUMNS,
     PRODUCTS_MAX_TOKENS,
-    WIDE_HEAD_DIM,
-    WIDE_HEAD_MAX_TOKENS,
     _key_ends,
     attention,
 )
@@ -99,8 +97,8 @@ def test_each_block_meets_the_keys_its_queries_may_see() -> None:
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     assert _key_ends(causal, T) == [BLOCK_ROWS, 2 * BLOCK_ROWS, T]
     assert _key_ends(_packed_mask(2, T), T) == [BLOCK_ROWS, 2 * BLOCK_ROWS, T]
-    # one row of two records of T/2 = 150 tokens: block 0 (queries 0..127) lies in the first, which
-    # ends at 150; blocks 1 and 2 reach into the second, which ends at T
+    # one row of two records of T/2 tokens: block 0 (queries 0..BLOCK_ROWS-1) lies in the first, which
+    # ends at T/2; blocks 1 and 2 reach into the second, which ends at T
     assert _key_ends(_packed_mask(1, T, causal=False), T) == [T // 2, T, T]
 
 
@@ -124,15 +122,11 @@ def test_the_products_path_and_flash_give_the_same_training_step_result() -> Non
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("dtype", "D", "limit"), [
-    (torch.float32, 64, PRODUCTS_MAX_TOKENS[torch.float32]),
-    (torch.float32, WIDE_HEAD_DIM, WIDE_HEAD_MAX_TOKENS),
-    (torch.float32, NARROW_COLUMNS // 2, WIDE_HEAD_MAX_TOKENS),
-    (torch.bfloat16, 64, PRODUCTS_MAX_TOKENS[torch.bfloat16]),
-    (torch.bfloat16, WIDE_HEAD_DIM, PRODUCTS_MAX_TOKENS[torch.bfloat16]),
-])
-def test_the_length_limit_depends_on_dtype_and_head_size(dtype: torch.dtype, D: int, limit: int) -> None:
-    """Wide and very narrow f32 heads take the products further than others; bf16 has one limit."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("D", [NARROW_COLUMNS // 2, 64, 256], ids=["narrow", "d64", "wide"])
+def test_the_length_limit_depends_on_dtype_only(dtype: torch.dtype, D: int) -> None:
+    """Every head width takes the products up to its dtype's limit, and flash past it."""
+    limit = PRODUCTS_MAX_TOKENS[dtype]
     for T, products in ((limit, True), (limit + 1, False)):
         q, k, v = (t.to(dtype).requires_grad_() for t in _qkv(1, 2, 1, T, D=D))
         y = attention(q, k, v, scale=SCALE, causal=True)
