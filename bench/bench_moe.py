@@ -147,6 +147,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="processes per configuration, the configurations "
                         "alternating; each configuration's fastest counts")
     args = parser.parse_args()
+    if args.rounds < 1 or args.steps < 1:
+        parser.error("--rounds and --steps must be at least 1")
     rounds: dict[str, list[dict[str, float]]] = {c[0]: [] for c in CONFIGS}
     with tempfile.TemporaryDirectory(prefix="ggtorch-bench-moe-") as tmp:
         path, dims = build(Path(tmp), args.ftype)
