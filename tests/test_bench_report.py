@@ -21,14 +21,19 @@ ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 
 
-@pytest.fixture(scope="module")
-def bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_vs_peft", ROOT / "bench" / "bench_vs_peft.py")
+def _bench_module(name: str) -> Any:
+    """bench/<name>.py imported as module ``name`` (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_vs_peft"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def bench() -> Any:
+    return _bench_module("bench_vs_peft")
 
 
 def _row(bench: Any, case: Any, g_tps: float | None, p_tps: float | None, g_rss: float | None = None,
@@ -232,10 +237,7 @@ def test_sections_of_other_commands_survive_a_rerun(bench: Any) -> None:
 
 
 def test_moe_bench_takes_each_configurations_fastest_round_and_highest_rss() -> None:
-    spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "bench" / "bench_moe.py")
-    assert spec and spec.loader
-    moe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(moe)
+    moe = _bench_module("bench_moe")
     runs = [{"step_s": 1.9, "peak_rss_gib": 1.20, "loss": 10.4}, {"step_s": 1.6, "peak_rss_gib": 1.25, "loss": 10.4},
             {"step_s": 1.7, "peak_rss_gib": 1.22, "loss": 10.4}]
     assert moe.fastest(runs) == {"step_s": 1.6, "peak_rss_gib": 1.25}
