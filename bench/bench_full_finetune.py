@@ -192,6 +192,8 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.steps, args.rounds = 4, 1
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 1:
+        p.error("--rounds, --steps and --warmup must be at least 1")
     if args.ctx % 256:
         # llama.cpp pads a context's n_ctx up to a multiple of 256, and opt_epoch takes one dataset row
         # per n_ctx: any other ctx would train llama.cpp on a different sequence length than ggtorch.
