@@ -2,7 +2,8 @@
 
 Not a test. One command builds random-weight models (``tests/llama_models.py`` and
 ``tests/families.py``: written by gguf-py, quantized by llama.cpp's own quantizer), then for every
-case runs one step loop per side, each in its own child process so that peak RSS is per side:
+case runs one step loop per side, each in its own child process so that peak RSS is per side, the two
+processes taking turns a step at a time (:func:`run_sides`) so that both meet the same machine:
 
 - ggtorch: the real training path, :class:`ggtorch.training.trainer.Trainer` (what ``ggtorch finetune``
   runs) on the GGUF, base kept as it is in the file (``--base-dtype quantized``, the default);
@@ -41,6 +42,7 @@ import json
 import os
 import platform
 import re
+import select
 import signal
 import statistics
 import subprocess
@@ -159,8 +161,8 @@ def full_cases(jemalloc: bool) -> list[Case]:
     # ggtorch only its first (GGTORCH_WARMUP).
     base = Case("110M", "F32", "f32", ctx=256, batch=4, warmup=3, steps=2)
     rows = [
-        # the 110M targets' rows: each side's best of two alternating runs (a single run of the peer moved
-        # 13% between two otherwise equal full runs)
+        # the 110M targets' rows: each side's best of two pairs of runs (a single run of the peer moved 13%
+        # between two otherwise equal full runs)
         replace(base, repeat=2),
         replace(base, dtype="bf16", repeat=2),
         replace(base, ftype="Q4_0", repeat=2),
@@ -293,26 +295,34 @@ def finetune_config(spec: dict[str, Any]) -> Any:
         adam_alpha=LR, adam_decay=DECAY, adam_gclip=GCLIP, warmup=0, keep_dequantized_mib=spec.get("keep_mib", 0))
 
 
-def child_ggtorch(spec: dict[str, Any]) -> dict[str, Any]:
+def child_ggtorch(spec: dict[str, Any], turns: Turns) -> dict[str, Any]:
     """Trainer.train over the case; per-step seconds from its StepResults."""
     import torch
 
     from ggtorch.training.trainer import Trainer
 
+    n_steps = spec["warmup"] + spec["steps"]
+
     class CPUClock:
-        """Process CPU time at every step end (a callback: Trainer.train runs the loop)."""
+        """Process CPU time at every step end, then this side's next turn (a callback: Trainer.train runs the
+        loop; the mark comes first, so a wait for the turn counts in neither clock)."""
 
         def __init__(self) -> None:
             self.marks = [time.process_time()]
 
         def on_step(self, trainer: Any, result: Any) -> None:
             self.marks.append(time.process_time())
+            if len(self.marks) <= n_steps:
+                turns.pause()
+            else:
+                turns.end()
 
     torch.set_num_threads(spec["threads"])
     t0 = time.perf_counter()
     clock = CPUClock()
     trainer = Trainer(finetune_config(spec), callbacks=[clock], log_records=False)
     load = time.perf_counter() - t0
+    turns.pause()
     clock.marks = [time.process_time()]
     results = trainer.train()
     cpu = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)]
@@ -384,7 +394,7 @@ def checkpointing_steps(trainer: Any) -> dict[str, Callable[[], float]]:
     return {"plain": plain, "checkpointed": checkpointed}
 
 
-def child_peer(spec: dict[str, Any]) -> dict[str, Any]:
+def child_peer(spec: dict[str, Any], turns: Turns) -> dict[str, Any]:
     """transformers (GGUF dequantized on load) + peft, the same batches, a plain AdamW loop."""
     import torch
     import torch.nn.functional as F
@@ -414,6 +424,7 @@ def child_peer(spec: dict[str, Any]) -> dict[str, Any]:
                         options=DataOptions.from_finetune(config), seed=config.seed)
     step_s, cpu_s, losses = [], [], []
     for _ in range(spec["warmup"] + spec["steps"]):
+        turns.pause()
         batch = data.next_batch(config.batch)
         inputs, targets = batch.inputs, batch.targets
         t, c = time.perf_counter(), time.process_time()
@@ -426,6 +437,7 @@ def child_peer(spec: dict[str, Any]) -> dict[str, Any]:
         step_s.append(time.perf_counter() - t)
         cpu_s.append(time.process_time() - c)
         losses.append(float(loss))
+    turns.end()
     return {"load_s": load, "step_s": step_s, "cpu_s": cpu_s, "loss": losses, "warmup": spec["warmup"]}
 
 
@@ -435,7 +447,7 @@ is measured as a 32,000-column slab, at the rate per FLOP of the whole product (
 slabs anyway) in an eighth of the time."""
 
 
-def child_gemm(spec: dict[str, Any]) -> dict[str, Any]:
+def child_gemm(spec: dict[str, Any], turns: Turns) -> dict[str, Any]:
     """Best GEMM GFLOP/s over the model's matrix shapes with N = batch*ctx rows, f32 and bf16, of
     torch.mm and of ggtorch.ops.matmul (oneDNN for f32 on CPU, what ggtorch's layers run): the peak
     is the faster of the two, so ggtorch's fraction of it is not flattered by its own kernel."""
@@ -472,25 +484,168 @@ CHILDREN = {"ggtorch": child_ggtorch, "peer": child_peer, "gemm": child_gemm}
 
 def run_child(kind: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run one side in a fresh interpreter; its result JSON, or {"error": ...}."""
+    return run_sides({kind: spec}, timeout)[kind]
+
+
+def child_command(kind: str, spec: dict[str, Any], result_path: Path) -> list[str]:
+    """The command line of a child of this script that runs ``kind`` and writes its result JSON."""
+    return [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--spec", json.dumps(spec),
+            "--result", str(result_path)]
+
+
+def run_sides(specs: dict[str, dict[str, Any]], timeout: float,
+              command: Callable[[str, dict[str, Any], Path], list[str]] = child_command) -> dict[str, dict[str, Any]]:
+    """Run each side (a child kind and its spec) in its own fresh interpreter (``command``); each one's
+    result JSON, or {"error": ...}.
+
+    Two or more sides take turns (:func:`turn_order`): each child loads while the others wait, then the parent
+    lets one child run one step at a time, so every side's timed steps meet the same spells of the machine
+    (whose speed drifts by 10-25% within minutes) instead of the minutes a side after side run puts between
+    them. ``timeout``: seconds each side may keep the others waiting (its load, its steps, its end)."""
+    turns = len(specs) > 1
+    children: dict[str, _Child] = {}
+    failed: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="ggtorch-bench-") as tmp:
-        result_path = Path(tmp) / "result.json"
+        try:
+            for kind, spec in specs.items():  # one load at a time: a load is no step, but it is CPU work
+                children[kind] = _Child.start(command, kind, {**spec, "turns": turns}, Path(tmp) / kind, timeout)
+                if turns:
+                    _await_idle(children[kind], failed, kind)
+            if turns:
+                for kind in turn_order({k: s["warmup"] + s["steps"] for k, s in specs.items()}):
+                    if kind not in failed:
+                        children[kind].send("go")
+                        _await_idle(children[kind], failed, kind)
+            # released one at a time, the last started first: the peer ends at once, while ggtorch's child has
+            # its extra steps to time (dequantization, checkpointing), which must run alone too
+            results = {kind: children[kind].result() for kind in reversed(children)}
+            return {kind: results[kind] for kind in children}
+        finally:
+            for child in children.values():
+                child.kill()
+
+
+def turn_order(steps: dict[str, int]) -> list[str]:
+    """Which side runs each step when the sides take turns: the steps a side has beyond the fewest (its
+    longer warm-up) first, then one step of each side in turn, so that the sides' last steps, the timed
+    ones, alternate."""
+    fewest = min(steps.values())
+    extra = [side for side, n in steps.items() for _ in range(n - fewest)]
+    return extra + [side for _ in range(fewest) for side in steps]
+
+
+@dataclass
+class _Child:
+    """A side's child process: the protocol on its stdin/stdout (:class:`Turns`), its stderr in a file."""
+
+    proc: subprocess.Popen[str]
+    result_path: Path
+    errors_path: Path
+    t0: float
+    timeout: float
+    """Seconds the parent waits for this child in all."""
+    waited: float = 0.0
+    killed: bool = False
+
+    @classmethod
+    def start(cls, command: Callable[[str, dict[str, Any], Path], list[str]], kind: str, spec: dict[str, Any],
+              tmp: Path, timeout: float) -> _Child:
+        tmp.mkdir()
+        result_path, errors_path = tmp / "result.json", tmp / "stderr.txt"
         env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]),
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                    TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
         env = malloc_env(env, spec.get("malloc", "system"))
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--spec", json.dumps(spec),
-               "--result", str(result_path)]
-        t0 = time.perf_counter()
+        with errors_path.open("w") as errors:
+            proc = subprocess.Popen(command(kind, spec, result_path), env=env, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=errors, text=True)
+        return cls(proc, result_path, errors_path, time.perf_counter(), timeout)
+
+    def send(self, line: str) -> None:
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it has exited: its next line is end of file, and result() says why
+
+    def read_line(self) -> str | None:
+        """The child's next protocol line ('' at its end), or None when its time runs out first."""
+        assert self.proc.stdout is not None
+        t = time.monotonic()
+        ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, self.timeout - self.waited))
+        line = self.proc.stdout.readline() if ready else None
+        self.waited += time.monotonic() - t
+        return line
+
+    def result(self) -> dict[str, Any]:
+        """Let the child go on alone (its stdin closes), wait for it, and read what it wrote."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except OSError:
+            pass  # it has exited already
+        try:
+            code = self.proc.wait(timeout=max(0.0, self.timeout - self.waited))
         except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout:.0f} s"}
-        if proc.returncode != 0 or not result_path.exists():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            return {"error": f"exit {proc.returncode}: {' | '.join(tail)}"}
-        result = json.loads(result_path.read_text())
-        result["wall_s"] = time.perf_counter() - t0
+            self.kill()
+        if self.killed:
+            return {"error": f"timed out after {self.timeout:.0f} s"}
+        if code != 0 or not self.result_path.exists():
+            tail = self.errors_path.read_text(errors="replace").strip().splitlines()[-3:]
+            return {"error": f"exit {code}: {' | '.join(tail)}"}
+        result = json.loads(self.result_path.read_text())
+        result["wall_s"] = time.perf_counter() - self.t0
         return result
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+            self.killed = True
+
+
+def _await_idle(child: _Child, failed: set[str], kind: str) -> None:
+    """Wait until ``child`` reports it is idle; on its exit or when its time runs out, note the side as failed
+    (its turns are skipped, the others go on; its result says why) and stop a child that overran."""
+    line = child.read_line()
+    if line is None:
+        child.kill()
+    if line is None or line.strip() != "idle":
+        failed.add(kind)
+
+
+class Turns:
+    """A child's half of taking turns (:func:`run_sides`): it reports ``idle`` when it has loaded and after
+    each step, and waits for ``go`` before the next. The protocol has the process's stdout to itself (a
+    duplicate of it); file descriptor 1, which libraries print to, then points at stderr. Does nothing for a
+    child that runs alone."""
+
+    def __init__(self, on: bool) -> None:
+        self.out = None
+        if on:
+            self.out = os.fdopen(os.dup(1), "w")
+            os.dup2(2, 1)
+
+    def pause(self) -> None:
+        """Report idle, then wait for this side's turn."""
+        if self.out is not None:
+            self._idle()
+            if sys.stdin.readline().strip() != "go":
+                raise SystemExit("the benchmark stopped taking turns")
+
+    def end(self) -> None:
+        """Report idle for good (this side's steps in turn are done), then wait until the parent lets this
+        child go on alone (it closes stdin): the others' last steps are not to share the machine with
+        whatever this one does next."""
+        if self.out is not None:
+            self._idle()
+            sys.stdin.read()
+
+    def _idle(self) -> None:
+        assert self.out is not None
+        self.out.write("idle\n")
+        self.out.flush()
 
 
 def malloc_env(env: dict[str, str], malloc: str) -> dict[str, str]:
@@ -514,10 +669,12 @@ def malloc_env(env: dict[str, str], malloc: str) -> dict[str, str]:
 
 
 def child_main(kind: str, spec_json: str, result_path: str) -> None:
+    spec = json.loads(spec_json)
+    turns = Turns(spec.get("turns", False))  # first: nothing printed may reach the protocol
+
     from ggtorch.ops import malloc
 
-    spec = json.loads(spec_json)
-    result = CHILDREN[kind](spec)
+    result = CHILDREN[kind](spec, turns)
     result.setdefault("peak_rss", peak_rss_bytes())  # a child may report the peak of its timed part
     result["malloc"] = malloc.current()
     Path(result_path).write_text(json.dumps(result))
@@ -656,9 +813,10 @@ def main() -> None:
         measured = [side for side in sides if not (side == "peer" and case.peer_case in peer_runs)]
         if "peer" in sides and "peer" not in measured:
             runs["peer"] = list(peer_runs[case.peer_case])
-        for _ in range(case.repeat):  # sides alternate, so a slow spell of the machine hits both
+        for _ in range(case.repeat):  # the sides take turns step by step, so a slow spell hits both alike
+            results = run_sides({side: {**spec, "warmup": case.side_warmup(side)} for side in measured}, args.timeout)
             for side in measured:
-                runs[side].append(run_child(side, {**spec, "warmup": case.side_warmup(side)}, args.timeout))
+                runs[side].append(results[side])
         if "peer" in measured:
             peer_runs[case.peer_case] = runs["peer"]
         row["wall_s"] = time.perf_counter() - t - built
@@ -846,24 +1004,26 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "unused tokens) whose Q8_0 embedding is the output projection.",
         "Both sides train LoRA rank 4 (alpha 4) on q/k/v/o/gate/up/down with AdamW (lr 1e-3, weight decay 0.1, "
         "gradient clipping 1.0) on the same token stream, each side in its own process, both on the row's "
-        "allocator. ggtorch runs its `Trainer` (what `ggtorch finetune` runs) with the base kept as stored in the "
-        "GGUF (with bf16 compute, float matrices are held in bf16, as autocast would round them in every step); the "
-        "peer loads the GGUF with transformers (dequantized on load) and wraps it with peft. Compute bf16 means "
-        "bf16 autocast for ggtorch and a bf16 model for the peer. tok/s: median over the timed steps after each "
-        "side's warm-up: three steps for the peer, whose second and third steps run 20-40% slower than its later "
-        "ones, one for ggtorch, whose second step already runs at its later pace; on the system malloc, the 110M "
-        "rows without checkpointing run each side twice, alternating, and show each side's faster run (all runs are "
-        "listed below the table), on jemalloc once. By CPU time: the same ratio from each side's process CPU time "
-        "per step. RSS: peak resident set of the side's process (VmHWM). Load: model + LoRA setup. Before each row "
-        "the model file is read once, so both sides start from a warm page cache. GFLOP/s counts 4 × base matrix "
-        "parameters per token (forward + input gradient) against the best GEMM GFLOP/s over the model's matrix "
-        "shapes (rows = batch × ctx; a vocabulary wider than 32,000 words as a 32,000-column slab) of torch.mm and "
-        "oneDNN (`ggtorch.ops.matmul` with oneDNN forced), measured in the same run (for the 110M shape twice, "
-        "before the first row and after the last; the higher counts). Dequantization: every dequantization of one "
-        "more ggtorch step, timed call by call, over that step's time. Cases ending in ckpt run both sides with "
-        "gradient checkpointing; in keepN, ggtorch runs with `--keep-dequantized-mib N` (a forward keeps up to N "
-        "MiB of decoded matrices for its backward) against the peer runs of the same row without it (the peer has "
-        "no such option).",
+        "allocator. The two processes take turns: each loads while the other waits, then they run one step at a "
+        "time, the peer's extra warm-up steps first and then one step of each side in turn, so both sides' timed "
+        "steps meet the same spells of the machine, whose speed drifts by 10-25% within minutes. ggtorch runs its "
+        "`Trainer` (what `ggtorch finetune` runs) with the base kept as stored in the GGUF (with bf16 compute, "
+        "float matrices are held in bf16, as autocast would round them in every step); the peer loads the GGUF with "
+        "transformers (dequantized on load) and wraps it with peft. Compute bf16 means bf16 autocast for ggtorch "
+        "and a bf16 model for the peer. tok/s: median over the timed steps after each side's warm-up: three steps "
+        "for the peer, whose second and third steps run 20-40% slower than its later ones, one for ggtorch, whose "
+        "second step already runs at its later pace; on the system malloc, the 110M rows without checkpointing run "
+        "the pair of processes twice and show each side's faster run (all runs are listed below the table), on "
+        "jemalloc once. By CPU time: the same ratio from each side's process CPU time per step. RSS: peak resident "
+        "set of the side's process (VmHWM). Load: model + LoRA setup. Before each row the model file is read once, "
+        "so both sides start from a warm page cache. GFLOP/s counts 4 × base matrix parameters per token (forward + "
+        "input gradient) against the best GEMM GFLOP/s over the model's matrix shapes (rows = batch × ctx; a "
+        "vocabulary wider than 32,000 words as a 32,000-column slab) of torch.mm and oneDNN (`ggtorch.ops.matmul` "
+        "with oneDNN forced), measured in the same run (for the 110M shape twice, before the first row and after "
+        "the last; the higher counts). Dequantization: every dequantization of one more ggtorch step, timed call by "
+        "call, over that step's time. Cases ending in ckpt run both sides with gradient checkpointing; in keepN, "
+        "ggtorch runs with `--keep-dequantized-mib N` (a forward keeps up to N MiB of decoded matrices for its "
+        "backward) against the peer runs of the same row without it (the peer has no such option).",
         "",
     ]
     lines += ["## Headline", ""] + [f"- {h}" for h in headline(rows)] + [""]

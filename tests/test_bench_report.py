@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -234,6 +235,63 @@ def test_sections_of_other_commands_survive_a_rerun(bench: Any) -> None:
                 "## Data-parallel overhead (`python bench/bench_distributed.py`)\n\nold\n" + moe)
     assert bench.kept_sections(previous) == moe
     assert bench.kept_sections("# Benchmarks\n\n## Results\n") == ""
+
+
+TURN_CHILD = """
+import importlib.util, json, sys, time
+spec = importlib.util.spec_from_file_location("bench_vs_peft", sys.argv[1])
+bench = sys.modules["bench_vs_peft"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+case = json.loads(sys.argv[2])
+turns = bench.Turns(case["turns"])
+print("a library printing to stdout")  # must not reach the protocol
+spans = []
+for i in range(case["warmup"] + case["steps"]):
+    turns.pause()
+    if i == case.get("exit_after"):
+        sys.exit(3)
+    start = time.monotonic()
+    print("more of it")
+    time.sleep(0.05)
+    spans.append((start, time.monotonic()))
+turns.end()
+released = time.monotonic()
+json.dump({"spans": spans, "released": released}, open(sys.argv[3], "w"))
+"""
+
+
+def _turn_sides(bench: Any, specs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """run_sides over TURN_CHILD, a child that sleeps through each step and notes when (one clock for all
+    processes: CLOCK_MONOTONIC)."""
+    def command(kind: str, spec: dict[str, Any], result: Path) -> list[str]:
+        return [sys.executable, "-c", TURN_CHILD, str(ROOT / "bench" / "bench_vs_peft.py"), json.dumps(spec),
+                str(result)]
+
+    return bench.run_sides({k: {"threads": 1, **s} for k, s in specs.items()}, 60.0, command)
+
+
+def test_turn_order_runs_the_longer_warmup_first_then_one_step_each(bench: Any) -> None:
+    assert bench.turn_order({"ggtorch": 3, "peer": 5}) == ["peer", "peer", "ggtorch", "peer", "ggtorch", "peer",
+                                                           "ggtorch", "peer"]
+    assert bench.turn_order({"ggtorch": 2, "peer": 2}) == ["ggtorch", "peer", "ggtorch", "peer"]
+
+
+def test_sides_take_turns_one_step_at_a_time(bench: Any) -> None:
+    results = _turn_sides(bench, {"ggtorch": {"warmup": 1, "steps": 2}, "peer": {"warmup": 3, "steps": 2}})
+    assert all("error" not in r for r in results.values()), results
+    spans = sorted((start, end, side) for side, r in results.items() for start, end in r["spans"])
+    assert [side for _, _, side in spans] == bench.turn_order({"ggtorch": 3, "peer": 5})
+    for (_, end, _), (start, _, _) in zip(spans, spans[1:], strict=False):
+        assert end <= start  # no two steps at once
+    last_step = max(end for _, end, _ in spans)
+    assert all(r["released"] >= last_step for r in results.values())  # what follows the turns runs after all of them
+
+
+def test_a_side_that_fails_in_turn_reports_it_and_the_other_goes_on(bench: Any) -> None:
+    results = _turn_sides(bench, {"ggtorch": {"warmup": 1, "steps": 2, "exit_after": 1},
+                                  "peer": {"warmup": 1, "steps": 2}})
+    assert results["ggtorch"]["error"].startswith("exit 3")
+    assert len(results["peer"]["spans"]) == 3
 
 
 def test_moe_bench_takes_each_configurations_fastest_round_and_highest_rss() -> None:
