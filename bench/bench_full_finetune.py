@@ -15,13 +15,13 @@ llama.cpp trains one sequence of ``ctx`` tokens per optimizer step (n_batch = n_
 so K and V get gradients); ggtorch runs the same shape (batch 1, one step per sequence), f32.
 Each side trains every weight; the first steps (graph allocation / warm-up) are not timed.
 
-Both sides live in this one process, set up once, and run in alternating rounds (``--rounds``, 3): each
+Both sides live in this one process, set up once, and run in alternating rounds (``--rounds``, 5): each
 round ``warmup`` untimed steps, then ``steps`` timed ones. A round's figure is its tokens over the wall time
 of its timed steps; each round's median and slowest step are printed beside it, so a stall shows. Each side's
 figure is its fastest round: a slow spell of the machine (its speed drifts by 10-25% within minutes) then
 costs neither side its figure, as in bench_vs_peft.py's repeated rows.
 
-Usage: python bench/bench_full_finetune.py [--model M.gguf] [--ctx 256] [--steps 100] [--rounds 3]
+Usage: python bench/bench_full_finetune.py [--model M.gguf] [--ctx 256] [--steps 100] [--rounds 5]
        [--threads 2] [--quick]
 """
 
@@ -187,7 +187,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3, help="rounds per side, the sides alternating")
+    p.add_argument("--rounds", type=int, default=5, help="rounds per side, the sides alternating")
     p.add_argument("--quick", action="store_true", help="one round of 4 timed steps")
     args = p.parse_args()
     if args.quick:

@@ -128,6 +128,9 @@ class Case:
     """The allocator both sides run on: ``system`` (the C library's) or ``jemalloc``."""
     keep_mib: int = 0
     """ggtorch's --keep-dequantized-mib (0: the default, each quantized matrix decoded again in backward)."""
+    group: str = ""
+    """Rows next to each other with the same group run all their processes together, taking turns (the
+    110M f32 and bf16 rows: the bf16 row's ratio to the peer in f32 then compares steps that took turns)."""
 
     @property
     def peer_case(self) -> Case:
@@ -163,8 +166,8 @@ def full_cases(jemalloc: bool) -> list[Case]:
     rows = [
         # the 110M targets' rows: each side's best of two pairs of runs (a single run of the peer moved 13%
         # between two otherwise equal full runs)
-        replace(base, repeat=2),
-        replace(base, dtype="bf16", repeat=2),
+        replace(base, repeat=2, group="110M F32"),
+        replace(base, dtype="bf16", repeat=2, group="110M F32"),
         replace(base, ftype="Q4_0", repeat=2),
         replace(base, ftype="Q4_K_M", repeat=2),
         replace(base, checkpointing=True, steps=1),
@@ -180,6 +183,17 @@ def full_cases(jemalloc: bool) -> list[Case]:
         rows += [replace(c, malloc="jemalloc", repeat=1) for c in rows
                  if c.shape in ("110M", "gemma3-270M") and not c.checkpointing]
     return rows
+
+
+def together(cases: list[Case]) -> list[list[Case]]:
+    """``cases`` in runs of neighbours that share a :attr:`Case.group` (a case without one runs alone)."""
+    runs: list[list[Case]] = []
+    for case in cases:
+        if runs and case.group and runs[-1][-1].group == case.group:
+            runs[-1].append(case)
+        else:
+            runs.append([case])
+    return runs
 
 
 def quick_cases() -> list[Case]:
@@ -495,8 +509,8 @@ def child_command(kind: str, spec: dict[str, Any], result_path: Path) -> list[st
 
 def run_sides(specs: dict[str, dict[str, Any]], timeout: float,
               command: Callable[[str, dict[str, Any], Path], list[str]] = child_command) -> dict[str, dict[str, Any]]:
-    """Run each side (a child kind and its spec) in its own fresh interpreter (``command``); each one's
-    result JSON, or {"error": ...}.
+    """Run each side (a name and its spec, whose ``kind`` is the child's, by default the name) in its own
+    fresh interpreter (``command``); each one's result JSON, or {"error": ...}.
 
     Two or more sides take turns (:func:`turn_order`): each child loads while the others wait, then the parent
     lets one child run one step at a time, so every side's timed steps meet the same spells of the machine
@@ -507,19 +521,20 @@ def run_sides(specs: dict[str, dict[str, Any]], timeout: float,
     failed: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="ggtorch-bench-") as tmp:
         try:
-            for kind, spec in specs.items():  # one load at a time: a load is no step, but it is CPU work
-                children[kind] = _Child.start(command, kind, {**spec, "turns": turns}, Path(tmp) / kind, timeout)
+            for i, (name, spec) in enumerate(specs.items()):  # one load at a time: no step, but CPU work
+                kind = spec.get("kind", name)
+                children[name] = _Child.start(command, kind, {**spec, "turns": turns}, Path(tmp) / str(i), timeout)
                 if turns:
-                    _await_idle(children[kind], failed, kind)
+                    _await_idle(children[name], failed, name)
             if turns:
-                for kind in turn_order({k: s["warmup"] + s["steps"] for k, s in specs.items()}):
-                    if kind not in failed:
-                        children[kind].send("go")
-                        _await_idle(children[kind], failed, kind)
-            # released one at a time, the last started first: the peer ends at once, while ggtorch's child has
-            # its extra steps to time (dequantization, checkpointing), which must run alone too
-            results = {kind: children[kind].result() for kind in reversed(children)}
-            return {kind: results[kind] for kind in children}
+                for name in turn_order({n: s["warmup"] + s["steps"] for n, s in specs.items()}):
+                    if name not in failed:
+                        children[name].send("go")
+                        _await_idle(children[name], failed, name)
+            # released one at a time, the last started first: a peer ends at once, while a ggtorch child has its
+            # extra steps to time (dequantization, checkpointing), which must run alone too
+            results = {name: children[name].result() for name in reversed(children)}
+            return {name: results[name] for name in children}
         finally:
             for child in children.values():
                 child.kill()
@@ -605,14 +620,14 @@ class _Child:
             self.killed = True
 
 
-def _await_idle(child: _Child, failed: set[str], kind: str) -> None:
+def _await_idle(child: _Child, failed: set[str], name: str) -> None:
     """Wait until ``child`` reports it is idle; on its exit or when its time runs out, note the side as failed
     (its turns are skipped, the others go on; its result says why) and stop a child that overran."""
     line = child.read_line()
     if line is None:
         child.kill()
     if line is None or line.strip() != "idle":
-        failed.add(kind)
+        failed.add(name)
 
 
 class Turns:
@@ -787,46 +802,56 @@ def main() -> None:
     peer_runs: dict[Case, list[dict[str, Any]]] = {}  # by Case.peer_case: a keep row shares its twin's peer
     rows = []
     building = 0.0
-    for case in cases:
-        shape = SHAPES[case.shape]
+    for group in together(cases):
         t = time.perf_counter()
-        try:
-            path = model_file(args.workdir, shape, case.ftype)
-        except Exception as e:  # a disk or llama.cpp failure costs this case, not the whole run
-            print(f"{case.label}: cannot build the model file: {e}", flush=True)
-            err = {"error": f"model file: {e}"}
-            rows.append({"case": case, "gemm": {}, **{side: err for side in sides},
-                         **{f"{side}_tps": None for side in sides}})
-            continue
-        built = time.perf_counter() - t
+        built = 0.0
+        todo: list[tuple[Case, dict[str, Any], dict[str, Any], dict[str, list[dict[str, Any]]], list[str]]] = []
+        for case in group:
+            shape = SHAPES[case.shape]
+            t_build = time.perf_counter()
+            try:
+                path = model_file(args.workdir, shape, case.ftype)
+            except Exception as e:  # a disk or llama.cpp failure costs this case, not the whole run
+                print(f"{case.label}: cannot build the model file: {e}", flush=True)
+                err = {"error": f"model file: {e}"}
+                rows.append({"case": case, "gemm": {}, **{side: err for side in sides},
+                             **{f"{side}_tps": None for side in sides}})
+                continue
+            built += time.perf_counter() - t_build
+            if time.perf_counter() - t_build > 1:
+                print(f"  built {path.name} for {shape.name} in {time.perf_counter() - t_build:.0f} s", flush=True)
+            n_rows = case.batch * case.ctx
+            if (case.shape, n_rows) not in gemm:
+                gemm[(case.shape, n_rows)] = run_child("gemm", {"threads": args.threads, "rows": n_rows,
+                                                                "shapes": sorted(set(shape.matrices()))}, args.timeout)
+            spec = {"model": str(path), "text": str(text), "threads": args.threads, **asdict(case)}
+            read_into_page_cache(path)
+            row: dict[str, Any] = {"case": case, "gemm": gemm[(case.shape, n_rows)], "together": len(group)}
+            runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+            measured = [side for side in sides if not (side == "peer" and case.peer_case in peer_runs)]
+            if "peer" in sides and "peer" not in measured:
+                runs["peer"] = list(peer_runs[case.peer_case])
+            todo.append((case, spec, row, runs, measured))
         building += built
-        if built > 1:
-            print(f"  built {path.name} for {shape.name} in {built:.0f} s", flush=True)
-        n_rows = case.batch * case.ctx
-        if (case.shape, n_rows) not in gemm:
-            gemm[(case.shape, n_rows)] = run_child("gemm", {"threads": args.threads, "rows": n_rows,
-                                                            "shapes": sorted(set(shape.matrices()))}, args.timeout)
-        spec = {"model": str(path), "text": str(text), "threads": args.threads, **asdict(case)}
-        read_into_page_cache(path)
-        row: dict[str, Any] = {"case": case, "gemm": gemm[(case.shape, n_rows)]}
-        runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
-        measured = [side for side in sides if not (side == "peer" and case.peer_case in peer_runs)]
-        if "peer" in sides and "peer" not in measured:
-            runs["peer"] = list(peer_runs[case.peer_case])
-        for _ in range(case.repeat):  # the sides take turns step by step, so a slow spell hits both alike
-            results = run_sides({side: {**spec, "warmup": case.side_warmup(side)} for side in measured}, args.timeout)
-            for side in measured:
-                runs[side].append(results[side])
-        if "peer" in measured:
-            peer_runs[case.peer_case] = runs["peer"]
-        row["wall_s"] = time.perf_counter() - t - built
-        for side in sides:
-            row[side] = best_run(runs[side], case)
-            row[f"{side}_tps"] = tokens_per_second(row[side], case) if row[side] else None
-            row[f"{side}_cpu_tps"] = tokens_per_second(row[side], case, "cpu_s") if row[side] else None
-            row[f"{side}_all_tps"] = [tokens_per_second(r, case) for r in runs[side]]
-        rows.append(row)
-        print_row(row, sides)
+        for _ in range(max((case.repeat for case, *_ in todo), default=0)):
+            # every measured side of the group in its own process, all taking turns step by step (run_sides), so
+            # a slow spell of the machine hits them alike
+            results = run_sides({f"{side} {case.label}": {**spec, "kind": side, "warmup": case.side_warmup(side)}
+                                 for case, spec, _, _, measured in todo for side in measured}, args.timeout)
+            for case, _, _, runs, measured in todo:
+                for side in measured:
+                    runs[side].append(results[f"{side} {case.label}"])
+        for case, _, row, runs, measured in todo:
+            if "peer" in measured:
+                peer_runs[case.peer_case] = runs["peer"]
+            row["wall_s"] = time.perf_counter() - t - built
+            for side in sides:
+                row[side] = best_run(runs[side], case)
+                row[f"{side}_tps"] = tokens_per_second(row[side], case) if row[side] else None
+                row[f"{side}_cpu_tps"] = tokens_per_second(row[side], case, "cpu_s") if row[side] else None
+                row[f"{side}_all_tps"] = [tokens_per_second(r, case) for r in runs[side]]
+            rows.append(row)
+            print_row(row, sides)
     for (shape_name, n_rows), peak in gemm.items():  # once more at the end: one slow spell can't set the peak
         if args.quick or shape_name != "110M":  # the targets' shape; the 1.1B rows' shares are for information
             continue
@@ -910,8 +935,9 @@ def print_row(row: dict[str, Any], sides: list[str]) -> None:
         parts.append(f"{ggtorch_gflops(row):.0f} GFLOP/s = {share:.0%} of {peak(row):.0f} {case.dtype} GEMM")
     if dequant_share(row) is not None:
         parts.append(f"dequantization {dequant_share(row):.0%} of a step")
-    if row.get("wall_s"):
-        parts.append(f"[row {row['wall_s']:.0f} s]")  # where the full run's 15 minutes go
+    if row.get("wall_s"):  # where the full run's 15 minutes go
+        n = row.get("together", 1)
+        parts.append(f"[{n} rows together {row['wall_s']:.0f} s]" if n > 1 else f"[row {row['wall_s']:.0f} s]")
     print("  ".join(parts), flush=True)
 
 
@@ -1006,24 +1032,26 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "gradient clipping 1.0) on the same token stream, each side in its own process, both on the row's "
         "allocator. The two processes take turns: each loads while the other waits, then they run one step at a "
         "time, the peer's extra warm-up steps first and then one step of each side in turn, so both sides' timed "
-        "steps meet the same spells of the machine, whose speed drifts by 10-25% within minutes. ggtorch runs its "
-        "`Trainer` (what `ggtorch finetune` runs) with the base kept as stored in the GGUF (with bf16 compute, "
-        "float matrices are held in bf16, as autocast would round them in every step); the peer loads the GGUF with "
-        "transformers (dequantized on load) and wraps it with peft. Compute bf16 means bf16 autocast for ggtorch "
-        "and a bf16 model for the peer. tok/s: median over the timed steps after each side's warm-up: three steps "
-        "for the peer, whose second and third steps run 20-40% slower than its later ones, one for ggtorch, whose "
-        "second step already runs at its later pace; on the system malloc, the 110M rows without checkpointing run "
-        "the pair of processes twice and show each side's faster run (all runs are listed below the table), on "
-        "jemalloc once. By CPU time: the same ratio from each side's process CPU time per step. RSS: peak resident "
-        "set of the side's process (VmHWM). Load: model + LoRA setup. Before each row the model file is read once, "
-        "so both sides start from a warm page cache. GFLOP/s counts 4 × base matrix parameters per token (forward + "
-        "input gradient) against the best GEMM GFLOP/s over the model's matrix shapes (rows = batch × ctx; a "
-        "vocabulary wider than 32,000 words as a 32,000-column slab) of torch.mm and oneDNN (`ggtorch.ops.matmul` "
-        "with oneDNN forced), measured in the same run (for the 110M shape twice, before the first row and after "
-        "the last; the higher counts). Dequantization: every dequantization of one more ggtorch step, timed call by "
-        "call, over that step's time. Cases ending in ckpt run both sides with gradient checkpointing; in keepN, "
-        "ggtorch runs with `--keep-dequantized-mib N` (a forward keeps up to N MiB of decoded matrices for its "
-        "backward) against the peer runs of the same row without it (the peer has no such option).",
+        "steps meet the same spells of the machine, whose speed drifts by 10-25% within minutes. The 110M f32 and "
+        "bf16 rows run their four processes together, taking turns the same way, so that the bf16 row's ratio to "
+        "the peer in f32 compares steps that took turns too. ggtorch runs its `Trainer` (what `ggtorch finetune` "
+        "runs) with the base kept as stored in the GGUF (with bf16 compute, float matrices are held in bf16, as "
+        "autocast would round them in every step); the peer loads the GGUF with transformers (dequantized on load) "
+        "and wraps it with peft. Compute bf16 means bf16 autocast for ggtorch and a bf16 model for the peer. tok/s: "
+        "median over the timed steps after each side's warm-up: three steps for the peer, whose second and third "
+        "steps run 20-40% slower than its later ones, one for ggtorch, whose second step already runs at its later "
+        "pace; on the system malloc, the 110M rows without checkpointing run the pair of processes twice and show "
+        "each side's faster run (all runs are listed below the table), on jemalloc once. By CPU time: the same "
+        "ratio from each side's process CPU time per step. RSS: peak resident set of the side's process (VmHWM). "
+        "Load: model + LoRA setup. Before each row the model file is read once, so both sides start from a warm "
+        "page cache. GFLOP/s counts 4 × base matrix parameters per token (forward + input gradient) against the "
+        "best GEMM GFLOP/s over the model's matrix shapes (rows = batch × ctx; a vocabulary wider than 32,000 words "
+        "as a 32,000-column slab) of torch.mm and oneDNN (`ggtorch.ops.matmul` with oneDNN forced), measured in the "
+        "same run (for the 110M shape twice, before the first row and after the last; the higher counts). "
+        "Dequantization: every dequantization of one more ggtorch step, timed call by call, over that step's time. "
+        "Cases ending in ckpt run both sides with gradient checkpointing; in keepN, ggtorch runs with "
+        "`--keep-dequantized-mib N` (a forward keeps up to N MiB of decoded matrices for its backward) against the "
+        "peer runs of the same row without it (the peer has no such option).",
         "",
     ]
     lines += ["## Headline", ""] + [f"- {h}" for h in headline(rows)] + [""]

@@ -276,6 +276,17 @@ def test_turn_order_runs_the_longer_warmup_first_then_one_step_each(bench: Any) 
     assert bench.turn_order({"ggtorch": 2, "peer": 2}) == ["ggtorch", "peer", "ggtorch", "peer"]
 
 
+def test_rows_of_a_group_run_together_and_the_others_alone(bench: Any) -> None:
+    cases = bench.full_cases(jemalloc=True)
+    groups = bench.together(cases)
+    assert [c for g in groups for c in g] == cases
+    pairs = [g for g in groups if len(g) > 1]
+    # the 110M f32 and bf16 rows, on each allocator: the bf16 row's ratio to the peer in f32 takes turns too
+    assert [[(c.dtype, c.malloc) for c in g] for g in pairs] == [[("f32", "system"), ("bf16", "system")],
+                                                                [("f32", "jemalloc"), ("bf16", "jemalloc")]]
+    assert all(c.shape == "110M" and c.ftype == "F32" and not c.checkpointing for g in pairs for c in g)
+
+
 def test_sides_take_turns_one_step_at_a_time(bench: Any) -> None:
     results = _turn_sides(bench, {"ggtorch": {"warmup": 1, "steps": 2}, "peer": {"warmup": 3, "steps": 2}})
     assert all("error" not in r for r in results.values()), results
