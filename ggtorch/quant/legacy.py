@@ -26,10 +26,10 @@ def _nibbles_flat(qs: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Mirrors dequantize_row_q4_0: block = d (f16), qs[16]; y = (q - 8) * d."""
+    """Mirrors dequantize_row_q4_0: block = d (f16), qs[16]; y = (q - 8) * d. The nibbles widen to f32 as
+    unsigned bytes, which torch converts faster on CPU than int8, and lose their 8 there (exact in f32)."""
     d, qs = split(blocks, [2])
-    q = (_nibbles_flat(qs) - 8).view(torch.int8)  # uint8 wraps, int8 reads it back as q - 8
-    return _scaled(q, f16(d))
+    return _nibbles_flat(qs).to(torch.float32).sub_(8).mul_(f16(d))
 
 
 def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
