@@ -817,9 +817,10 @@ def main() -> None:
                 rows.append({"case": case, "gemm": {}, **{side: err for side in sides},
                              **{f"{side}_tps": None for side in sides}})
                 continue
-            built += time.perf_counter() - t_build
-            if time.perf_counter() - t_build > 1:
-                print(f"  built {path.name} for {shape.name} in {time.perf_counter() - t_build:.0f} s", flush=True)
+            took = time.perf_counter() - t_build
+            built += took
+            if took > 1:
+                print(f"  built {path.name} for {shape.name} in {took:.0f} s", flush=True)
             n_rows = case.batch * case.ctx
             if (case.shape, n_rows) not in gemm:
                 gemm[(case.shape, n_rows)] = run_child("gemm", {"threads": args.threads, "rows": n_rows,
@@ -853,7 +854,7 @@ def main() -> None:
             rows.append(row)
             print_row(row, sides)
     for (shape_name, n_rows), peak in gemm.items():  # once more at the end: one slow spell can't set the peak
-        if args.quick or shape_name != "110M":  # the targets' shape; the 1.1B rows' shares are for information
+        if args.quick:
             continue
         again = run_child("gemm", {"threads": args.threads, "rows": n_rows,
                                    "shapes": sorted(set(SHAPES[shape_name].matrices()))}, args.timeout)
@@ -1047,7 +1048,7 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "page cache. GFLOP/s counts 4 × base matrix parameters per token (forward + input gradient) against the "
         "best GEMM GFLOP/s over the model's matrix shapes (rows = batch × ctx; a vocabulary wider than 32,000 words "
         "as a 32,000-column slab) of torch.mm and oneDNN (`ggtorch.ops.matmul` with oneDNN forced), measured in the "
-        "same run (for the 110M shape twice, before the first row and after the last; the higher counts). "
+        "same run (twice per shape, before its first row and after the last row; the higher counts). "
         "Dequantization: every dequantization of one more ggtorch step, timed call by call, over that step's time. "
         "Cases ending in ckpt run both sides with gradient checkpointing; in keepN, ggtorch runs with "
         "`--keep-dequantized-mib N` (a forward keeps up to N MiB of decoded matrices for its backward) against the "
