@@ -524,13 +524,14 @@ def run_sides(specs: dict[str, dict[str, Any]], timeout: float,
             for i, (name, spec) in enumerate(specs.items()):  # one load at a time: no step, but CPU work
                 kind = spec.get("kind", name)
                 children[name] = _Child.start(command, kind, {**spec, "turns": turns}, Path(tmp) / str(i), timeout)
-                if turns:
-                    _await_idle(children[name], failed, name)
+                if turns and not _reports_idle(children[name]):
+                    failed.add(name)
             if turns:
                 for name in turn_order({n: s["warmup"] + s["steps"] for n, s in specs.items()}):
                     if name not in failed:
                         children[name].send("go")
-                        _await_idle(children[name], failed, name)
+                        if not _reports_idle(children[name]):
+                            failed.add(name)
             # released one at a time, the last started first: a peer ends at once, while a ggtorch child has its
             # extra steps to time (dequantization, checkpointing), which must run alone too
             results = {name: children[name].result() for name in reversed(children)}
@@ -620,14 +621,13 @@ class _Child:
             self.killed = True
 
 
-def _await_idle(child: _Child, failed: set[str], name: str) -> None:
-    """Wait until ``child`` reports it is idle; on its exit or when its time runs out, note the side as failed
-    (its turns are skipped, the others go on; its result says why) and stop a child that overran."""
+def _reports_idle(child: _Child) -> bool:
+    """Wait until ``child`` reports it is idle; False when it exits or its time runs out first (its turns are
+    then skipped, the others go on, and its result says why), stopping a child that overran."""
     line = child.read_line()
     if line is None:
         child.kill()
-    if line is None or line.strip() != "idle":
-        failed.add(name)
+    return line is not None and line.strip() == "idle"
 
 
 class Turns:
@@ -805,7 +805,7 @@ def main() -> None:
     for group in together(cases):
         t = time.perf_counter()
         built = 0.0
-        todo: list[tuple[Case, dict[str, Any], dict[str, Any], dict[str, list[dict[str, Any]]], list[str]]] = []
+        pending: list[_Pending] = []
         for case in group:
             shape = SHAPES[case.shape]
             t_build = time.perf_counter()
@@ -827,25 +827,26 @@ def main() -> None:
                                                                 "shapes": sorted(set(shape.matrices()))}, args.timeout)
             spec = {"model": str(path), "text": str(text), "threads": args.threads, **asdict(case)}
             read_into_page_cache(path)
-            row: dict[str, Any] = {"case": case, "gemm": gemm[(case.shape, n_rows)], "together": len(group)}
-            runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
             measured = [side for side in sides if not (side == "peer" and case.peer_case in peer_runs)]
+            runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
             if "peer" in sides and "peer" not in measured:
                 runs["peer"] = list(peer_runs[case.peer_case])
-            todo.append((case, spec, row, runs, measured))
+            pending.append(_Pending(case, spec, {"case": case, "gemm": gemm[(case.shape, n_rows)]}, measured, runs))
         building += built
-        for _ in range(max((case.repeat for case, *_ in todo), default=0)):
+        for _ in range(max((p.case.repeat for p in pending), default=0)):
             # every measured side of the group in its own process, all taking turns step by step (run_sides), so
             # a slow spell of the machine hits them alike
-            results = run_sides({f"{side} {case.label}": {**spec, "kind": side, "warmup": case.side_warmup(side)}
-                                 for case, spec, _, _, measured in todo for side in measured}, args.timeout)
-            for case, _, _, runs, measured in todo:
-                for side in measured:
-                    runs[side].append(results[f"{side} {case.label}"])
-        for case, _, row, runs, measured in todo:
-            if "peer" in measured:
+            results = run_sides({p.side_name(side): {**p.spec, "kind": side, "warmup": p.case.side_warmup(side)}
+                                 for p in pending for side in p.measured}, args.timeout)
+            for p in pending:
+                for side in p.measured:
+                    p.runs[side].append(results[p.side_name(side)])
+        for p in pending:
+            case, row, runs = p.case, p.row, p.runs
+            if "peer" in p.measured:
                 peer_runs[case.peer_case] = runs["peer"]
             row["wall_s"] = time.perf_counter() - t - built
+            row["together"] = len(pending)
             for side in sides:
                 row[side] = best_run(runs[side], case)
                 row[f"{side}_tps"] = tokens_per_second(row[side], case) if row[side] else None
@@ -866,6 +867,23 @@ def main() -> None:
     kept = kept_sections(args.out.read_text(encoding="utf-8")) if args.out.exists() else ""
     args.out.write_text(report(rows, sides, info, args, total, full) + distributed + kept)
     print(f"wrote {args.out}", flush=True)
+
+
+@dataclass
+class _Pending:
+    """A row being measured: its case, the spec its children get, the row the report reads, and each side's
+    runs so far (the peer's taken from its twin when it is not measured again)."""
+
+    case: Case
+    spec: dict[str, Any]
+    row: dict[str, Any]
+    measured: list[str]
+    """The sides this row runs children for."""
+    runs: dict[str, list[dict[str, Any]]]
+
+    def side_name(self, side: str) -> str:
+        """The side's name among all the children of its group (run_sides)."""
+        return f"{side} {self.case.label}"
 
 
 KEPT_COMMANDS = ("bench/bench_moe.py",)
