@@ -886,7 +886,7 @@ class _Pending:
         return f"{side} {self.case.label}"
 
 
-KEPT_COMMANDS = ("bench/bench_moe.py",)
+KEPT_COMMANDS = ("bench/bench_moe.py", "bench/bench_step_profile.py")
 """Benchmarks whose sections of BENCHMARKS.md another command writes: a rerun of this one keeps them."""
 
 

@@ -1,0 +1,317 @@
+"""Where a ggtorch LoRA step's time goes: every aten op of a few training steps timed and sorted by kind.
+
+Not a test. For rows of ``bench/bench_vs_peft.py`` (same model files, same ``Trainer`` config), this runs the
+steps under a dispatch mode that times every aten op, forward, backward and optimizer alike, and sorts them
+into kinds: the matrix products of the base and output matrices (their GFLOP/s counted from the operands'
+shapes and set against the GEMM peak, measured here as bench_vs_peft.py measures it), LoRA's low-rank
+products, attention's batched products, dequantization (every op inside a decode), softmax and exp, casts and
+copies, views, the optimizer, and the elementwise rest. On CPU an op runs before it returns, so the wall time
+around it is its cost; on CUDA the mode synchronizes around every op (slow, but each op's own time).
+
+Plain steps and steps under the mode alternate: the ops' total is set beside the median plain step, and what a
+plain step spends outside the ops (Python, the autograd engine) is the difference. The GEMM peak is measured just
+before a case's steps; the machine's speed drifts by 10-25% within minutes, so a product's share of it above 100%
+says that the steps met a faster spell than the peak did.
+
+    python bench/bench_step_profile.py --threads 2            # the headline rows; writes its BENCHMARKS.md section
+    python bench/bench_step_profile.py --cases "110M F32 bf16 b4x256" --out ""   # print only
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vs_peft import (  # noqa: E402  (this folder's sibling)
+    ROOT,
+    SHAPES,
+    TEXT,
+    TEXT_BYTES,
+    Case,
+    Turns,
+    child_gemm,
+    finetune_config,
+    full_cases,
+    machine,
+    model_file,
+    read_into_page_cache,
+)
+
+HEADING = "## Where a step's time goes (`python bench/bench_step_profile.py"
+DEFAULT_CASES = ("110M F32 f32 b4x256", "110M F32 bf16 b4x256", "1.1B Q4_0 f32 b1x256")
+
+LOW_RANK = 16
+"""A product with a dimension under this is a low-rank one (LoRA's A and B at the ranks people train with)."""
+
+PRODUCTS = {"mm", "addmm", "addmm_", "_linear_pointwise", "bmm", "baddbmm", "baddbmm_"}
+SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax", "_softmax_backward_data", "exp", "exp_", "amax",
+           "logsumexp"}
+COPIES = {"_to_copy", "copy_", "clone", "_copy_from"}
+
+KINDS = ("matrix products", "low-rank products", "attention products", "dequantization", "softmax, exp, max",
+         "casts and copies", "elementwise and reductions", "optimizer", "views")
+"""Every kind an op is counted in, in the order the table shows them."""
+
+
+def product_dims(name: str, shapes: Sequence[tuple[int, ...]]) -> tuple[int, int, int, int] | None:
+    """(batch, M, K, N) of a matrix product op from its tensor operands' shapes, or None for any other op.
+
+    ``mm(a, b)``; ``addmm(c, a, b)`` and ``addmm_``; oneDNN's ``_linear_pointwise(x, w, ...)``, which is
+    ``x @ w.T`` over x's leading dims; ``bmm(a, b)``; ``baddbmm(c, a, b)``."""
+    if name not in PRODUCTS:
+        return None
+    if name == "_linear_pointwise":
+        x, w = shapes[0], shapes[1]
+        return 1, _prod(x[:-1]), x[-1], w[0]
+    a, b = (shapes[1], shapes[2]) if name.startswith(("addmm", "baddbmm")) else (shapes[0], shapes[1])
+    if name.startswith(("bmm", "baddbmm")):
+        return a[0], a[1], a[2], b[2]
+    return 1, a[0], a[1], b[1]
+
+
+def _prod(dims: Sequence[int]) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def op_kind(name: str, is_view: bool, dims: tuple[int, int, int, int] | None, decoding: bool) -> str:
+    """The kind (one of :data:`KINDS`) an aten op's time is counted in."""
+    if decoding:
+        return "dequantization"
+    if dims is not None:
+        if name.startswith(("bmm", "baddbmm")):
+            return "attention products"
+        return "low-rank products" if min(dims[1:]) < LOW_RANK else "matrix products"
+    if is_view:
+        return "views"
+    if name.startswith(("_foreach", "_fused_adam")):
+        return "optimizer"
+    if name in SOFTMAX:
+        return "softmax, exp, max"
+    if name in COPIES:
+        return "casts and copies"
+    return "elementwise and reductions"
+
+
+@dataclass
+class Tally:
+    """Seconds and product FLOPs per kind, and seconds per (op, operand shapes)."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    flops: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    ops: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+    calls: int = 0
+
+
+class OpTimer(TorchDispatchMode):
+    """Times every aten op run while it is active into a :class:`Tally`; ``decoding`` > 0 marks the ops of a
+    dequantization (see :func:`marking_dequantization`)."""
+
+    def __init__(self, tally: Tally, device: torch.device) -> None:
+        super().__init__()
+        self.tally, self.decoding = tally, 0
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        self.sync()
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.sync()
+        seconds = time.perf_counter() - start
+        name = func.overloadpacket.__name__
+        shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+        dims = product_dims(name, shapes)
+        kind = op_kind(name, func.is_view, dims, self.decoding > 0)
+        self.tally.seconds[kind] += seconds
+        if dims is not None:
+            self.tally.flops[kind] += 2.0 * _prod(dims)
+        self.tally.ops[(kind, f"{name} {shapes[:3]}")] += seconds
+        self.tally.calls += 1
+        return out
+
+
+@contextmanager
+def marking_dequantization(timer: OpTimer) -> Iterator[None]:
+    """Inside, every dequantization the training path makes (the modules bench_vs_peft.timing_dequantization
+    wraps) counts its ops as dequantization."""
+    from ggtorch.quant import autograd, modules
+    from ggtorch.training import loss
+
+    saved = {m: m.dequantize for m in (autograd, modules, loss)}
+
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        timer.decoding += 1
+        try:
+            return saved[autograd](*args, **kwargs)
+        finally:
+            timer.decoding -= 1
+
+    for m in saved:
+        m.dequantize = marked
+    try:
+        yield
+    finally:
+        for m, fn in saved.items():
+            m.dequantize = fn
+
+
+@dataclass
+class Profile:
+    """One case's steps, by kind."""
+
+    case: str
+    """The bench_vs_peft.py row's label."""
+    step_s: float
+    """Median seconds of a plain step (no mode)."""
+    ops_s: dict[str, float]
+    """Seconds per step by kind."""
+    gflops: dict[str, float | None]
+    """GFLOP/s of each kind of product within the steps."""
+    peak: float | None
+    """The GEMM peak (GFLOP/s) of the case's compute dtype, measured here."""
+    useful_share: float | None
+    """4 × base matrix parameters per token / the plain step / the peak: bench_vs_peft's share of the peak."""
+    top: list[tuple[str, str, float]]
+    """The costliest ops beside the matrix products: (kind, op and operand shapes, seconds per step)."""
+
+
+def profile_trainer(trainer: Any, steps: int) -> tuple[float, Tally]:
+    """The median of ``steps`` plain steps of ``trainer``, and the :class:`Tally` of as many under
+    :class:`OpTimer`, the two kinds alternating so that both meet the same spells of the machine."""
+    plain = []
+    tally = Tally()
+    timer = OpTimer(tally, trainer.device)
+    for _ in range(steps):
+        plain.append(trainer.step().seconds)
+        with marking_dequantization(timer), timer:
+            trainer.step()
+    return statistics.median(plain), tally
+
+
+def profile_case(case: Case, workdir: Path, threads: int, steps: int) -> Profile:
+    """Build or reuse the case's model file, measure the GEMM peak, then profile a Trainer on the case."""
+    from ggtorch.ops import matmul
+    from ggtorch.training.trainer import Trainer
+
+    shape = SHAPES[case.shape]
+    path = model_file(workdir, shape, case.ftype)
+    text = workdir / "train.txt"
+    if not text.exists():
+        text.write_bytes(TEXT.read_bytes()[:TEXT_BYTES])
+    read_into_page_cache(path)
+    rows = case.batch * case.ctx
+    routing = matmul.ONEDNN_F32
+    try:  # child_gemm forces oneDNN for its own column; the Trainer must then route as ggtorch does here
+        peak = child_gemm({"threads": threads, "rows": rows, "shapes": sorted(set(shape.matrices()))}, Turns(False))
+    finally:
+        matmul.ONEDNN_F32 = routing
+    torch.set_num_threads(threads)
+    spec = {"model": str(path), "text": str(text), "threads": threads, **asdict(case), "warmup": 2, "steps": 4 * steps}
+    trainer = Trainer(finetune_config(spec), log_records=False)
+    for _ in range(2):
+        trainer.step()
+    plain, tally = profile_trainer(trainer, steps)
+    trainer.close()
+    ops_s = {kind: s / steps for kind, s in tally.seconds.items()}
+    gflops = {kind: tally.flops[kind] / tally.seconds[kind] / 1e9 if tally.flops[kind] and tally.seconds[kind] else None
+              for kind in KINDS}
+    best = peak.get(case.dtype)
+    useful = shape.flops_per_token() * rows / plain / 1e9
+    top = [(kind, op, s / steps) for (kind, op), s in tally.ops.most_common() if kind != "matrix products"][:6]
+    return Profile(case.label, plain, ops_s, gflops, best, useful / best if best else None, top)
+
+
+def table(p: Profile) -> str:
+    """The profile of one case as markdown."""
+    total = sum(p.ops_s.values())
+    lines = [f"### {p.case}", "",
+             f"A plain step {p.step_s:.3f} s; its ops {total:.3f} s under the timer, so {p.step_s - total:+.3f} s of "
+             "a plain step is outside them (Python, the autograd engine; negative: the timer's own cost)."
+             + (f" The step's useful work (4 × base matrix parameters per token) runs at {p.useful_share:.0%} of the "
+                f"GEMM peak, {p.peak:.0f} GFLOP/s." if p.useful_share and p.peak else ""), "",
+             "| kind | ms per step | share of the ops | GFLOP/s (share of the peak) |", "|---|---:|---:|---:|"]
+    for kind in KINDS:
+        seconds = p.ops_s[kind]
+        if seconds < 5e-4:
+            continue
+        gf = p.gflops[kind]
+        rate = "" if gf is None else f"{gf:.0f}" + (f" ({gf / p.peak:.0%})" if p.peak else "")
+        lines.append(f"| {kind} | {seconds * 1e3:.0f} | {seconds / total:.0%} | {rate} |")
+    lines += ["", "Costliest ops beside the matrix products (ms per step): "
+              + "; ".join(f"{op} {s * 1e3:.0f} ({kind})" for kind, op, s in p.top) + ".", ""]
+    return "\n".join(lines)
+
+
+def section(profiles: list[Profile], command: str, threads: int) -> str:
+    """The report's section: the machine, how it was measured, and each case's table."""
+    info = machine()
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    load = "" if info["load"] is None else f" (load {info['load']:.2f})"
+    head = (f"{HEADING.split('(')[0]}(`{command}`)\n\n"
+            f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, {threads} threads, {now}{load}. Every aten "
+            "op of the steps is timed by a dispatch mode and counted by kind (the script's docstring says how): matrix "
+            "products are the base's and the output's, low-rank ones LoRA's, attention products its batched ones; "
+            "GFLOP/s counts each product's multiply-adds from its operands' shapes, against the GEMM peak measured "
+            "just before the case's steps (the machine's speed drifts by 10-25% within minutes: above 100%, the steps "
+            "met a faster spell than the peak).\n\n")
+    return head + "\n".join(table(p) for p in profiles)
+
+
+def replace_section(report: str, new: str) -> str:
+    """``report`` with its section under :data:`HEADING` replaced by ``new`` (added at the end if absent)."""
+    parts = re.split(r"(?m)^(?=## )", report)
+    kept = [s for s in parts if not s.startswith(HEADING)]
+    return "".join(kept).rstrip() + "\n\n" + new.rstrip() + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(DEFAULT_CASES), help="comma list of bench_vs_peft.py row labels")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--steps", type=int, default=3, help="steps timed plainly, then as many under the timer")
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "ggtorch-bench-vs-peft",
+                    help="bench_vs_peft.py's model cache")
+    ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"),
+                    help="the report whose section to rewrite ('' to print only)")
+    args = ap.parse_args()
+    by_label = {c.label: c for c in full_cases(False)}
+    wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in wanted if c not in by_label]
+    if unknown or args.steps < 1:
+        ap.error(f"unknown case {unknown[0]!r}; one of: {', '.join(by_label)}" if unknown else "--steps must be >= 1")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    profiles = []
+    for label in wanted:
+        p = profile_case(by_label[label], args.workdir, args.threads, args.steps)
+        print(table(p), flush=True)
+        profiles.append(p)
+    if args.out:
+        command = f"python bench/bench_step_profile.py --threads {args.threads}"
+        if wanted != list(DEFAULT_CASES):
+            command += f' --cases "{",".join(wanted)}"'
+        out = Path(args.out)
+        out.write_text(replace_section(out.read_text(encoding="utf-8") if out.exists() else "",
+                                       section(profiles, command, args.threads)))
+        print(f"wrote its section of {out}")
+
+
+if __name__ == "__main__":
+    main()

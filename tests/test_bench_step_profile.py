@@ -1,0 +1,118 @@
+"""bench/bench_step_profile.py counts a real step's products in full and in the right kind.
+
+The profile is only worth reading if every op lands in one kind and the product FLOPs it reports
+are the step's: checked here on stories260K's LoRA step against the matrix work counted from the
+model's own layers, and on a quantized base, where every decode's ops must count as dequantization.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_bench_report import _bench_module
+
+
+@pytest.fixture(scope="module")
+def profile() -> Any:
+    _bench_module("bench_vs_peft")  # the module the profile imports its helpers from, by that name
+    return _bench_module("bench_step_profile")
+
+
+def test_product_dims_follow_each_ops_operands(profile: Any) -> None:
+    assert profile.product_dims("mm", [(8, 3), (3, 5)]) == (1, 8, 3, 5)
+    assert profile.product_dims("addmm_", [(8, 5), (8, 4), (4, 5)]) == (1, 8, 4, 5)
+    # oneDNN's x @ w.T over x's leading dims
+    assert profile.product_dims("_linear_pointwise", [(2, 6, 3), (7, 3)]) == (1, 12, 3, 7)
+    assert profile.product_dims("bmm", [(4, 8, 3), (4, 3, 5)]) == (4, 8, 3, 5)
+    assert profile.product_dims("baddbmm_", [(4, 8, 5), (4, 8, 3), (4, 3, 5)]) == (4, 8, 3, 5)
+    assert profile.product_dims("add", [(8, 3), (8, 3)]) is None
+
+
+def test_op_kinds(profile: Any) -> None:
+    kind = profile.op_kind
+    assert kind("mm", False, (1, 1024, 768, 2048), False) == "matrix products"
+    assert kind("mm", False, (1, 1024, 768, 4), False) == "low-rank products"
+    assert kind("bmm", False, (48, 128, 64, 256), False) == "attention products"
+    assert kind("mm", False, (1, 1024, 768, 2048), True) == "dequantization"  # inside a decode: its op
+    assert kind("transpose", True, None, False) == "views"
+    assert kind("_fused_adamw_", False, None, False) == "optimizer"
+    assert kind("_to_copy", False, None, False) == "casts and copies"
+    assert kind("exp_", False, None, False) == kind("softmax", False, None, False) == "softmax, exp, max"
+    assert kind("silu", False, None, False) == "elementwise and reductions"
+
+
+def _trainer(model: Path, shared: Path, tmp_path: Path) -> Any:
+    from bench_vs_peft import finetune_config
+
+    from ggtorch.training.trainer import Trainer
+
+    spec = {"model": str(model), "text": str(shared / "data" / "tinyshakespeare.txt"), "ctx": 64, "batch": 2,
+            "threads": 1, "warmup": 1, "steps": 4, "checkpointing": False, "dtype": "f32"}
+    return Trainer(finetune_config(spec), log_records=False)
+
+
+def _matrices(trainer: Any) -> list[tuple[str, int, int]]:
+    """(name, out, in) of every base matrix a token passes through, from the model's own modules."""
+    from ggtorch.lora.layers import LoRALinear
+
+    out = []
+    for name, module in trainer.model.named_modules():
+        if isinstance(module, LoRALinear):
+            base = module.base
+            o, i = base.shape if hasattr(base, "shape") else tuple(base.weight.shape)
+            out.append((name, o, i))
+    return out
+
+
+def _matrix_flops(trainer: Any, tokens: int) -> float:
+    """The base's and output's product FLOPs of one LoRA step, counted from the model's own layers: every
+    matrix once forward and once for its input's gradient (the output matrix by the fused loss's slabs), except
+    the first block's q, k and v, whose input (the embedding's normed rows) nothing trainable precedes."""
+    layers = _matrices(trainer)
+    config = trainer.model.config
+    assert len(layers) == 7 * config.n_layer
+    first = sum(o * i for name, o, i in layers if name in ("layers.0.attn.q", "layers.0.attn.k", "layers.0.attn.v"))
+    every = sum(o * i for _, o, i in layers) + config.n_vocab * config.n_embd
+    return 2.0 * tokens * (2 * every - first)
+
+
+def test_a_lora_step_s_products_are_all_counted(profile: Any, stories260k: Path, shared: Path, tmp_path: Path) -> None:
+    trainer = _trainer(stories260k, shared, tmp_path)
+    trainer.step()
+    _, tally = profile.profile_trainer(trainer, 1)
+    assert tally.flops["matrix products"] == _matrix_flops(trainer, 2 * 64)
+    assert tally.flops["low-rank products"] > 0 and tally.flops["attention products"] > 0
+    assert tally.seconds["dequantization"] == 0.0  # an F32 base decodes nothing
+    assert sum(tally.seconds.values()) == pytest.approx(sum(tally.ops.values()))
+
+
+def test_a_quantized_base_s_decodes_are_dequantization(profile: Any, stories_q8: Path, shared: Path,
+                                                       tmp_path: Path) -> None:
+    trainer = _trainer(stories_q8, shared, tmp_path)
+    trainer.step()
+    _, tally = profile.profile_trainer(trainer, 1)
+    assert tally.seconds["dequantization"] > 0
+    # the products of the decoded matrices are the same work as an F32 base's, and none runs inside a decode
+    assert tally.flops["matrix products"] == _matrix_flops(trainer, 2 * 64)
+    assert tally.flops["dequantization"] == 0.0
+
+
+def test_the_section_replaces_its_own_only(profile: Any) -> None:
+    report = "# Benchmarks\n\n## Results\n\nrows\n\n" + profile.HEADING + " --threads 2`)\n\nold\n\n## Mixture\n\nmoe\n"
+    new = profile.HEADING + " --threads 1`)\n\nnew\n"
+    out = profile.replace_section(report, new)
+    assert "old" not in out and out.count(profile.HEADING) == 1 and out.endswith("new\n")
+    assert "## Results\n\nrows" in out and "## Mixture\n\nmoe" in out
+    assert profile.replace_section("# Benchmarks\n", new).startswith("# Benchmarks\n\n" + profile.HEADING)
+
+
+def test_bench_vs_peft_keeps_the_section_when_it_rewrites_the_report(profile: Any) -> None:
+    import bench_vs_peft
+
+    section = profile.section([], "python bench/bench_step_profile.py --threads 2", 2)
+    report = "# Benchmarks\n\n## Results\n\nrows\n\n" + section
+    kept = bench_vs_peft.kept_sections(report)
+    assert kept.strip() == section.strip() and "rows" not in kept
