@@ -12,6 +12,7 @@ with the file's name, never a numpy or struct error from deep inside.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import struct
@@ -58,7 +59,7 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return int(math.prod(self.shape))
 
     def raw(self) -> torch.Tensor:
         """The raw bytes as a CPU uint8 tensor sharing memory with the file mapping."""
@@ -329,8 +330,8 @@ def whole_blocks(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> boo
 def raw_nbytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
     """Bytes a tensor of this type and torch-order shape occupies (rows of whole blocks)."""
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    n = int(np.prod(shape, dtype=np.int64))
-    return n // block_size * type_size
+    # math.prod, not numpy's: this runs for every decoded chunk, where numpy's fixed cost per call adds up
+    return int(math.prod(shape)) // block_size * type_size
 
 
 def check_raw(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, ...],
