@@ -9,9 +9,9 @@ copies, views, the optimizer, and the elementwise rest. On CPU an op runs before
 around it is its cost; on CUDA the mode synchronizes around every op (slow, but each op's own time).
 
 Plain steps and steps under the mode alternate: the ops' total is set beside the median plain step, and what a
-plain step spends outside the ops (Python, the autograd engine) is the difference. The GEMM peak is measured just
-before a case's steps; the machine's speed drifts by 10-25% within minutes, so a product's share of it above 100%
-says that the steps met a faster spell than the peak did.
+plain step spends outside the ops (Python, the autograd engine) is the difference. The GEMM peak is measured before and
+after a case's steps, the higher counting; the machine's speed drifts by 10-25% within minutes, so a product's share
+of it above 100% says that the steps met a faster spell than both measurements of the peak did.
 
     python bench/bench_step_profile.py --threads 2            # the headline rows; writes its BENCHMARKS.md section
     python bench/bench_step_profile.py --cases "110M F32 bf16 b4x256" --out ""   # print only
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import math
 import os
 import re
 import statistics
@@ -48,6 +49,7 @@ from bench_vs_peft import (  # noqa: E402  (this folder's sibling)
     child_gemm,
     finetune_config,
     full_cases,
+    keep_faster,
     machine,
     model_file,
     read_into_page_cache,
@@ -78,18 +80,11 @@ def product_dims(name: str, shapes: Sequence[tuple[int, ...]]) -> tuple[int, int
         return None
     if name == "_linear_pointwise":
         x, w = shapes[0], shapes[1]
-        return 1, _prod(x[:-1]), x[-1], w[0]
+        return 1, math.prod(x[:-1]), x[-1], w[0]
     a, b = (shapes[1], shapes[2]) if name.startswith(("addmm", "baddbmm")) else (shapes[0], shapes[1])
     if name.startswith(("bmm", "baddbmm")):
         return a[0], a[1], a[2], b[2]
     return 1, a[0], a[1], b[1]
-
-
-def _prod(dims: Sequence[int]) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n
 
 
 def op_kind(name: str, is_view: bool, dims: tuple[int, int, int, int] | None, decoding: bool) -> str:
@@ -113,7 +108,7 @@ def op_kind(name: str, is_view: bool, dims: tuple[int, int, int, int] | None, de
 
 @dataclass
 class Tally:
-    """Seconds and product FLOPs per kind, and seconds per (op, operand shapes)."""
+    """Seconds and product FLOPs per kind, seconds per (op, operand shapes), and the ops counted."""
 
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     flops: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
@@ -142,7 +137,7 @@ class OpTimer(TorchDispatchMode):
         kind = op_kind(name, func.is_view, dims, self.decoding > 0)
         self.tally.seconds[kind] += seconds
         if dims is not None:
-            self.tally.flops[kind] += 2.0 * _prod(dims)
+            self.tally.flops[kind] += 2.0 * math.prod(dims)
         self.tally.ops[(kind, f"{name} {shapes[:3]}")] += seconds
         self.tally.calls += 1
         return out
@@ -181,6 +176,8 @@ class Profile:
     """The bench_vs_peft.py row's label."""
     step_s: float
     """Median seconds of a plain step (no mode)."""
+    ops_per_step: float
+    """aten ops a step runs."""
     ops_s: dict[str, float]
     """Seconds per step by kind."""
     gflops: dict[str, float | None]
@@ -218,32 +215,38 @@ def profile_case(case: Case, workdir: Path, threads: int, steps: int) -> Profile
         text.write_bytes(TEXT.read_bytes()[:TEXT_BYTES])
     read_into_page_cache(path)
     rows = case.batch * case.ctx
-    routing = matmul.ONEDNN_F32
-    try:  # child_gemm forces oneDNN for its own column; the Trainer must then route as ggtorch does here
-        peak = child_gemm({"threads": threads, "rows": rows, "shapes": sorted(set(shape.matrices()))}, Turns(False))
-    finally:
-        matmul.ONEDNN_F32 = routing
-    torch.set_num_threads(threads)
+
+    def gemm_peak() -> dict[str, Any]:
+        routing = matmul.ONEDNN_F32
+        try:  # child_gemm forces oneDNN for its own column; the Trainer must then route as ggtorch does here
+            return child_gemm({"threads": threads, "rows": rows, "shapes": sorted(set(shape.matrices()))}, Turns(False))
+        finally:
+            matmul.ONEDNN_F32 = routing
+            torch.set_num_threads(threads)
+
+    peak = gemm_peak()
     spec = {"model": str(path), "text": str(text), "threads": threads, **asdict(case), "warmup": 2, "steps": 4 * steps}
     trainer = Trainer(finetune_config(spec), log_records=False)
     for _ in range(2):
         trainer.step()
     plain, tally = profile_trainer(trainer, steps)
     trainer.close()
+    keep_faster(peak, gemm_peak())  # measured before and after the steps, the higher counting, as bench_vs_peft.py does
     ops_s = {kind: s / steps for kind, s in tally.seconds.items()}
     gflops = {kind: tally.flops[kind] / tally.seconds[kind] / 1e9 if tally.flops[kind] and tally.seconds[kind] else None
               for kind in KINDS}
     best = peak.get(case.dtype)
     useful = shape.flops_per_token() * rows / plain / 1e9
     top = [(kind, op, s / steps) for (kind, op), s in tally.ops.most_common() if kind != "matrix products"][:6]
-    return Profile(case.label, plain, ops_s, gflops, best, useful / best if best else None, top)
+    return Profile(case.label, plain, tally.calls / steps, ops_s, gflops, best, useful / best if best else None, top)
 
 
 def table(p: Profile) -> str:
     """The profile of one case as markdown."""
     total = sum(p.ops_s.values())
     lines = [f"### {p.case}", "",
-             f"A plain step {p.step_s:.3f} s; its ops {total:.3f} s under the timer, so {p.step_s - total:+.3f} s of "
+             f"A plain step {p.step_s:.3f} s; its {p.ops_per_step:.0f} ops {total:.3f} s under the timer, so "
+             f"{p.step_s - total:+.3f} s of "
              "a plain step is outside them (Python, the autograd engine; negative: the timer's own cost)."
              + (f" The step's useful work (4 × base matrix parameters per token) runs at {p.useful_share:.0%} of the "
                 f"GEMM peak, {p.peak:.0f} GFLOP/s." if p.useful_share and p.peak else ""), "",
@@ -270,8 +273,8 @@ def section(profiles: list[Profile], command: str, threads: int) -> str:
             "op of the steps is timed by a dispatch mode and counted by kind (the script's docstring says how): matrix "
             "products are the base's and the output's, low-rank ones LoRA's, attention products its batched ones; "
             "GFLOP/s counts each product's multiply-adds from its operands' shapes, against the GEMM peak measured "
-            "just before the case's steps (the machine's speed drifts by 10-25% within minutes: above 100%, the steps "
-            "met a faster spell than the peak).\n\n")
+            "before and after the case's steps (the machine's speed drifts by 10-25% within minutes: above 100%, the "
+            "steps met a faster spell than the peak).\n\n")
     return head + "\n".join(table(p) for p in profiles)
 
 
