@@ -9,9 +9,10 @@ copies, views, the optimizer, and the elementwise rest. On CPU an op runs before
 around it is its cost; on CUDA the mode synchronizes around every op (slow, but each op's own time).
 
 Plain steps and steps under the mode alternate: the ops' total is set beside the median plain step, and what a
-plain step spends outside the ops (Python, the autograd engine) is the difference. The GEMM peak is measured before and
-after a case's steps, the higher counting; the machine's speed drifts by 10-25% within minutes, so a product's share
-of it above 100% says that the steps met a faster spell than both measurements of the peak did.
+plain step spends outside the ops (Python code, each call's way from Python into torch before the op starts, the
+autograd engine) is the difference. The GEMM peak is measured before and after a case's steps, the higher counting;
+the machine's speed drifts by 10-25% within minutes, so a product's share of it above 100% says that the steps met a
+faster spell than both measurements of the peak did.
 
     python bench/bench_step_profile.py --threads 2            # the headline rows; writes its BENCHMARKS.md section
     python bench/bench_step_profile.py --cases "110M F32 bf16 b4x256" --out ""   # print only
@@ -247,7 +248,8 @@ def table(p: Profile) -> str:
     lines = [f"### {p.case}", "",
              f"A plain step {p.step_s:.3f} s; its {p.ops_per_step:.0f} ops {total:.3f} s under the timer, so "
              f"{p.step_s - total:+.3f} s of "
-             "a plain step is outside them (Python, the autograd engine; negative: the timer's own cost)."
+             "a plain step is outside them (Python: the callers, each call's way into torch, the autograd engine; "
+             "negative: the timer's own cost)."
              + (f" The step's useful work (4 × base matrix parameters per token) runs at {p.useful_share:.0%} of the "
                 f"GEMM peak, {p.peak:.0f} GFLOP/s." if p.useful_share and p.peak else ""), "",
              "| kind | ms per step | share of the ops | GFLOP/s (share of the peak) |", "|---|---:|---:|---:|"]
