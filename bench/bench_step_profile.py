@@ -10,9 +10,10 @@ around it is its cost; on CUDA the mode synchronizes around every op (slow, but 
 
 Plain steps and steps under the mode alternate: the ops' total is set beside the median plain step, and what a
 plain step spends outside the ops (Python code, each call's way from Python into torch before the op starts, the
-autograd engine) is the difference. The GEMM peak is measured before and after a case's steps, the higher counting;
-the machine's speed drifts by 10-25% within minutes, so a product's share of it above 100% says that the steps met a
-faster spell than both measurements of the peak did.
+autograd engine) is the difference, as uncertain as the plain steps' spread, which the report gives. The GEMM peak
+is measured before and after a case's steps, the higher counting; the machine's speed drifts by 10-25% within
+minutes, so a product's share of it above 100% says that the steps met a faster spell than both measurements of the
+peak did.
 
     python bench/bench_step_profile.py --threads 2            # the headline rows; writes its BENCHMARKS.md section
     python bench/bench_step_profile.py --cases "110M F32 bf16 b4x256" --out ""   # print only
@@ -177,6 +178,8 @@ class Profile:
     """The bench_vs_peft.py row's label."""
     step_s: float
     """Median seconds of a plain step (no mode)."""
+    step_range: tuple[float, float]
+    """The fastest and slowest plain step: the spread that the time outside the ops is read against."""
     ops_per_step: float
     """aten ops a step runs."""
     ops_s: dict[str, float]
@@ -191,8 +194,8 @@ class Profile:
     """The costliest ops beside the matrix products: (kind, op and operand shapes, seconds per step)."""
 
 
-def profile_trainer(trainer: Any, steps: int) -> tuple[float, Tally]:
-    """The median of ``steps`` plain steps of ``trainer``, and the :class:`Tally` of as many under
+def profile_trainer(trainer: Any, steps: int) -> tuple[list[float], Tally]:
+    """The seconds of ``steps`` plain steps of ``trainer``, and the :class:`Tally` of as many under
     :class:`OpTimer`, the two kinds alternating so that both meet the same spells of the machine."""
     plain = []
     tally = Tally()
@@ -201,7 +204,7 @@ def profile_trainer(trainer: Any, steps: int) -> tuple[float, Tally]:
         plain.append(trainer.step().seconds)
         with marking_dequantization(timer), timer:
             trainer.step()
-    return statistics.median(plain), tally
+    return plain, tally
 
 
 def profile_case(case: Case, workdir: Path, threads: int, steps: int) -> Profile:
@@ -230,7 +233,8 @@ def profile_case(case: Case, workdir: Path, threads: int, steps: int) -> Profile
     trainer = Trainer(finetune_config(spec), log_records=False)
     for _ in range(2):
         trainer.step()
-    plain, tally = profile_trainer(trainer, steps)
+    plain_steps, tally = profile_trainer(trainer, steps)
+    plain = statistics.median(plain_steps)
     trainer.close()
     keep_faster(peak, gemm_peak())  # measured before and after the steps, the higher counting, as bench_vs_peft.py does
     ops_s = {kind: s / steps for kind, s in tally.seconds.items()}
@@ -239,17 +243,19 @@ def profile_case(case: Case, workdir: Path, threads: int, steps: int) -> Profile
     best = peak.get(case.dtype)
     useful = shape.flops_per_token() * rows / plain / 1e9
     top = [(kind, op, s / steps) for (kind, op), s in tally.ops.most_common() if kind != "matrix products"][:6]
-    return Profile(case.label, plain, tally.calls / steps, ops_s, gflops, best, useful / best if best else None, top)
+    return Profile(case.label, plain, (min(plain_steps), max(plain_steps)), tally.calls / steps, ops_s, gflops, best,
+                   useful / best if best else None, top)
 
 
 def table(p: Profile) -> str:
     """The profile of one case as markdown."""
     total = sum(p.ops_s.values())
     lines = [f"### {p.case}", "",
-             f"A plain step {p.step_s:.3f} s; its {p.ops_per_step:.0f} ops {total:.3f} s under the timer, so "
+             f"A plain step {p.step_s:.3f} s ({p.step_range[0]:.3f}-{p.step_range[1]:.3f}); its {p.ops_per_step:.0f} "
+             f"ops {total:.3f} s under the timer, so "
              f"{p.step_s - total:+.3f} s of "
              "a plain step is outside them (Python: the callers, each call's way into torch, the autograd engine; "
-             "negative: the timer's own cost)."
+             "a difference of two measurements, as uncertain as the plain steps' spread)."
              + (f" The step's useful work (4 × base matrix parameters per token) runs at {p.useful_share:.0%} of the "
                 f"GEMM peak, {p.peak:.0f} GFLOP/s." if p.useful_share and p.peak else ""), "",
              "| kind | ms per step | share of the ops | GFLOP/s (share of the peak) |", "|---|---:|---:|---:|"]
