@@ -31,7 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,8 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_peft import (  # noqa: E402  (this folder's sibling)
     ROOT,
     SHAPES,
-    TEXT,
-    TEXT_BYTES,
     Case,
     Turns,
     child_gemm,
@@ -55,10 +53,14 @@ from bench_vs_peft import (  # noqa: E402  (this folder's sibling)
     machine,
     model_file,
     read_into_page_cache,
+    training_text,
+    wrapping_dequantization,
 )
 
 HEADING = "## Where a step's time goes (`python bench/bench_step_profile.py"
 DEFAULT_CASES = ("110M F32 f32 b4x256", "110M F32 bf16 b4x256", "1.1B Q4_0 f32 b1x256")
+WARMUP = 2
+"""Untimed steps before a case's plain and timed ones."""
 
 LOW_RANK = 16
 """A product with a dimension under this is a low-rank one (LoRA's A and B at the ranks people train with)."""
@@ -147,27 +149,20 @@ class OpTimer(TorchDispatchMode):
 
 @contextmanager
 def marking_dequantization(timer: OpTimer) -> Iterator[None]:
-    """Inside, every dequantization the training path makes (the modules bench_vs_peft.timing_dequantization
-    wraps) counts its ops as dequantization."""
-    from ggtorch.quant import autograd, modules
-    from ggtorch.training import loss
+    """Inside, every dequantization the training path makes counts its ops as dequantization."""
 
-    saved = {m: m.dequantize for m in (autograd, modules, loss)}
+    def marking(dequantize: Callable[..., Any]) -> Callable[..., Any]:
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            timer.decoding += 1
+            try:
+                return dequantize(*args, **kwargs)
+            finally:
+                timer.decoding -= 1
 
-    def marked(*args: Any, **kwargs: Any) -> Any:
-        timer.decoding += 1
-        try:
-            return saved[autograd](*args, **kwargs)
-        finally:
-            timer.decoding -= 1
+        return marked
 
-    for m in saved:
-        m.dequantize = marked
-    try:
+    with wrapping_dequantization(marking):
         yield
-    finally:
-        for m, fn in saved.items():
-            m.dequantize = fn
 
 
 @dataclass
@@ -209,34 +204,26 @@ def profile_trainer(trainer: Any, steps: int) -> tuple[list[float], Tally]:
 
 def profile_case(case: Case, workdir: Path, threads: int, steps: int) -> Profile:
     """Build or reuse the case's model file, measure the GEMM peak, then profile a Trainer on the case."""
-    from ggtorch.ops import matmul
     from ggtorch.training.trainer import Trainer
 
     shape = SHAPES[case.shape]
     path = model_file(workdir, shape, case.ftype)
-    text = workdir / "train.txt"
-    if not text.exists():
-        text.write_bytes(TEXT.read_bytes()[:TEXT_BYTES])
+    text = training_text(workdir)
     read_into_page_cache(path)
     rows = case.batch * case.ctx
-
-    def gemm_peak() -> dict[str, Any]:
-        routing = matmul.ONEDNN_F32
-        try:  # child_gemm forces oneDNN for its own column; the Trainer must then route as ggtorch does here
-            return child_gemm({"threads": threads, "rows": rows, "shapes": sorted(set(shape.matrices()))}, Turns(False))
-        finally:
-            matmul.ONEDNN_F32 = routing
-            torch.set_num_threads(threads)
-
-    peak = gemm_peak()
-    spec = {"model": str(path), "text": str(text), "threads": threads, **asdict(case), "warmup": 2, "steps": 4 * steps}
+    gemm = {"threads": threads, "rows": rows, "shapes": sorted(set(shape.matrices()))}
+    peak = child_gemm(gemm, Turns(False))  # sets torch's threads, as the Trainer will
+    # the warm-up, then the plain and the timed steps: the run's whole length, for its learning-rate schedule
+    spec = {"model": str(path), "text": str(text), "threads": threads, **asdict(case), "warmup": WARMUP,
+            "steps": 2 * steps}
     trainer = Trainer(finetune_config(spec), log_records=False)
-    for _ in range(2):
+    for _ in range(WARMUP):
         trainer.step()
     plain_steps, tally = profile_trainer(trainer, steps)
     plain = statistics.median(plain_steps)
     trainer.close()
-    keep_faster(peak, gemm_peak())  # measured before and after the steps, the higher counting, as bench_vs_peft.py does
+    # measured before and after the steps, the higher counting, as bench_vs_peft.py does
+    keep_faster(peak, child_gemm(gemm, Turns(False)))
     ops_s = {kind: s / steps for kind, s in tally.seconds.items()}
     gflops = {kind: tally.flops[kind] / tally.seconds[kind] / 1e9 if tally.flops[kind] and tally.seconds[kind] else None
               for kind in KINDS}
@@ -252,10 +239,9 @@ def table(p: Profile) -> str:
     total = sum(p.ops_s.values())
     lines = [f"### {p.case}", "",
              f"A plain step {p.step_s:.3f} s ({p.step_range[0]:.3f}-{p.step_range[1]:.3f}); its {p.ops_per_step:.0f} "
-             f"ops {total:.3f} s under the timer, so "
-             f"{p.step_s - total:+.3f} s of "
-             "a plain step is outside them (Python: the callers, each call's way into torch, the autograd engine; "
-             "a difference of two measurements, as uncertain as the plain steps' spread)."
+             f"ops {total:.3f} s under the timer, so {p.step_s - total:+.3f} s of a plain step is outside them "
+             "(Python: the callers, each call's way into torch, the autograd engine; a difference of two "
+             "measurements, as uncertain as the plain steps' spread)."
              + (f" The step's useful work (4 × base matrix parameters per token) runs at {p.useful_share:.0%} of the "
                 f"GEMM peak, {p.peak:.0f} GFLOP/s." if p.useful_share and p.peak else ""), "",
              "| kind | ms per step | share of the ops | GFLOP/s (share of the peak) |", "|---|---:|---:|---:|"]

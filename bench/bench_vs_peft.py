@@ -272,6 +272,14 @@ def padded_vocab(workdir: Path, n_vocab: int) -> Path:
     return path
 
 
+def training_text(workdir: Path) -> Path:
+    """The text both sides train on, the first :data:`TEXT_BYTES` of Shakespeare, written once into ``workdir``."""
+    text = workdir / "train.txt"
+    if not text.exists():
+        text.write_bytes(TEXT.read_bytes()[:TEXT_BYTES])
+    return text
+
+
 def read_into_page_cache(path: Path) -> None:
     """Read ``path`` once, so every side starts from a warm page cache. This VM evicts idle file
     pages within minutes, and the side that runs first would otherwise fault a cold file in
@@ -355,29 +363,40 @@ def child_ggtorch(spec: dict[str, Any], turns: Turns) -> dict[str, Any]:
 
 
 @contextmanager
-def timing_dequantization() -> Iterator[list[float]]:
-    """Time every dequantization the training path makes (the quantized products, the quantized
-    embedding's rows, the fused loss's output matrix) while the block runs: the list it yields gets
-    each call's seconds. CPU work is synchronous, so wall time around the call is its cost."""
+def wrapping_dequantization(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """While the block runs, every dequantization the training path makes (the quantized products, the
+    quantized embedding's rows, the fused loss's output matrix) goes through ``wrap(dequantize)``."""
     from ggtorch.quant import autograd, modules
     from ggtorch.training import loss
 
-    seconds: list[float] = []
     saved = {m: m.dequantize for m in (autograd, modules, loss)}
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
-        result = saved[autograd](*args, **kwargs)
-        seconds.append(time.perf_counter() - t)
-        return result
-
+    wrapped = wrap(saved[autograd])
     for m in saved:
-        m.dequantize = timed
+        m.dequantize = wrapped
     try:
-        yield seconds
+        yield
     finally:
         for m, fn in saved.items():
             m.dequantize = fn
+
+
+@contextmanager
+def timing_dequantization() -> Iterator[list[float]]:
+    """Time every dequantization the training path makes while the block runs: the list it yields gets
+    each call's seconds. CPU work is synchronous, so wall time around the call is its cost."""
+    seconds: list[float] = []
+
+    def timing(dequantize: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            result = dequantize(*args, **kwargs)
+            seconds.append(time.perf_counter() - t)
+            return result
+
+        return timed
+
+    with wrapping_dequantization(timing):
+        yield seconds
 
 
 def alternate(steps: dict[str, Callable[[], float]], cold: str, rounds: int = 2) -> dict[str, list[float]]:
@@ -471,25 +490,29 @@ def child_gemm(spec: dict[str, Any], turns: Turns) -> dict[str, Any]:
     from ggtorch.ops import matmul
 
     torch.set_num_threads(spec["threads"])
-    matmul.ONEDNN_F32 = True  # the oneDNN column measures oneDNN, whichever ggtorch picks on this CPU
     n = spec["rows"]
     out: dict[str, Any] = {}
     kernels = {"torch.mm": torch.mm, "ggtorch.ops.matmul": matmul.mm}
-    for name, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
-        per_shape: dict[str, float] = {}
-        per_kernel = dict.fromkeys(kernels, 0.0)
-        for o, i in sorted({(min(o, GEMM_MAX_OUT), i) for o, i in spec["shapes"]}):
-            x = torch.randn(n, i, dtype=dtype)
-            w = torch.randn(i, o, dtype=dtype)
-            flops = 2.0 * n * i * o
-            reps = max(2, min(20, int(2e9 / flops)))
-            for kernel, fn in kernels.items():
-                gflops = flops / best_time(partial(fn, x, w), reps) / 1e9  # a peak: the fastest repetition
-                per_shape[f"{kernel} {n}x{i}x{o}"] = gflops
-                per_kernel[kernel] = max(per_kernel[kernel], gflops)
-        out[name] = max(per_kernel.values())
-        out[f"{name}_kernels"] = per_kernel
-        out[f"{name}_shapes"] = per_shape
+    routing = matmul.ONEDNN_F32
+    matmul.ONEDNN_F32 = True  # the oneDNN column measures oneDNN, whichever ggtorch picks on this CPU
+    try:
+        for name, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+            per_shape: dict[str, float] = {}
+            per_kernel = dict.fromkeys(kernels, 0.0)
+            for o, i in sorted({(min(o, GEMM_MAX_OUT), i) for o, i in spec["shapes"]}):
+                x = torch.randn(n, i, dtype=dtype)
+                w = torch.randn(i, o, dtype=dtype)
+                flops = 2.0 * n * i * o
+                reps = max(2, min(20, int(2e9 / flops)))
+                for kernel, fn in kernels.items():
+                    gflops = flops / best_time(partial(fn, x, w), reps) / 1e9  # a peak: the fastest repetition
+                    per_shape[f"{kernel} {n}x{i}x{o}"] = gflops
+                    per_kernel[kernel] = max(per_kernel[kernel], gflops)
+            out[name] = max(per_kernel.values())
+            out[f"{name}_kernels"] = per_kernel
+            out[f"{name}_shapes"] = per_shape
+    finally:
+        matmul.ONEDNN_F32 = routing  # a caller in this process (bench_step_profile.py) trains as ggtorch routes
     return out
 
 
@@ -790,9 +813,7 @@ def main() -> None:
         cases = [c for c in cases if any(w in c.label for w in wanted)]
     sides = [s for s in args.sides.split(",") if s]
     args.workdir.mkdir(parents=True, exist_ok=True)
-    text = args.workdir / "train.txt"
-    if not text.exists():
-        text.write_bytes(TEXT.read_bytes()[:TEXT_BYTES])
+    text = training_text(args.workdir)
     info = machine()
     info["jemalloc"] = jemalloc
     print(f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.threads} threads, "
