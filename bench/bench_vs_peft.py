@@ -19,7 +19,7 @@ is the median over the timed optimizer steps after each side's warm-up: three st
 one for ggtorch (``GGTORCH_WARMUP``).
 ``f32``/``bf16`` is the compute dtype: ggtorch runs bf16 autocast over its base; the peer runs its
 model in bf16 (what a transformers user does), and the ggtorch bf16 rows are also compared with the
-peer in f32.
+peer in f32 (gemma3-270M's bf16 row only with it: ``vs peer f32``).
 
 GFLOP/s counts the useful matmul work of a LoRA step, 4 × (parameters of the base's matrices)
 per token (forward plus input gradient; attention, LoRA and recomputation are not counted), and
@@ -128,6 +128,9 @@ class Case:
     """The allocator both sides run on: ``system`` (the C library's) or ``jemalloc``."""
     keep_mib: int = 0
     """ggtorch's --keep-dequantized-mib (0: the default, each quantized matrix decoded again in backward)."""
+    peer_dtype: str = ""
+    """The peer's compute dtype when it is not :attr:`dtype` (gemma3-270M's bf16 row runs against the peer in
+    f32 of the row before it, whose runs it shares: :attr:`peer_case`)."""
     group: str = ""
     """Rows next to each other with the same group run all their processes together, taking turns (the
     110M f32 and bf16 rows: the bf16 row's ratio to the peer in f32 then compares steps that took turns)."""
@@ -135,8 +138,9 @@ class Case:
     @property
     def peer_case(self) -> Case:
         """The case whose peer runs measure this one: the peer has no --keep-dequantized-mib, so a keep
-        row shares the peer of the same row without it instead of measuring the same work again."""
-        return replace(self, keep_mib=0)
+        row shares the peer of the same row without it instead of measuring the same work again; a row
+        with a :attr:`peer_dtype` shares the peer of the row in that dtype."""
+        return replace(self, keep_mib=0, dtype=self.peer_dtype or self.dtype, peer_dtype="")
 
     def side_warmup(self, side: str) -> int:
         """Warm-up steps of ``side`` in this case."""
@@ -146,7 +150,8 @@ class Case:
     def label(self) -> str:
         ck = " ckpt" if self.checkpointing else ""
         keep = f" keep{self.keep_mib}" if self.keep_mib else ""
-        return f"{self.shape} {self.ftype} {self.dtype} b{self.batch}x{self.ctx}{ck}{keep}"
+        peer = f" vs peer {self.peer_dtype}" if self.peer_dtype else ""
+        return f"{self.shape} {self.ftype} {self.dtype} b{self.batch}x{self.ctx}{ck}{keep}{peer}"
 
 
 GGTORCH_WARMUP = 1
@@ -177,7 +182,11 @@ def full_cases(jemalloc: bool) -> list[Case]:
         # not a target: what --keep-dequantized-mib buys (one decode per matrix and step) and costs (memory),
         # against the peer runs of the row above (Case.peer_case)
         replace(base, shape="1.1B", ftype="Q4_0", batch=1, steps=2, keep_mib=KEEP_MIB),
-        replace(base, shape="gemma3-270M", ftype="Q8_0"),
+        # gemma3-270M: three processes taking turns, ggtorch in f32 and in bf16 against the peer in f32. Not the
+        # peer in bf16 too: with four such processes resident, the peer in f32 ran 26% slower (83 tok/s against
+        # 112 alone), which would flatter ggtorch.
+        replace(base, shape="gemma3-270M", ftype="Q8_0", group="gemma3-270M"),
+        replace(base, shape="gemma3-270M", ftype="Q8_0", dtype="bf16", peer_dtype="f32", group="gemma3-270M"),
     ]
     if jemalloc:  # one run per side, to keep the second pairing short
         rows += [replace(c, malloc="jemalloc", repeat=1) for c in rows
@@ -848,17 +857,14 @@ def main() -> None:
                                                                 "shapes": sorted(set(shape.matrices()))}, args.timeout)
             spec = {"model": str(path), "text": str(text), "threads": args.threads, **asdict(case)}
             read_into_page_cache(path)
-            measured = [side for side in sides if not (side == "peer" and case.peer_case in peer_runs)]
-            runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
-            if "peer" in sides and "peer" not in measured:
-                runs["peer"] = list(peer_runs[case.peer_case])
-            pending.append(_Pending(case, spec, {"case": case, "gemm": gemm[(case.shape, n_rows)]}, measured, runs))
+            pending.append(plan(case, spec, {"case": case, "gemm": gemm[(case.shape, n_rows)]}, sides, pending,
+                                peer_runs))
         building += built
         for _ in range(max((p.case.repeat for p in pending), default=0)):
             # every measured side of the group in its own process, all taking turns step by step (run_sides), so
             # a slow spell of the machine hits them alike
-            results = run_sides({p.side_name(side): {**p.spec, "kind": side, "warmup": p.case.side_warmup(side)}
-                                 for p in pending for side in p.measured}, args.timeout)
+            results = run_sides({p.side_name(side): p.side_spec(side) for p in pending for side in p.measured},
+                                args.timeout)
             for p in pending:
                 for side in p.measured:
                     p.runs[side].append(results[p.side_name(side)])
@@ -906,6 +912,25 @@ class _Pending:
         """The side's name among all the children of its group (run_sides)."""
         return f"{side} {self.case.label}"
 
+    def side_spec(self, side: str) -> dict[str, Any]:
+        """What the side's child gets: the case (for the peer, its :attr:`Case.peer_case`), its kind and warm-up."""
+        case = self.case.peer_case if side == "peer" else self.case
+        return {**self.spec, **asdict(case), "kind": side, "warmup": case.side_warmup(side)}
+
+
+def plan(case: Case, spec: dict[str, Any], row: dict[str, Any], sides: list[str], group: list[_Pending],
+         peer_runs: dict[Case, list[dict[str, Any]]]) -> _Pending:
+    """``case`` ready to run beside the ``group`` planned so far. Its peer is not measured again when an earlier
+    group measured its :attr:`Case.peer_case` (``peer_runs``) or a row of this group does: then it shares
+    that row's list of runs, which fills as the group runs."""
+    twin = next((p for p in group if p.case.peer_case == case.peer_case and "peer" in p.measured), None)
+    shared = "peer" in sides and (case.peer_case in peer_runs or twin is not None)
+    measured = [side for side in sides if not (side == "peer" and shared)]
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+    if shared:
+        runs["peer"] = twin.runs["peer"] if twin is not None else list(peer_runs[case.peer_case])
+    return _Pending(case, spec, row, measured, runs)
+
 
 KEPT_COMMANDS = ("bench/bench_moe.py", "bench/bench_step_profile.py")
 """Benchmarks whose sections of BENCHMARKS.md another command writes: a rerun of this one keeps them."""
@@ -943,6 +968,12 @@ def peak(row: dict[str, Any]) -> float | None:
 def share_of_peak(row: dict[str, Any]) -> float | None:
     gf, best = ggtorch_gflops(row), peak(row)
     return gf / best if gf and best else None
+
+
+def needed_share_of_peak(row: dict[str, Any], times: float) -> float | None:
+    """The share of the row's GEMM peak ggtorch's useful work would run at to be ``times`` the peer's tok/s."""
+    tps, best = row.get("peer_tps"), peak(row)
+    return times * tps * SHAPES[row["case"].shape].flops_per_token() / 1e9 / best if tps and best else None
 
 
 def dequant_share(row: dict[str, Any]) -> float | None:
@@ -1074,7 +1105,9 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "time, the peer's extra warm-up steps first and then one step of each side in turn, so both sides' timed "
         "steps meet the same spells of the machine, whose speed drifts by 10-25% within minutes. The 110M f32 and "
         "bf16 rows run their four processes together, taking turns the same way, so that the bf16 row's ratio to "
-        "the peer in f32 compares steps that took turns too. ggtorch runs its `Trainer` (what `ggtorch finetune` "
+        "the peer in f32 compares steps that took turns too. The gemma3-270M rows run three: ggtorch in f32 and in "
+        "bf16, against the peer in f32 (with a fourth, the peer in bf16, resident too, the peer in f32 ran 26% "
+        "slower than alone). ggtorch runs its `Trainer` (what `ggtorch finetune` "
         "runs) with the base kept as stored in the GGUF (with bf16 compute, float matrices are held in bf16, as "
         "autocast would round them in every step); the peer loads the GGUF with transformers (dequantized on load) "
         "and wraps it with peft. Compute bf16 means bf16 autocast for ggtorch and a bf16 model for the peer. tok/s: "
@@ -1230,10 +1263,17 @@ def targets(rows: list[dict[str, Any]], full: dict[str, Any] | None = None) -> l
                            f"dequantization {dequant_share(keep) or 0:.0%} of a step, at {rss_ratio(keep) or 0:.0%} "
                            "of its peak RSS)")
         g = find(rows, shape="gemma3-270M", ftype="Q8_0", malloc=malloc)
+        gb = find(rows, shape="gemma3-270M", ftype="Q8_0", dtype="bf16", malloc=malloc)
         if g is not None or malloc == "system":
             out.append("  " + target("gemma3-270M (262,144 tokens, tied Q8_0) b4×256: ggtorch / peer", ratio(g), 2.0))
+            need = needed_share_of_peak(g, 2.0) if g else None
+            if need:
+                out.append(f"  (in f32, twice the peer's tokens/s would take {need:.0%} of the f32 GEMM peak)")
             out.append("  " + target("gemma3-270M: ggtorch's peak RSS / the peer's", rss_ratio(g), 0.3,
                                      at_least=False, unit="%"))
+            out.append("  " + target("gemma3-270M, bf16 autocast: ggtorch / the peer in f32", ratio(gb), 2.0))
+            out.append("  " + target("gemma3-270M, bf16 autocast: ggtorch's peak RSS / the peer's in f32",
+                                     rss_ratio(gb), 0.3, at_least=False, unit="%"))
         ck = find(rows, checkpointing=True, malloc=malloc)
         relative = _alternating_ratio(ck, "plain", "checkpointed")
         if relative:
@@ -1257,7 +1297,9 @@ def headline(rows: list[dict[str, Any]]) -> list[str]:
                  find(rows, malloc=malloc)),
                 *((f"{ft} base, {sh} b{b}×256", find(rows, shape=sh, batch=b, ftype=ft, malloc=malloc), None)
                   for sh, b, ft in QUANTIZED_TARGETS),
-                ("gemma3-270M Q8_0 b4×256", find(rows, shape="gemma3-270M", ftype="Q8_0", malloc=malloc), None)):
+                ("gemma3-270M Q8_0 b4×256", find(rows, shape="gemma3-270M", ftype="Q8_0", malloc=malloc), None),
+                ("gemma3-270M Q8_0 b4×256, bf16 autocast against the peer in f32",
+                 find(rows, shape="gemma3-270M", ftype="Q8_0", dtype="bf16", malloc=malloc), None)):
             r = ratio(row, peer_row)
             if r is not None:
                 out.append(f"{label}{on}: ggtorch {r:.2f}× the peer's tokens/s")

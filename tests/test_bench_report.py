@@ -75,6 +75,8 @@ def _rows(bench: Any, f32_tps: float = 600.0, malloc: str = "system") -> list[di
         _row(bench, replace(tiny, ftype="Q4_K_M"), 33.0, 30.0, 1.6, 6.3, dequant=0.1),
         _row(bench, bench.Case("gemma3-270M", "Q8_0", "f32", ctx=256, batch=4, malloc=malloc),
              300.0, 140.0, 2.0, 8.0),
+        _row(bench, bench.Case("gemma3-270M", "Q8_0", "bf16", ctx=256, batch=4, malloc=malloc, peer_dtype="f32"),
+             290.0, 140.0, 1.7, 8.0),  # the peer of the row above
     ]
 
 
@@ -98,7 +100,30 @@ def test_keep_row_shares_the_peer_of_its_twin(bench: Any) -> None:
     assert len(keep) == 1
     twin = cases[keep[0]].peer_case
     assert twin in cases[:keep[0]] and twin.shape == "1.1B" and twin.ftype == "Q4_0" and not twin.keep_mib
-    assert all(c.peer_case == c for c in cases if not c.keep_mib)  # every other row measures its own peer
+    # every other row measures its own peer, but gemma's bf16 one (below)
+    assert all(c.peer_case == c for c in cases if not c.keep_mib and not c.peer_dtype)
+
+
+def test_gemma_bf16_row_shares_the_peer_in_f32_of_its_group(bench: Any) -> None:
+    cases = bench.full_cases(jemalloc=False)
+    f32, bf16 = (c for c in cases if c.shape == "gemma3-270M")
+    assert bf16.dtype == "bf16" and bf16.peer_case == f32 and bench.together(cases)[-1] == [f32, bf16]
+    assert bf16.label == "gemma3-270M Q8_0 bf16 b4x256 vs peer f32"
+    sides = ["ggtorch", "peer"]
+    group: list[Any] = []
+    for case in (f32, bf16):
+        group.append(bench.plan(case, {"model": "m.gguf"}, {"case": case}, sides, group, {}))
+    assert group[0].measured == sides and group[1].measured == ["ggtorch"]  # three processes, not four
+    group[0].runs["peer"].append({"step_s": [1.0]})  # as the group runs
+    assert group[1].runs["peer"] == [{"step_s": [1.0]}]
+    peer, own = group[1].side_spec("peer"), group[1].side_spec("ggtorch")
+    assert (peer["dtype"], peer["kind"], peer["warmup"], peer["model"]) == ("f32", "peer", 3, "m.gguf")
+    assert (own["dtype"], own["kind"], own["warmup"]) == ("bf16", "ggtorch", 1)
+    # in a later group (a run with --only), the runs recorded for the peer case
+    later = bench.plan(bf16, {}, {"case": bf16}, sides, [], {f32: [{"step_s": [2.0]}]})
+    assert later.measured == ["ggtorch"] and later.runs["peer"] == [{"step_s": [2.0]}]
+    alone = bench.plan(bf16, {}, {"case": bf16}, sides, [], {})
+    assert alone.measured == sides and alone.side_spec("peer")["dtype"] == "f32"
 
 
 def test_flops_per_token_of_the_shapes(bench: Any) -> None:
@@ -127,6 +152,11 @@ def test_targets_with_margins(bench: Any) -> None:
     assert "Q4_K_M base, 1.1B b1×256: ggtorch / peer ≥ 1.20× — 1.10× (margin -8%, **missed**)" in text
     assert "(262,144 tokens, tied Q8_0) b4×256: ggtorch / peer ≥ 2.00× — 2.14× (margin +7%, **met**)" in text
     assert "gemma3-270M: ggtorch's peak RSS / the peer's ≤ 30% — 25% (margin +17%, **met**)" in text  # 2 / 8 GiB
+    gemma = 4 * (18 * (2 * 1024 * 640 + 2 * 256 * 640 + 3 * 2048 * 640) + 262144 * 640)
+    need = 2 * 140 * gemma / 1e9 / 400  # twice the peer's tokens/s as GFLOP/s, over the f32 peak
+    assert f"(in f32, twice the peer's tokens/s would take {need:.0%} of the f32 GEMM peak)" in text
+    assert "gemma3-270M, bf16 autocast: ggtorch / the peer in f32 ≥ 2.00× — 2.07× (margin +4%, **met**)" in text
+    assert "bf16 autocast: ggtorch's peak RSS / the peer's in f32 ≤ 30% — 21% (margin +29%, **met**)" in text
     assert "full finetune, ggtorch / llama.cpp's training (bench/bench_full_finetune.py) ≥ 2.50× — 3.00×" in text
 
 
@@ -154,11 +184,11 @@ def test_jemalloc_pairing_in_the_headline_and_each_sides_allocator_effect(bench:
     assert not any("1.1B" in line and "jemalloc" in line for line in lines)  # not run on jemalloc
     effect = bench.allocator_effect(rows, ["ggtorch", "peer"])
     assert effect[0] == "110M F32 f32 b4x256: ggtorch 600 → 390 tok/s (0.65×), peer 400 → 520 tok/s (1.30×)"
-    assert len(effect) == 6  # every case run on both allocators, checkpointed included; no 1.1B
+    assert len(effect) == 7  # every case run on both allocators, checkpointed included; no 1.1B
     assert "gemma3-270M (262,144 tokens, tied Q8_0)" in "\n".join(bench.targets(rows)).split("on jemalloc")[1]
     second = [c for c in bench.full_cases(jemalloc=True) if c.malloc == "jemalloc"]
     assert {c.shape for c in second} == {"110M", "gemma3-270M"} and all(c.repeat == 1 for c in second)
-    assert len(second) == 5 and all(c.malloc == "system" for c in bench.full_cases(jemalloc=False))
+    assert len(second) == 6 and all(c.malloc == "system" for c in bench.full_cases(jemalloc=False))
 
 
 def test_both_sides_get_the_glibc_thresholds_a_ggtorch_run_sets(bench: Any) -> None:
@@ -281,10 +311,12 @@ def test_rows_of_a_group_run_together_and_the_others_alone(bench: Any) -> None:
     groups = bench.together(cases)
     assert [c for g in groups for c in g] == cases
     pairs = [g for g in groups if len(g) > 1]
-    # the 110M f32 and bf16 rows, on each allocator: the bf16 row's ratio to the peer in f32 takes turns too
-    assert [[(c.dtype, c.malloc) for c in g] for g in pairs] == [[("f32", "system"), ("bf16", "system")],
-                                                                [("f32", "jemalloc"), ("bf16", "jemalloc")]]
-    assert all(c.shape == "110M" and c.ftype == "F32" and not c.checkpointing for g in pairs for c in g)
+    # the f32 and bf16 rows of 110M and of gemma3-270M, on each allocator: the bf16 row's ratio to the peer in
+    # f32 takes turns too
+    assert [[(c.shape, c.dtype, c.malloc) for c in g] for g in pairs] == [
+        [(shape, "f32", malloc), (shape, "bf16", malloc)]
+        for malloc in ("system", "jemalloc") for shape in ("110M", "gemma3-270M")]
+    assert all(c.ftype in ("F32", "Q8_0") and not c.checkpointing for g in pairs for c in g)
 
 
 def test_sides_take_turns_one_step_at_a_time(bench: Any) -> None:
