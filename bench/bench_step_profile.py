@@ -58,7 +58,8 @@ from bench_vs_peft import (  # noqa: E402  (this folder's sibling)
 )
 
 HEADING = "## Where a step's time goes (`python bench/bench_step_profile.py"
-DEFAULT_CASES = ("110M F32 f32 b4x256", "110M F32 bf16 b4x256", "1.1B Q4_0 f32 b1x256")
+DEFAULT_CASES = ("110M F32 f32 b4x256", "110M F32 bf16 b4x256", "1.1B Q4_0 f32 b1x256",
+                 "gemma3-270M Q8_0 bf16 b4x256 vs peer f32")
 WARMUP = 2
 """Untimed steps before a case's plain and timed ones."""
 
