@@ -6,7 +6,8 @@ lost is the gradient all-reduce (DDP over the LoRA parameters only), the two sma
 of the step's token count and loss, and each rank building every rank's batch of the step.
 
 tok/s: median over the steps after ``--warmup`` of the global tokens of a step / its time on
-rank 0 (read from the JSONL training log). Prints one Markdown table row per world size.
+rank 0 (read from the JSONL training log). Prints a Markdown table, one row per world size, and rewrites
+its section of BENCHMARKS.md (``--out``; bench_vs_peft.py keeps it when it rewrites the rest).
 
 Usage: python bench/bench_distributed.py [--model M.gguf] [--ctx 64] [--batch 8] [--steps 20] [--ranks 2]
 """
@@ -29,6 +30,12 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("GGTORCH_SHARED", REPO.parent / "shared"))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vs_peft import replace_section  # noqa: E402  (this folder's sibling)
+
+HEADING = "## Data-parallel overhead (torchrun, `python bench/bench_distributed.py"
+"""The start of this command's section of BENCHMARKS.md, up to its options."""
 
 
 def run(world: int, args: list[str], folder: Path) -> list[float]:
@@ -86,6 +93,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3, help="first steps not timed")
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--out", default=str(REPO / "BENCHMARKS.md"),
+                   help="the report whose section to rewrite ('' to print only)")
     a = p.parse_args()
     args = ["--model-base", str(a.model), "--train-data", str(a.data), "-c", str(a.ctx), "-b", str(a.batch),
             "-n", str(a.steps + a.warmup), "--threads", "1", "--seed", "1", "--save-every", "0",
@@ -99,15 +108,26 @@ def main() -> None:
     n_trainable = int(start["trainable_parameters"])
     sync_ms = collectives_ms(n_trainable, a.ranks)
     one = results[1]
-    print(f"# {a.model.name}, ctx {a.ctx}, batch {a.batch} per rank, {a.steps} timed steps, 1 thread per "
-          f"process, gloo on this machine; torch {torch.__version__}, {os.cpu_count()} cores, load {load:.2f}")
-    print("| processes | tok/s (all ranks) | ms per step | vs 1 process | scaling efficiency |")
-    print("|---:|---:|---:|---:|---:|")
+    lines = [f"{a.model.name}, ctx {a.ctx}, batch {a.batch} per rank, {a.steps} timed steps, 1 thread per process, "
+             f"gloo on this machine; torch {torch.__version__}, {os.cpu_count()} cores, load {load:.2f}", "",
+             "| processes | tok/s (all ranks) | ms per step | vs 1 process | scaling efficiency |",
+             "|---:|---:|---:|---:|---:|"]
     for world, tps in results.items():
         ms = 1000 * world * a.batch * a.ctx / tps
-        print(f"| {world} | {tps:.0f} | {ms:.0f} | {tps / one:.2f}× | {tps / (world * one):.0%} |")
-    print(f"\nThe collectives of one step alone ({a.ranks} ranks: all-reduce of {n_trainable:,} f32 gradients + "
-          f"2 scalar all-reduces): {sync_ms:.2f} ms")
+        lines.append(f"| {world} | {tps:.0f} | {ms:.0f} | {tps / one:.2f}× | {tps / (world * one):.0%} |")
+    lines += ["", f"The collectives of one step alone ({a.ranks} ranks: all-reduce of {n_trainable:,} f32 gradients "
+              f"+ 2 scalar all-reduces): {sync_ms:.2f} ms"]
+    print("\n".join(lines), flush=True)
+    if a.out:
+        options = "".join(f" --{name} {getattr(a, name)}" for name in ("ctx", "batch", "steps", "warmup", "ranks")
+                          if getattr(a, name) != p.get_default(name))
+        out = Path(a.out)
+        section = (f"{HEADING}{options}`)\n\n"
+                   "`ggtorch finetune` of stories260K in 1 process and under `torchrun` with 2 ranks (gloo, 1 thread "
+                   "each, `--batch` per rank): tokens/s over all ranks, and the step's collectives timed alone.\n\n"
+                   + "\n".join(lines) + "\n")
+        out.write_text(replace_section(out.read_text(encoding="utf-8") if out.exists() else "", HEADING, section))
+        print(f"wrote its section of {out}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import collections
 import datetime
 import math
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -53,6 +52,7 @@ from bench_vs_peft import (  # noqa: E402  (this folder's sibling)
     machine,
     model_file,
     read_into_page_cache,
+    replace_section,
     training_text,
     wrapping_dequantization,
 )
@@ -273,13 +273,6 @@ def section(profiles: list[Profile], command: str, threads: int) -> str:
     return head + "\n".join(table(p) for p in profiles)
 
 
-def replace_section(report: str, new: str) -> str:
-    """``report`` with its section under :data:`HEADING` replaced by ``new`` (added at the end if absent)."""
-    parts = re.split(r"(?m)^(?=## )", report)
-    kept = [s for s in parts if not s.startswith(HEADING)]
-    return "".join(kept).rstrip() + "\n\n" + new.rstrip() + "\n"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(DEFAULT_CASES), help="comma list of bench_vs_peft.py row labels")
@@ -306,7 +299,7 @@ def main() -> None:
         if wanted != list(DEFAULT_CASES):
             command += f' --cases "{",".join(wanted)}"'
         out = Path(args.out)
-        out.write_text(replace_section(out.read_text(encoding="utf-8") if out.exists() else "",
+        out.write_text(replace_section(out.read_text(encoding="utf-8") if out.exists() else "", HEADING,
                                        section(profiles, command, args.threads)))
         print(f"wrote its section of {out}")
 

@@ -790,8 +790,7 @@ def fmt(x: float | None, spec: str = ".0f") -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="three small cases (ctx 64) without the data-parallel section, under 2 minutes")
+    ap.add_argument("--quick", action="store_true", help="three small cases (ctx 64), under 2 minutes")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per side")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "ggtorch-bench-vs-peft",
                     help="where the model files are built and cached")
@@ -800,8 +799,6 @@ def main() -> None:
                     help="run only cases whose label contains this text (a comma list: any of them)")
     ap.add_argument("--sides", default="ggtorch,peer", help="comma list of ggtorch,peer")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per child before giving up")
-    ap.add_argument("--no-distributed", action="store_true",
-                    help="skip bench/bench_distributed.py (1 vs 2 torchrun processes) in the report")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -888,11 +885,10 @@ def main() -> None:
                                    "shapes": sorted(set(SHAPES[shape_name].matrices()))}, args.timeout)
         keep_faster(peak, again)
     full = None if args.quick or args.only else full_finetune(args.threads, args.timeout)
-    distributed = "" if args.no_distributed or args.quick else distributed_overhead(args.timeout)
     total = time.perf_counter() - t_start - building
     print(f"total {total:.0f} s (and {building:.0f} s building model files)", flush=True)
     kept = kept_sections(args.out.read_text(encoding="utf-8")) if args.out.exists() else ""
-    args.out.write_text(report(rows, sides, info, args, total, full) + distributed + kept)
+    args.out.write_text(report(rows, sides, info, args, total, full) + kept)
     print(f"wrote {args.out}", flush=True)
 
 
@@ -932,8 +928,16 @@ def plan(case: Case, spec: dict[str, Any], row: dict[str, Any], sides: list[str]
     return _Pending(case, spec, row, measured, runs)
 
 
-KEPT_COMMANDS = ("bench/bench_moe.py", "bench/bench_step_profile.py")
+KEPT_COMMANDS = ("bench/bench_moe.py", "bench/bench_step_profile.py", "bench/bench_distributed.py")
 """Benchmarks whose sections of BENCHMARKS.md another command writes: a rerun of this one keeps them."""
+
+
+def replace_section(report: str, heading: str, new: str) -> str:
+    """``report`` with its ``## `` section whose heading starts with ``heading`` replaced by ``new`` (added at
+    the end if absent): how the sibling commands of :data:`KEPT_COMMANDS` rewrite their own sections."""
+    parts = re.split(r"(?m)^(?=## )", report)
+    kept = [s for s in parts if not s.startswith(heading)]
+    return "".join(kept).rstrip() + "\n\n" + new.rstrip() + "\n"
 
 
 def kept_sections(previous: str) -> str:
@@ -1039,28 +1043,6 @@ def parse_full_finetune(stdout: str) -> dict[str, Any] | None:
         rounds[side].append(float(tok_s))
     return {"what": stdout.splitlines()[0], "rounds": rounds,
             **{side: float(m.group(1)) for side, m in found.items() if m}}
-
-
-def distributed_overhead(timeout: float) -> str:
-    """The report's data-parallel section: bench/bench_distributed.py's table, run here (about a minute)."""
-    print("data-parallel overhead (bench/bench_distributed.py) ...", flush=True)
-    out = ""
-    for _attempt in range(2):  # a rendezvous can fail on a busy machine; one retry
-        try:
-            proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_distributed.py")],
-                                  capture_output=True, text=True, timeout=timeout)
-        except (subprocess.SubprocessError, OSError) as e:
-            out = f"bench_distributed.py failed: {e}\n"
-            continue
-        if proc.returncode == 0:
-            out = proc.stdout
-            break
-        out = f"bench_distributed.py failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}\n"
-    print(out, flush=True)
-    return ("\n## Data-parallel overhead (torchrun, `python bench/bench_distributed.py`)\n\n"
-            "`ggtorch finetune` of stories260K in 1 process and under `torchrun` with 2 ranks (gloo, 1 thread "
-            "each, `--batch` per rank): tokens/s over all ranks, and the step's collectives timed alone.\n\n"
-            + out.replace("# ", "", 1).replace("\n|", "\n\n|", 1))
 
 
 def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], args: argparse.Namespace,

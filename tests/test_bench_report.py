@@ -261,10 +261,20 @@ def test_gemm_peak_keeps_the_faster_of_two_measurements(bench: Any) -> None:
 
 def test_sections_of_other_commands_survive_a_rerun(bench: Any) -> None:
     moe = "\n## Mixture of experts (`python bench/bench_moe.py --batch 2`)\n\n| moe | 1 |\n"
-    previous = ("# Benchmarks\n\n## Results\n\nold table\n\n"
-                "## Data-parallel overhead (`python bench/bench_distributed.py`)\n\nold\n" + moe)
-    assert bench.kept_sections(previous) == moe
+    ddp = "\n## Data-parallel overhead (torchrun, `python bench/bench_distributed.py`)\n\n| 2 | 1.8x |\n"
+    previous = "# Benchmarks\n\n## Results\n\nold table\n\n## Targets\n\nold targets\n" + ddp + moe
+    assert bench.kept_sections(previous) == ddp + moe
     assert bench.kept_sections("# Benchmarks\n\n## Results\n") == ""
+
+
+def test_bench_distributed_rewrites_its_own_section(bench: Any) -> None:
+    """Its heading is one bench_vs_peft.py keeps, and one run's section takes the previous one's place."""
+    ddp = _bench_module("bench_distributed")
+    assert any(c in ddp.HEADING for c in bench.KEPT_COMMANDS)
+    previous = "# Benchmarks\n\n## Results\n\nrows\n\n" + ddp.HEADING + "`)\n\nold\n"
+    out = bench.replace_section(previous, ddp.HEADING, ddp.HEADING + " --steps 5`)\n\nnew\n")
+    assert "old" not in out and "rows" in out and out.count("## Data-parallel") == 1
+    assert bench.kept_sections(out).strip() == ddp.HEADING + " --steps 5`)\n\nnew"
 
 
 TURN_CHILD = """

@@ -103,10 +103,11 @@ def test_a_quantized_base_s_decodes_are_dequantization(profile: Any, stories_q8:
 def test_the_section_replaces_its_own_only(profile: Any) -> None:
     report = "# Benchmarks\n\n## Results\n\nrows\n\n" + profile.HEADING + " --threads 2`)\n\nold\n\n## Mixture\n\nmoe\n"
     new = profile.HEADING + " --threads 1`)\n\nnew\n"
-    out = profile.replace_section(report, new)
+    out = profile.replace_section(report, profile.HEADING, new)
     assert "old" not in out and out.count(profile.HEADING) == 1 and out.endswith("new\n")
     assert "## Results\n\nrows" in out and "## Mixture\n\nmoe" in out
-    assert profile.replace_section("# Benchmarks\n", new).startswith("# Benchmarks\n\n" + profile.HEADING)
+    assert profile.replace_section("# Benchmarks\n", profile.HEADING, new).startswith(
+        "# Benchmarks\n\n" + profile.HEADING)
 
 
 def test_bench_vs_peft_keeps_the_section_when_it_rewrites_the_report(profile: Any) -> None:
