@@ -182,11 +182,11 @@ def full_cases(jemalloc: bool) -> list[Case]:
         # not a target: what --keep-dequantized-mib buys (one decode per matrix and step) and costs (memory),
         # against the peer runs of the row above (Case.peer_case)
         replace(base, shape="1.1B", ftype="Q4_0", batch=1, steps=2, keep_mib=KEEP_MIB),
-        # gemma3-270M: three processes taking turns, ggtorch in f32 and in bf16 against the peer in f32. Not the
-        # peer in bf16 too: with four such processes resident, the peer in f32 ran 26% slower (83 tok/s against
-        # 112 alone), which would flatter ggtorch.
-        replace(base, shape="gemma3-270M", ftype="Q8_0", group="gemma3-270M"),
-        replace(base, shape="gemma3-270M", ftype="Q8_0", dtype="bf16", peer_dtype="f32", group="gemma3-270M"),
+        # gemma3-270M: ggtorch in f32 against the peer in f32, then ggtorch in bf16 alone against those peer runs
+        # (Case.peer_case). Not in one group: beside the peer's 8 GiB, a third process resident slowed the peer
+        # more than ggtorch (memory pressure), which flattered ggtorch.
+        replace(base, shape="gemma3-270M", ftype="Q8_0"),
+        replace(base, shape="gemma3-270M", ftype="Q8_0", dtype="bf16", peer_dtype="f32"),
     ]
     if jemalloc:  # one run per side, to keep the second pairing short
         rows += [replace(c, malloc="jemalloc", repeat=1) for c in rows
@@ -854,8 +854,7 @@ def main() -> None:
                                                                 "shapes": sorted(set(shape.matrices()))}, args.timeout)
             spec = {"model": str(path), "text": str(text), "threads": args.threads, **asdict(case)}
             read_into_page_cache(path)
-            pending.append(plan(case, spec, {"case": case, "gemm": gemm[(case.shape, n_rows)]}, sides, pending,
-                                peer_runs))
+            pending.append(plan(case, spec, {"case": case, "gemm": gemm[(case.shape, n_rows)]}, sides, peer_runs))
         building += built
         for _ in range(max((p.case.repeat for p in pending), default=0)):
             # every measured side of the group in its own process, all taking turns step by step (run_sides), so
@@ -914,17 +913,15 @@ class _Pending:
         return {**self.spec, **asdict(case), "kind": side, "warmup": case.side_warmup(side)}
 
 
-def plan(case: Case, spec: dict[str, Any], row: dict[str, Any], sides: list[str], group: list[_Pending],
+def plan(case: Case, spec: dict[str, Any], row: dict[str, Any], sides: list[str],
          peer_runs: dict[Case, list[dict[str, Any]]]) -> _Pending:
-    """``case`` ready to run beside the ``group`` planned so far. Its peer is not measured again when an earlier
-    group measured its :attr:`Case.peer_case` (``peer_runs``) or a row of this group does: then it shares
-    that row's list of runs, which fills as the group runs."""
-    twin = next((p for p in group if p.case.peer_case == case.peer_case and "peer" in p.measured), None)
-    shared = "peer" in sides and (case.peer_case in peer_runs or twin is not None)
+    """``case`` ready to run. Its peer is not measured again when an earlier group measured its
+    :attr:`Case.peer_case` (``peer_runs``): it gets those runs."""
+    shared = "peer" in sides and case.peer_case in peer_runs
     measured = [side for side in sides if not (side == "peer" and shared)]
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     if shared:
-        runs["peer"] = twin.runs["peer"] if twin is not None else list(peer_runs[case.peer_case])
+        runs["peer"] = list(peer_runs[case.peer_case])
     return _Pending(case, spec, row, measured, runs)
 
 
@@ -1082,30 +1079,30 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "sliding window 512 on five layers of six) with a 262,144-token vocabulary (the llama vocabulary grown with "
         "unused tokens) whose Q8_0 embedding is the output projection.",
         "Both sides train LoRA rank 4 (alpha 4) on q/k/v/o/gate/up/down with AdamW (lr 1e-3, weight decay 0.1, "
-        "gradient clipping 1.0) on the same token stream, each side in its own process, both on the row's "
-        "allocator. The two processes take turns: each loads while the other waits, then they run one step at a "
-        "time, the peer's extra warm-up steps first and then one step of each side in turn, so both sides' timed "
-        "steps meet the same spells of the machine, whose speed drifts by 10-25% within minutes. The 110M f32 and "
-        "bf16 rows run their four processes together, taking turns the same way, so that the bf16 row's ratio to "
-        "the peer in f32 compares steps that took turns too. The gemma3-270M rows run three: ggtorch in f32 and in "
-        "bf16, against the peer in f32 (with a fourth, the peer in bf16, resident too, the peer in f32 ran 26% "
-        "slower than alone). ggtorch runs its `Trainer` (what `ggtorch finetune` "
-        "runs) with the base kept as stored in the GGUF (with bf16 compute, float matrices are held in bf16, as "
-        "autocast would round them in every step); the peer loads the GGUF with transformers (dequantized on load) "
-        "and wraps it with peft. Compute bf16 means bf16 autocast for ggtorch and a bf16 model for the peer. tok/s: "
-        "median over the timed steps after each side's warm-up: three steps for the peer, whose second and third "
-        "steps run 20-40% slower than its later ones, one for ggtorch, whose second step already runs at its later "
-        "pace; on the system malloc, the 110M rows without checkpointing run the pair of processes twice and show "
-        "each side's faster run (all runs are listed below the table), on jemalloc once. By CPU time: the same "
-        "ratio from each side's process CPU time per step. RSS: peak resident set of the side's process (VmHWM). "
-        "Load: model + LoRA setup. Before each row the model file is read once, so both sides start from a warm "
-        "page cache. GFLOP/s counts 4 × base matrix parameters per token (forward + input gradient) against the "
-        "best GEMM GFLOP/s over the model's matrix shapes (rows = batch × ctx; a vocabulary wider than 32,000 words "
-        "as a 32,000-column slab) of torch.mm and oneDNN (`ggtorch.ops.matmul` with oneDNN forced), measured in the "
-        "same run (twice per shape, before its first row and after the last row; the higher counts). "
-        "Dequantization: every dequantization of one more ggtorch step, timed call by call, over that step's time. "
-        "Cases ending in ckpt run both sides with gradient checkpointing; in keepN, ggtorch runs with "
-        "`--keep-dequantized-mib N` (a forward keeps up to N MiB of decoded matrices for its backward) against the "
+        "gradient clipping 1.0) on the same token stream, each side in its own process, both on the row's allocator. "
+        "The two processes take turns: each loads while the other waits, then they run one step at a time, the peer's "
+        "extra warm-up steps first and then one step of each side in turn, so both sides' timed steps meet the same "
+        "spells of the machine, whose speed drifts by 10-25% within minutes. The 110M f32 and bf16 rows run their four "
+        "processes together, taking turns the same way, so that the bf16 row's ratio to the peer in f32 compares steps "
+        "that took turns too. The gemma3-270M bf16 row runs ggtorch alone, right after the f32 row, against that row's "
+        "peer in f32: beside the peer's 8 GiB a third process resident slowed the peer more than ggtorch (memory "
+        "pressure), which flattered ggtorch, so these two rows do not take turns together. ggtorch runs its `Trainer` "
+        "(what `ggtorch finetune` runs) with the base kept as stored in the GGUF (with bf16 compute, float matrices "
+        "are held in bf16, as autocast would round them in every step); the peer loads the GGUF with transformers "
+        "(dequantized on load) and wraps it with peft. Compute bf16 means bf16 autocast for ggtorch and a bf16 model "
+        "for the peer. tok/s: median over the timed steps after each side's warm-up: three steps for the peer, whose "
+        "second and third steps run 20-40% slower than its later ones, one for ggtorch, whose second step already runs "
+        "at its later pace; on the system malloc, the 110M rows without checkpointing run the pair of processes twice "
+        "and show each side's faster run (all runs are listed below the table), on jemalloc once. By CPU time: the "
+        "same ratio from each side's process CPU time per step. RSS: peak resident set of the side's process (VmHWM). "
+        "Load: model + LoRA setup. Before each row the model file is read once, so both sides start from a warm page "
+        "cache. GFLOP/s counts 4 × base matrix parameters per token (forward + input gradient) against the best GEMM "
+        "GFLOP/s over the model's matrix shapes (rows = batch × ctx; a vocabulary wider than 32,000 words as a "
+        "32,000-column slab) of torch.mm and oneDNN (`ggtorch.ops.matmul` with oneDNN forced), measured in the same "
+        "run (twice per shape, before its first row and after the last row; the higher counts). Dequantization: every "
+        "dequantization of one more ggtorch step, timed call by call, over that step's time. Cases ending in ckpt run "
+        "both sides with gradient checkpointing; in keepN, ggtorch runs with `--keep-dequantized-mib N` (a forward "
+        "keeps up to N MiB of decoded matrices for its backward) against the "
         "peer runs of the same row without it (the peer has no such option).",
         "",
     ]

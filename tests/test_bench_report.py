@@ -104,26 +104,23 @@ def test_keep_row_shares_the_peer_of_its_twin(bench: Any) -> None:
     assert all(c.peer_case == c for c in cases if not c.keep_mib and not c.peer_dtype)
 
 
-def test_gemma_bf16_row_shares_the_peer_in_f32_of_its_group(bench: Any) -> None:
+def test_gemma_bf16_row_runs_alone_against_the_peer_in_f32_of_the_row_before(bench: Any) -> None:
     cases = bench.full_cases(jemalloc=False)
     f32, bf16 = (c for c in cases if c.shape == "gemma3-270M")
-    assert bf16.dtype == "bf16" and bf16.peer_case == f32 and bench.together(cases)[-1] == [f32, bf16]
+    assert bf16.dtype == "bf16" and bf16.peer_case == f32 and bench.together(cases)[-2:] == [[f32], [bf16]]
     assert bf16.label == "gemma3-270M Q8_0 bf16 b4x256 vs peer f32"
     sides = ["ggtorch", "peer"]
-    group: list[Any] = []
-    for case in (f32, bf16):
-        group.append(bench.plan(case, {"model": "m.gguf"}, {"case": case}, sides, group, {}))
-    assert group[0].measured == sides and group[1].measured == ["ggtorch"]  # three processes, not four
-    group[0].runs["peer"].append({"step_s": [1.0]})  # as the group runs
-    assert group[1].runs["peer"] == [{"step_s": [1.0]}]
-    peer, own = group[1].side_spec("peer"), group[1].side_spec("ggtorch")
+    first = bench.plan(f32, {"model": "m.gguf"}, {"case": f32}, sides, {})
+    assert first.measured == sides
+    first.runs["peer"].append({"step_s": [2.0]})  # as its group runs; main() then records them by peer case
+    later = bench.plan(bf16, {"model": "m.gguf"}, {"case": bf16}, sides, {f32: first.runs["peer"]})
+    assert later.measured == ["ggtorch"] and later.runs["peer"] == [{"step_s": [2.0]}]  # one process
+    # run on its own (--only), it measures its peer, in f32
+    alone = bench.plan(bf16, {"model": "m.gguf"}, {"case": bf16}, sides, {})
+    assert alone.measured == sides
+    peer, own = alone.side_spec("peer"), alone.side_spec("ggtorch")
     assert (peer["dtype"], peer["kind"], peer["warmup"], peer["model"]) == ("f32", "peer", 3, "m.gguf")
     assert (own["dtype"], own["kind"], own["warmup"]) == ("bf16", "ggtorch", 1)
-    # in a later group (a run with --only), the runs recorded for the peer case
-    later = bench.plan(bf16, {}, {"case": bf16}, sides, [], {f32: [{"step_s": [2.0]}]})
-    assert later.measured == ["ggtorch"] and later.runs["peer"] == [{"step_s": [2.0]}]
-    alone = bench.plan(bf16, {}, {"case": bf16}, sides, [], {})
-    assert alone.measured == sides and alone.side_spec("peer")["dtype"] == "f32"
 
 
 def test_flops_per_token_of_the_shapes(bench: Any) -> None:
@@ -321,12 +318,10 @@ def test_rows_of_a_group_run_together_and_the_others_alone(bench: Any) -> None:
     groups = bench.together(cases)
     assert [c for g in groups for c in g] == cases
     pairs = [g for g in groups if len(g) > 1]
-    # the f32 and bf16 rows of 110M and of gemma3-270M, on each allocator: the bf16 row's ratio to the peer in
-    # f32 takes turns too
-    assert [[(c.shape, c.dtype, c.malloc) for c in g] for g in pairs] == [
-        [(shape, "f32", malloc), (shape, "bf16", malloc)]
-        for malloc in ("system", "jemalloc") for shape in ("110M", "gemma3-270M")]
-    assert all(c.ftype in ("F32", "Q8_0") and not c.checkpointing for g in pairs for c in g)
+    # the 110M f32 and bf16 rows, on each allocator: the bf16 row's ratio to the peer in f32 takes turns too
+    assert [[(c.dtype, c.malloc) for c in g] for g in pairs] == [[("f32", "system"), ("bf16", "system")],
+                                                                [("f32", "jemalloc"), ("bf16", "jemalloc")]]
+    assert all(c.shape == "110M" and c.ftype == "F32" and not c.checkpointing for g in pairs for c in g)
 
 
 def test_sides_take_turns_one_step_at_a_time(bench: Any) -> None:
