@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("GGTORCH_SHARED", REPO.parent / "shared"))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_peft import replace_section  # noqa: E402  (this folder's sibling)
+from bench_vs_peft import write_section  # noqa: E402  (this folder's sibling)
 
 HEADING = "## Data-parallel overhead (torchrun, `python bench/bench_distributed.py"
 """The start of this command's section of BENCHMARKS.md, up to its options."""
@@ -121,13 +121,11 @@ def main() -> None:
     if a.out:
         options = "".join(f" --{name} {getattr(a, name)}" for name in ("ctx", "batch", "steps", "warmup", "ranks")
                           if getattr(a, name) != p.get_default(name))
-        out = Path(a.out)
         section = (f"{HEADING}{options}`)\n\n"
                    "`ggtorch finetune` of stories260K in 1 process and under `torchrun` with 2 ranks (gloo, 1 thread "
                    "each, `--batch` per rank): tokens/s over all ranks, and the step's collectives timed alone.\n\n"
                    + "\n".join(lines) + "\n")
-        out.write_text(replace_section(out.read_text(encoding="utf-8") if out.exists() else "", HEADING, section))
-        print(f"wrote its section of {out}")
+        write_section(Path(a.out), HEADING, section)
 
 
 if __name__ == "__main__":

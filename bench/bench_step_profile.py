@@ -52,9 +52,9 @@ from bench_vs_peft import (  # noqa: E402  (this folder's sibling)
     machine,
     model_file,
     read_into_page_cache,
-    replace_section,
     training_text,
     wrapping_dequantization,
+    write_section,
 )
 
 HEADING = "## Where a step's time goes (`python bench/bench_step_profile.py"
@@ -229,7 +229,7 @@ def profile_case(case: Case, workdir: Path, threads: int, steps: int) -> Profile
     gflops = {kind: tally.flops[kind] / tally.seconds[kind] / 1e9 if tally.flops[kind] and tally.seconds[kind] else None
               for kind in KINDS}
     best = peak.get(case.dtype)
-    useful = shape.flops_per_token() * rows / plain / 1e9
+    useful = shape.gflops(rows / plain)
     top = [(kind, op, s / steps) for (kind, op), s in tally.ops.most_common() if kind != "matrix products"][:6]
     return Profile(case.label, plain, (min(plain_steps), max(plain_steps)), tally.calls / steps, ops_s, gflops, best,
                    useful / best if best else None, top)
@@ -298,10 +298,7 @@ def main() -> None:
         command = f"python bench/bench_step_profile.py --threads {args.threads}"
         if wanted != list(DEFAULT_CASES):
             command += f' --cases "{",".join(wanted)}"'
-        out = Path(args.out)
-        out.write_text(replace_section(out.read_text(encoding="utf-8") if out.exists() else "", HEADING,
-                                       section(profiles, command, args.threads)))
-        print(f"wrote its section of {out}")
+        write_section(Path(args.out), HEADING, section(profiles, command, args.threads))
 
 
 if __name__ == "__main__":

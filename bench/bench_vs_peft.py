@@ -99,6 +99,10 @@ class Shape:
         """Forward + input-gradient matmul FLOPs per token (2 per multiply-add, twice)."""
         return 4.0 * sum(o * i for o, i in self.matrices())
 
+    def gflops(self, tokens_per_second: float) -> float:
+        """GFLOP/s of a LoRA step's useful work (:meth:`flops_per_token`) at that many tokens/s."""
+        return tokens_per_second * self.flops_per_token() / 1e9
+
 
 SHAPES = {
     "110M": Shape("110M", n_embd=768, n_ff=2048, n_layer=12, n_head=12, n_head_kv=12),
@@ -929,18 +933,28 @@ KEPT_COMMANDS = ("bench/bench_moe.py", "bench/bench_step_profile.py", "bench/ben
 """Benchmarks whose sections of BENCHMARKS.md another command writes: a rerun of this one keeps them."""
 
 
+def sections(report: str) -> list[str]:
+    """``report`` cut before each ``## `` heading (the text before the first one included)."""
+    return re.split(r"(?m)^(?=## )", report)
+
+
 def replace_section(report: str, heading: str, new: str) -> str:
     """``report`` with its ``## `` section whose heading starts with ``heading`` replaced by ``new`` (added at
-    the end if absent): how the sibling commands of :data:`KEPT_COMMANDS` rewrite their own sections."""
-    parts = re.split(r"(?m)^(?=## )", report)
-    kept = [s for s in parts if not s.startswith(heading)]
+    the end if absent)."""
+    kept = [s for s in sections(report) if not s.startswith(heading)]
     return "".join(kept).rstrip() + "\n\n" + new.rstrip() + "\n"
+
+
+def write_section(path: Path, heading: str, new: str) -> None:
+    """Rewrite the report at ``path`` (or start it) with ``new`` in place of its section under ``heading``: how the
+    sibling commands of :data:`KEPT_COMMANDS` write their own sections."""
+    path.write_text(replace_section(path.read_text(encoding="utf-8") if path.exists() else "", heading, new))
+    print(f"wrote its section of {path}", flush=True)
 
 
 def kept_sections(previous: str) -> str:
     """The ``## `` sections of the previous report whose heading names one of :data:`KEPT_COMMANDS`."""
-    sections = re.split(r"(?m)^(?=## )", previous)
-    return "".join("\n" + s.rstrip() + "\n" for s in sections
+    return "".join("\n" + s.rstrip() + "\n" for s in sections(previous)
                    if s.startswith("## ") and any(c in s.splitlines()[0] for c in KEPT_COMMANDS))
 
 
@@ -958,7 +972,7 @@ def keep_faster(peak: dict[str, Any], again: dict[str, Any]) -> None:
 
 def ggtorch_gflops(row: dict[str, Any]) -> float | None:
     tps = row.get("ggtorch_tps")
-    return None if tps is None else tps * SHAPES[row["case"].shape].flops_per_token() / 1e9
+    return None if tps is None else SHAPES[row["case"].shape].gflops(tps)
 
 
 def peak(row: dict[str, Any]) -> float | None:
@@ -974,7 +988,7 @@ def share_of_peak(row: dict[str, Any]) -> float | None:
 def needed_share_of_peak(row: dict[str, Any], times: float) -> float | None:
     """The share of the row's GEMM peak ggtorch's useful work would run at to be ``times`` the peer's tok/s."""
     tps, best = row.get("peer_tps"), peak(row)
-    return times * tps * SHAPES[row["case"].shape].flops_per_token() / 1e9 / best if tps and best else None
+    return times * SHAPES[row["case"].shape].gflops(tps) / best if tps and best else None
 
 
 def dequant_share(row: dict[str, Any]) -> float | None:

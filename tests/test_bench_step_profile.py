@@ -100,14 +100,24 @@ def test_a_quantized_base_s_decodes_are_dequantization(profile: Any, stories_q8:
     assert tally.flops["dequantization"] == 0.0
 
 
-def test_the_section_replaces_its_own_only(profile: Any) -> None:
+def test_the_section_replaces_its_own_only(profile: Any, tmp_path: Path) -> None:
+    import bench_vs_peft
+
     report = "# Benchmarks\n\n## Results\n\nrows\n\n" + profile.HEADING + " --threads 2`)\n\nold\n\n## Mixture\n\nmoe\n"
     new = profile.HEADING + " --threads 1`)\n\nnew\n"
-    out = profile.replace_section(report, profile.HEADING, new)
+    out = bench_vs_peft.replace_section(report, profile.HEADING, new)
     assert "old" not in out and out.count(profile.HEADING) == 1 and out.endswith("new\n")
     assert "## Results\n\nrows" in out and "## Mixture\n\nmoe" in out
-    assert profile.replace_section("# Benchmarks\n", profile.HEADING, new).startswith(
+    assert bench_vs_peft.replace_section("# Benchmarks\n", profile.HEADING, new).startswith(
         "# Benchmarks\n\n" + profile.HEADING)
+    # write_section does the same to a file, and starts one that does not exist yet
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text(report)
+    bench_vs_peft.write_section(path, profile.HEADING, new)
+    assert path.read_text() == out
+    fresh = tmp_path / "new.md"
+    bench_vs_peft.write_section(fresh, profile.HEADING, new)
+    assert fresh.read_text() == bench_vs_peft.replace_section("", profile.HEADING, new)
 
 
 def test_bench_vs_peft_keeps_the_section_when_it_rewrites_the_report(profile: Any) -> None:
