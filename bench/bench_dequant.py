@@ -1,6 +1,8 @@
-"""Dequantization throughput per ggml type: ggtorch (torch) vs gguf-py (numpy), side by side.
+"""Dequantization throughput per ggml type: ggtorch vs gguf-py (numpy), side by side.
 
-Throughput is GB/s of float32 output. The input is random bytes of the type's block size
+ggtorch's ``dequantize`` takes the native C decoders (ggtorch/quant/native.c) for the types they have on
+CPU, and the torch decoders for the rest; the "torch decoders" column is those alone, every other device's
+path. Throughput is GB/s of float32 output. The input is random bytes of the type's block size
 (scales included: the cost of decoding does not depend on the values). Not a test.
 
     python bench/bench_dequant.py            # 4096 x 4096 values per type, best of 3
@@ -20,7 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from ggtorch.quant import SUPPORTED_TYPES, dequantize
+from ggtorch.quant import SUPPORTED_TYPES, dequantize, native
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -55,16 +57,20 @@ def main() -> None:
     gb = rows * args.cols * 4 / 1e9
     print(f"{rows} x {args.cols} values per type, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, best of {repeats}")
-    print(f"{'type':8s} {'ggtorch GB/s':>13s} {'gguf-py GB/s':>13s} {'ratio':>7s}")
+    print(f"{'type':8s} {'ggtorch GB/s':>13s} {'torch decoders':>15s} {'gguf-py GB/s':>13s} {'ratio':>7s}")
     for qtype in types:
         bs, ts = GGML_QUANT_SIZES[qtype]
         raw_np = rng.integers(0, 256, size=(rows, args.cols // bs * ts), dtype=np.uint8)
         raw = torch.from_numpy(raw_np)
         t_torch = best_time(lambda: dequantize(raw, qtype, (rows, args.cols)), repeats)  # noqa: B023
+        native.ENABLED = False
+        t_eager = best_time(lambda: dequantize(raw, qtype, (rows, args.cols)), repeats)  # noqa: B023
+        native.ENABLED = True
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
             t_numpy = best_time(lambda: gguf_dequantize(raw_np, qtype), repeats)  # noqa: B023
-        print(f"{qtype.name:8s} {gb / t_torch:13.2f} {gb / t_numpy:13.2f} {t_numpy / t_torch:6.1f}x", flush=True)
+        print(f"{qtype.name:8s} {gb / t_torch:13.2f} {gb / t_eager:15.2f} {gb / t_numpy:13.2f} "
+              f"{t_numpy / t_torch:6.1f}x", flush=True)
     if GGMLQuantizationType.F32 in types:
         print("F32: gguf-py returns a view of the bytes (no work); ggtorch returns an owned copy.")
 

@@ -4,7 +4,7 @@ Not a test. For rows of ``bench/bench_vs_peft.py`` (same model files, same ``Tra
 steps under a dispatch mode that times every aten op, forward, backward and optimizer alike, and sorts them
 into kinds: the matrix products of the base and output matrices (their GFLOP/s counted from the operands'
 shapes and set against the GEMM peak, measured here as bench_vs_peft.py measures it), LoRA's low-rank
-products, attention's batched products, dequantization (every op inside a decode), softmax and exp, casts and
+products, attention's batched products, dequantization (a decode's whole wall time), softmax and exp, casts and
 copies, views, the optimizer, and the elementwise rest. On CPU an op runs before it returns, so the wall time
 around it is its cost; on CUDA the mode synchronizes around every op (slow, but each op's own time).
 
@@ -150,15 +150,22 @@ class OpTimer(TorchDispatchMode):
 
 @contextmanager
 def marking_dequantization(timer: OpTimer) -> Iterator[None]:
-    """Inside, every dequantization the training path makes counts its ops as dequantization."""
+    """Inside, every dequantization the training path makes counts as dequantization: its aten ops, and the rest
+    of its wall time (the C loops of ggtorch.quant.native run outside any aten op)."""
 
     def marking(dequantize: Callable[..., Any]) -> Callable[..., Any]:
         def marked(*args: Any, **kwargs: Any) -> Any:
+            outermost, start = timer.decoding == 0, time.perf_counter()
+            in_ops = timer.tally.seconds["dequantization"]
             timer.decoding += 1
             try:
                 return dequantize(*args, **kwargs)
             finally:
                 timer.decoding -= 1
+                if outermost:  # the call's time outside aten ops: the native decoders' C loops, Python
+                    rest = time.perf_counter() - start - (timer.tally.seconds["dequantization"] - in_ops)
+                    timer.tally.seconds["dequantization"] += rest
+                    timer.tally.ops[("dequantization", "outside aten ops")] += rest
 
         return marked
 

@@ -98,6 +98,9 @@ def test_a_quantized_base_s_decodes_are_dequantization(profile: Any, stories_q8:
     # the products of the decoded matrices are the same work as an F32 base's, and none runs inside a decode
     assert tally.flops["matrix products"] == _matrix_flops(trainer, 2 * 64)
     assert tally.flops["dequantization"] == 0.0
+    # Q8_0 decodes in native.c's loops, outside any aten op: their time counts too
+    assert tally.ops[("dequantization", "outside aten ops")] > 0
+    assert sum(tally.seconds.values()) == pytest.approx(sum(tally.ops.values()))
 
 
 def test_the_section_replaces_its_own_only(profile: Any, tmp_path: Path) -> None:

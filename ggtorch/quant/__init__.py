@@ -6,7 +6,9 @@ whatever device ``raw`` lives on. Each ggml type has one small decoder (in ``flo
 and returns ``(n_blocks, block_size)`` float32 (F16/BF16: their own dtype, whose widening to
 f32 is exact); the plain dict ``DEQUANTIZERS`` maps types to decoders. The values are
 computed in f32 with the operation order of llama.cpp's ``dequantize_row_*`` and only then
-cast to the requested dtype.
+cast to the requested dtype. On CPU, the types most quantized bases are stored in (Q4_0, Q8_0,
+Q4_K, Q5_K, Q6_K) decode through ``native``'s C loops instead, with the same values, when a C
+compiler is there to build them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ggtorch.errors import Unsupported
 from ggtorch.io.gguf import check_raw, raw_nbytes, whole_blocks
+from ggtorch.quant import native
 from ggtorch.quant.floats import dequantize_bf16, dequantize_f16, dequantize_f32
 from ggtorch.quant.iquants import (
     dequantize_iq1_m,
@@ -112,6 +115,18 @@ def _decoder(ggml_type: GGMLQuantizationType | int, name: str | None
     return qtype, fn
 
 
+def _native_cast(blocks: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...], step: int,
+                 out: torch.Tensor) -> torch.Tensor:
+    """Decode with the native library into ``out`` of another float dtype, through one reused f32 chunk."""
+    bs = block_size(qtype)
+    rows = out.view(blocks.shape[0], bs)
+    chunk = torch.empty(min(step, blocks.shape[0]), bs)
+    for start in range(0, blocks.shape[0], step):
+        part = blocks[start:start + step]
+        rows[start:start + step] = native.decode(part, qtype, chunk[:part.shape[0]])
+    return out.view(shape)
+
+
 def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, ...],
                dtype: torch.dtype = torch.float32, name: str | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,6 +151,10 @@ def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[
     n_blocks = n_values // bs
     blocks = raw.reshape(n_blocks, ts)
     step = max(1, CHUNK_VALUES // bs)
+    if native.decodes(blocks, qtype):
+        if dtype == torch.float32:  # one pass straight into the result, no temporaries to bound
+            return native.decode(blocks, qtype, torch.empty(shape) if out is None else out).view(shape)
+        return _native_cast(blocks, qtype, shape, step, torch.empty(shape, dtype=dtype) if out is None else out)
     if out is None and bs == 1:  # float types: one conversion pass, nothing to chunk; copy=True so
         # the result never aliases raw (an in-place update must not write into a module's buffer)
         return fn(blocks).reshape(shape).to(dtype, copy=True)

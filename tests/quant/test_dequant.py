@@ -2,7 +2,9 @@
 
 References: llama.cpp's own ``to_float`` (libggml through ctypes, the ``ggml_to_float``
 fixture) and gguf-py's numpy port ``gguf.quants.dequantize``. Data: tensors llama.cpp itself
-quantized (``random_llama``), and random blocks with finite f16 scales in odd shapes.
+quantized (``random_llama``), and random blocks with finite f16 scales in odd shapes. The tests
+taking ``decoders`` run twice: with the native CPU decoders of the types they have (the default
+on CPU) and with the torch decoders alone (every other device's path).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from ggtorch.errors import BadGGUF, Unsupported
 from ggtorch.io.gguf import read_gguf
-from ggtorch.quant import SUPPORTED_TYPES, block_size, dequantize, row_nbytes, type_size
+from ggtorch.quant import SUPPORTED_TYPES, block_size, dequantize, native, row_nbytes, type_size
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -27,6 +29,13 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(params=["native", "torch"])
+def decoders(request, monkeypatch) -> str:
+    """Which decoders ``dequantize`` takes on CPU: the native ones where they exist, or torch's only."""
+    monkeypatch.setattr(native, "ENABLED", request.param == "native")
+    return request.param
 
 
 # Byte offsets of each type's f16 scale fields (from the block structs in ggml-common.h).
@@ -108,7 +117,7 @@ def random_blocks(ggml_type: T, shape: tuple[int, ...], seed: int = 0) -> np.nda
 
 
 @pytest.mark.parametrize("ftype", list(FTYPES))
-def test_llama_cpp_quantized_tensors(ftype: str, random_llama, ggml_to_float) -> None:
+def test_llama_cpp_quantized_tensors(ftype: str, random_llama, ggml_to_float, decoders: str) -> None:
     """Every tensor of a model llama.cpp quantized decodes like llama.cpp and gguf-py decode it."""
     f = read_gguf(random_llama(ftype))
     seen = set()
@@ -129,7 +138,7 @@ CHUNK_TYPES = sorted((t for t in SUPPORTED_TYPES if t not in (*FLOAT_TYPES, T.IQ
 
 
 @pytest.mark.parametrize("ggml_type", CHUNK_TYPES, ids=lambda t: t.name)
-def test_ggml_quantize_chunk_output(ggml_type: T, ggml_quantize, ggml_to_float) -> None:
+def test_ggml_quantize_chunk_output(ggml_type: T, ggml_quantize, ggml_to_float, decoders: str) -> None:
     """Quantized types, including those no llama.cpp ftype here produces (IQ2_XXS, IQ2_XS,
     IQ3_*, TQ*, MXFP4, NVFP4), on realistic blocks made by llama.cpp's own quantizer."""
     rng = np.random.default_rng(int(ggml_type))
@@ -156,7 +165,7 @@ ODD_SHAPES = [
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # MXFP4 scales up to 2^127
 @pytest.mark.parametrize("make_shape", ODD_SHAPES)
 @pytest.mark.parametrize("ggml_type", RANDOM_BLOCK_TYPES, ids=lambda t: t.name)
-def test_random_blocks(ggml_type: T, make_shape, ggml_to_float) -> None:
+def test_random_blocks(ggml_type: T, make_shape, ggml_to_float, decoders: str) -> None:
     shape = make_shape(block_size(ggml_type))
     raw = random_blocks(ggml_type, shape)
     got = dequantize(torch.from_numpy(raw), ggml_type, shape)

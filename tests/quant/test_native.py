@@ -1,0 +1,167 @@
+"""The native CPU decoders (ggtorch/quant/native.c) against llama.cpp's ``to_float`` and the torch decoders.
+
+The torch decoders stay the path on every other device and where no C compiler is found, so both must give
+llama.cpp's values: each test here decodes the same blocks both ways. ``test_dequant.py`` checks the torch
+decoders alone against llama.cpp and gguf-py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+import ggtorch.quant as quant
+from ggtorch.quant import DEQUANTIZERS, dequantize, native
+from tests.quant.test_dequant import assert_bits_equal, random_blocks
+
+NATIVE = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+"""The types native.c decodes."""
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) on this machine")
+
+F16_SPECIALS = np.array([0.0, -0.0, 6e-8, -3e-5, 65504.0, np.inf, -np.inf, np.nan, 1.0, -0.02], dtype=np.float16)
+"""Scale values whose f16 -> f32 widening has its own branch in native.c: zeros, subnormals, the largest finite,
+infinities, NaN, and ordinary values."""
+
+
+@pytest.fixture(autouse=True)
+def _native_on(monkeypatch):
+    monkeypatch.setattr(native, "ENABLED", True)
+
+
+def _torch_decoded(raw: torch.Tensor, ggml_type: T) -> torch.Tensor:
+    """The torch decoder's values for ``raw`` (flat f32)."""
+    return DEQUANTIZERS[ggml_type](raw.reshape(-1, GGML_QUANT_SIZES[ggml_type][1])).reshape(-1)
+
+
+def test_the_library_builds_here_and_has_its_types() -> None:
+    assert native.native_types() == frozenset(NATIVE)
+
+
+@pytest.mark.parametrize("ggml_type", NATIVE, ids=lambda t: t.name)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_random_blocks_decode_as_llama_cpp_and_torch_do(ggml_type: T, threads: int, ggml_to_float,
+                                                        monkeypatch) -> None:
+    """Odd block counts split over 1-3 threads (uneven shares), every block decoded as both references do."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    bs = GGML_QUANT_SIZES[ggml_type][0]
+    for shape in [(bs,), (7, 3 * bs), (301, 2 * bs)]:
+        raw = torch.from_numpy(random_blocks(ggml_type, shape, seed=threads))
+        assert native.decodes(raw.reshape(-1, GGML_QUANT_SIZES[ggml_type][1]), ggml_type)
+        got = dequantize(raw, ggml_type, shape)
+        assert got.shape == shape
+        assert_bits_equal(got, ggml_to_float(raw.numpy(), ggml_type), f"{ggml_type.name} {shape} vs llama.cpp")
+        assert_bits_equal(got, _torch_decoded(raw, ggml_type).numpy(), f"{ggml_type.name} {shape} vs torch")
+
+
+@pytest.mark.parametrize("ggml_type", NATIVE, ids=lambda t: t.name)
+def test_special_scales_decode_as_llama_cpp_does(ggml_type: T, ggml_to_float) -> None:
+    """Every f16 scale field set to zeros, subnormals, infinities, NaN: the same values (NaN where llama.cpp
+    has NaN) as llama.cpp and the torch decoder."""
+    bs, ts = GGML_QUANT_SIZES[ggml_type]
+    blocks = random_blocks(ggml_type, (len(F16_SPECIALS) * bs,), seed=3).reshape(-1, ts)
+    offsets = {T.Q4_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[ggml_type]
+    for k, offset in enumerate(offsets):
+        scales = np.roll(F16_SPECIALS, k)  # d and dmin meet different specials
+        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    raw = torch.from_numpy(blocks)
+    got = dequantize(raw, ggml_type, (blocks.shape[0] * bs,))
+    assert_bits_equal(got, ggml_to_float(blocks, ggml_type), f"{ggml_type.name} vs llama.cpp")
+    assert_bits_equal(got, _torch_decoded(raw, ggml_type).numpy(), f"{ggml_type.name} vs torch")
+
+
+@pytest.mark.parametrize("ggml_type", NATIVE, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_into_out_and_other_dtypes_in_chunks(ggml_type: T, dtype: torch.dtype, monkeypatch) -> None:
+    """Into a given ``out`` and into bf16 (decoded in f32 chunks, each cast): the torch decoders' result."""
+    monkeypatch.setattr(quant, "CHUNK_VALUES", 3 * 256)  # several chunks, the last one short
+    shape = (5, 7 * 256)
+    raw = torch.from_numpy(random_blocks(ggml_type, shape, seed=5))
+    expected = _torch_decoded(raw, ggml_type).to(dtype).reshape(shape)
+    out = torch.full(shape, 7.0, dtype=dtype)
+    assert dequantize(raw, ggml_type, shape, dtype, out=out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, expected)
+    assert torch.equal(dequantize(raw, ggml_type, shape, dtype), expected)
+
+
+def test_a_view_of_blocks_or_another_device_keeps_the_torch_decoders() -> None:
+    raw = torch.from_numpy(random_blocks(T.Q4_0, (4, 64)))  # (4, 36): two blocks per row
+    assert not native.decodes(raw[:, :18], T.Q4_0)  # every other block: not one piece
+    assert not native.decodes(raw.reshape(-1, 18), T.Q4_1)  # a type native.c has not
+    assert not native.decodes(raw.reshape(-1, 18).to("meta"), T.Q4_0)
+    every_other = raw[:, :18]
+    assert torch.equal(dequantize(every_other, T.Q4_0, (4, 32)), _torch_decoded(every_other.contiguous(), T.Q4_0)
+                       .reshape(4, 32))
+
+
+def test_disabled_means_the_torch_decoders(monkeypatch) -> None:
+    monkeypatch.setattr(native, "ENABLED", False)
+    monkeypatch.setattr(native, "decode", lambda *a: pytest.fail("native.decode called while disabled"))
+    raw = torch.from_numpy(random_blocks(T.Q4_K, (2, 256)))
+    assert torch.equal(dequantize(raw, T.Q4_K, (2, 256)), _torch_decoded(raw, T.Q4_K).reshape(2, 256))
+
+
+def test_decode_refuses_a_wrong_output() -> None:
+    raw = torch.from_numpy(random_blocks(T.Q8_0, (2, 32))).reshape(2, 34)
+    for bad in (torch.empty(63), torch.empty(64, dtype=torch.bfloat16), torch.empty(128)[::2]):
+        with pytest.raises(ValueError, match="out must be"):
+            native.decode(raw, T.Q8_0, bad)
+
+
+def test_decoding_runs_on_torch_s_openmp_runtime_and_loads_no_other() -> None:
+    """In a fresh process: the library links the OpenMP runtime torch loaded, not a second copy (whose
+    threads would compete with torch's spinning workers for the cores)."""
+    code = """
+import torch
+from pathlib import Path
+def gomps():
+    return {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+from ggtorch.quant import native  # (ggtorch's imports may load other packages' runtimes: before counts them)
+from gguf import GGMLQuantizationType as T
+before = gomps()
+assert native.native_types(), "not built"
+native.decode(torch.zeros(64, 18, dtype=torch.uint8), T.Q4_0, torch.empty(64 * 32))
+print(native.torch_openmp() is not None, gomps() == before, len(before))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    found, same, n = run.stdout.split()
+    if n == "0":
+        pytest.skip("this torch build loads no GNU OpenMP runtime")
+    assert found == "True" and same == "True", run.stdout
+
+
+def test_a_failed_build_leaves_nothing_behind(tmp_path) -> None:
+    target = tmp_path / "native.so"
+    assert not native._compile(["false"], None, target)
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+
+
+def _finetune(model, tmp_path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    text = tmp_path / "train.txt"
+    text.write_text("The cat sat on the mat. " * 200)
+    cmd = [sys.executable, "-m", "ggtorch", "finetune", "--model-base", str(model), "--train-data", str(text),
+           "--lora-out", str(tmp_path / "lora.gguf"), "--adam-iter", "1", "--ctx", "16", "--batch", "1",
+           "--save-every", "0", "--threads", "1"]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+def test_without_a_compiler_finetune_trains_on_torch_s_decoders_and_says_so(stories_q8, tmp_path) -> None:
+    """A failed build is no error: the run trains (through the torch decoders) and names the fix once."""
+    broken = _finetune(stories_q8, tmp_path, {"CC": "false", "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert broken.returncode == 0, broken.stderr
+    assert broken.stdout.count("note: no C compiler (cc) found") == 1, broken.stdout
+    assert (tmp_path / "lora.gguf").exists()
+    built = _finetune(stories_q8, tmp_path, {"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert built.returncode == 0, built.stderr
+    assert "no C compiler" not in built.stdout
+    assert [p.suffix for p in (tmp_path / "cache" / "ggtorch").iterdir()] == [".so"]
