@@ -152,9 +152,10 @@ def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[
     blocks = raw.reshape(n_blocks, ts)
     step = max(1, CHUNK_VALUES // bs)
     if native.decodes(blocks, qtype):
-        if dtype == torch.float32:  # one pass straight into the result, no temporaries to bound
-            return native.decode(blocks, qtype, torch.empty(shape) if out is None else out).view(shape)
-        return _native_cast(blocks, qtype, shape, step, torch.empty(shape, dtype=dtype) if out is None else out)
+        result = torch.empty(shape, dtype=dtype) if out is None else out
+        if dtype in native.OUT_DTYPES:  # one pass straight into the result, no temporaries to bound
+            return native.decode(blocks, qtype, result).view(shape)
+        return _native_cast(blocks, qtype, shape, step, result)
     if out is None and bs == 1:  # float types: one conversion pass, nothing to chunk; copy=True so
         # the result never aliases raw (an in-place update must not write into a module's buffer)
         return fn(blocks).reshape(shape).to(dtype, copy=True)

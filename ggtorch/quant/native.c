@@ -126,17 +126,45 @@ static const struct { int ggml_type; decoder fn; int type_size, block_size; } TY
 };
 #define N_TYPES (int)(sizeof(TYPES) / sizeof(TYPES[0]))
 
-/* Decode n_blocks blocks of ggml type `ggml_type` from src into dst (n_blocks * block size f32) on
- * `threads` threads of the OpenMP runtime the library is linked to (torch's: native.py links the one
- * the process has loaded, so its workers, spinning after the last product, take the blocks at once
- * instead of competing with new threads for the cores), or on the caller's thread in a build without
- * OpenMP. Returns 0, or -1 when the type is not one of TYPES (the caller decodes it another way). */
-int ggtorch_dequantize(int ggml_type, const uint8_t *src, float *dst, int64_t n_blocks, int threads) {
+/* f32 -> bf16, rounding to nearest even as torch's .to(torch.bfloat16) does (NaN stays NaN) */
+static uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#define BF16_GROUP 4096 /* values decoded to f32 on the stack, then rounded: 16 KiB, in L1 */
+
+/* One thread's share: n blocks into f32 (bf16 == 0) or into bf16 through a small f32 buffer. */
+static void decode_share(decoder fn, const uint8_t *src, void *dst, int64_t n, int64_t type_size,
+                         int64_t block_size, int bf16) {
+    if (!bf16) {
+        fn(src, (float *)dst, n);
+        return;
+    }
+    float buf[BF16_GROUP];
+    const int64_t group = BF16_GROUP / block_size;
+    uint16_t *out = dst;
+    for (int64_t b = 0; b < n; b += group) {
+        const int64_t nb = n - b < group ? n - b : group;
+        fn(src + b * type_size, buf, nb);
+        for (int64_t i = 0; i < nb * block_size; ++i) out[b * block_size + i] = to_bf16(buf[i]);
+    }
+}
+
+/* Decode n_blocks blocks of ggml type `ggml_type` from src into dst (n_blocks * block size values: f32, or
+ * bf16 when `bf16` is not 0) on `threads` threads of the OpenMP runtime the library is linked to (torch's:
+ * native.py links the one the process has loaded, so its workers, spinning after the last product, take the
+ * blocks at once instead of competing with new threads for the cores), or on the caller's thread in a build
+ * without OpenMP. Returns 0, or -1 when the type is not one of TYPES (the caller decodes it another way). */
+int ggtorch_dequantize(int ggml_type, const uint8_t *src, void *dst, int64_t n_blocks, int threads, int bf16) {
     int t = 0;
     while (t < N_TYPES && TYPES[t].ggml_type != ggml_type) ++t;
     if (t == N_TYPES) return -1;
     const decoder fn = TYPES[t].fn;
     const int64_t type_size = TYPES[t].type_size, block_size = TYPES[t].block_size;
+    const int64_t value_size = bf16 ? 2 : 4;
     if (threads < 1 || n_blocks < 2 * threads) threads = 1;
     const int64_t per = n_blocks / threads, extra = n_blocks % threads;
 #ifdef _OPENMP
@@ -144,7 +172,8 @@ int ggtorch_dequantize(int ggml_type, const uint8_t *src, float *dst, int64_t n_
 #endif
     for (int k = 0; k < threads; ++k) {
         const int64_t b0 = k * per + (k < extra ? k : extra);
-        fn(src + b0 * type_size, dst + b0 * block_size, per + (k < extra));
+        decode_share(fn, src + b0 * type_size, (uint8_t *)dst + b0 * block_size * value_size, per + (k < extra),
+                     type_size, block_size, bf16);
     }
     return 0;
 }

@@ -3,7 +3,8 @@
 A quantized base is decoded chunk by chunk in every forward and backward, right after matrix
 products that have filled the caches with other data. The torch decoders take several passes over
 each chunk (widen, subtract, scale: each its own kernel, each reading and writing the f32 chunk);
-the C loops read a block once and write each value once. They mirror ggml's scalar
+the C loops read a block once and write each value once, in f32 or rounded to bf16 as torch rounds
+(the compute dtype of ``--dtype bf16``). They mirror ggml's scalar
 ``dequantize_row_*`` and give the same values bit for bit (tests/quant/test_native.py checks them
 against the torch decoders and llama.cpp).
 
@@ -33,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.autograd.graph import increment_version
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 log = logging.getLogger(__name__)
@@ -122,7 +124,8 @@ def _library() -> ctypes.CDLL | None:
     except OSError as e:
         log.info("ggtorch: could not load %s: %s", target, e)
         return None
-    lib.ggtorch_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.ggtorch_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                      ctypes.c_int]
     lib.ggtorch_dequantize.restype = ctypes.c_int
     lib.ggtorch_native_types.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
     lib.ggtorch_native_types.restype = ctypes.c_int
@@ -146,18 +149,25 @@ def decodes(blocks: torch.Tensor, ggml_type: GGMLQuantizationType) -> bool:
             and ggml_type in native_types())
 
 
+OUT_DTYPES = (torch.float32, torch.bfloat16)
+"""What the library writes: f32, or bf16 rounded from it to nearest even, as ``.to(torch.bfloat16)`` rounds."""
+
+
 def decode(blocks: torch.Tensor, ggml_type: GGMLQuantizationType, out: torch.Tensor) -> torch.Tensor:
     """Decode ``blocks`` ((n_blocks, type_size) uint8, :func:`decodes` true) into ``out``, a contiguous
-    f32 CPU tensor of n_blocks × block size values, on torch's intra-op thread count; returns ``out``."""
+    f32 or bf16 CPU tensor of n_blocks × block size values, on torch's intra-op thread count; returns ``out``."""
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     if blocks.dim() != 2 or blocks.shape[1] != type_size:
         raise ValueError(f"blocks must be (n_blocks, {type_size}) for {ggml_type.name}, not {tuple(blocks.shape)}")
-    if (out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous()
+    if (out.dtype not in OUT_DTYPES or out.device.type != "cpu" or not out.is_contiguous()
             or out.numel() != blocks.shape[0] * block_size):
-        raise ValueError(f"out must be a contiguous float32 CPU tensor of {blocks.shape[0] * block_size} values")
+        raise ValueError(f"out must be a contiguous float32 or bfloat16 CPU tensor of {blocks.shape[0] * block_size} "
+                         "values")
     lib = _library()
     assert lib is not None
     if lib.ggtorch_dequantize(int(ggml_type), blocks.data_ptr(), out.data_ptr(), blocks.shape[0],
-                              torch.get_num_threads()) != 0:
+                              torch.get_num_threads(), out.dtype == torch.bfloat16) != 0:
         raise ValueError(f"the native decoders have no {ggml_type.name}")
+    if not out.is_inference():  # written in place: a graph that saved out must see it changed, as after copy_
+        increment_version(out)
     return out

@@ -79,9 +79,10 @@ def test_special_scales_decode_as_llama_cpp_does(ggml_type: T, ggml_to_float) ->
 
 
 @pytest.mark.parametrize("ggml_type", NATIVE, ids=lambda t: t.name)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_into_out_and_other_dtypes_in_chunks(ggml_type: T, dtype: torch.dtype, monkeypatch) -> None:
-    """Into a given ``out`` and into bf16 (decoded in f32 chunks, each cast): the torch decoders' result."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_into_out_and_other_dtypes(ggml_type: T, dtype: torch.dtype, monkeypatch) -> None:
+    """Into a given ``out`` or new memory, in f32, bf16 (rounded in C) and f16 (decoded in f32 chunks, each
+    cast): the torch decoders' f32 values cast by torch."""
     monkeypatch.setattr(quant, "CHUNK_VALUES", 3 * 256)  # several chunks, the last one short
     shape = (5, 7 * 256)
     raw = torch.from_numpy(random_blocks(ggml_type, shape, seed=5))
@@ -90,6 +91,25 @@ def test_into_out_and_other_dtypes_in_chunks(ggml_type: T, dtype: torch.dtype, m
     assert dequantize(raw, ggml_type, shape, dtype, out=out).data_ptr() == out.data_ptr()
     assert torch.equal(out, expected)
     assert torch.equal(dequantize(raw, ggml_type, shape, dtype), expected)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_rounds_to_nearest_even_as_torch_does(threads: int, monkeypatch) -> None:
+    """Q8_0 with d = 1 + 2**-8: q·d lands exactly halfway between two bf16 values for odd q (ties go to the even
+    neighbour), beside non-ties, infinities and NaN scales: bit for bit torch's ``.to(torch.bfloat16)``."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    scales = np.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 65504.0, np.inf, np.nan, 2**-20], dtype=np.float16)
+    blocks = np.zeros((len(scales) * 40, 34), dtype=np.uint8)
+    blocks[:, :2] = np.tile(scales, 40).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = np.arange(blocks.shape[0] * 32, dtype=np.int64).reshape(-1, 32).astype(np.uint8)  # every int8
+    raw = torch.from_numpy(blocks)
+    got = native.decode(raw, T.Q8_0, torch.empty(raw.shape[0] * 32, dtype=torch.bfloat16))
+    expected = _torch_decoded(raw, T.Q8_0).to(torch.bfloat16)
+    assert torch.equal(got.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(got[finite].view(torch.int16), expected[finite].view(torch.int16))
+    f32 = _torch_decoded(raw, T.Q8_0)
+    assert (f32[finite].view(torch.int32) & 0xFFFF == 0x8000).sum() > 100  # ties were there to be rounded
 
 
 def test_a_view_of_blocks_or_another_device_keeps_the_torch_decoders() -> None:
@@ -111,7 +131,7 @@ def test_disabled_means_the_torch_decoders(monkeypatch) -> None:
 
 def test_decode_refuses_a_wrong_output() -> None:
     raw = torch.from_numpy(random_blocks(T.Q8_0, (2, 32))).reshape(2, 34)
-    for bad in (torch.empty(63), torch.empty(64, dtype=torch.bfloat16), torch.empty(128)[::2]):
+    for bad in (torch.empty(63), torch.empty(64, dtype=torch.float16), torch.empty(128)[::2]):
         with pytest.raises(ValueError, match="out must be"):
             native.decode(raw, T.Q8_0, bad)
 
@@ -165,3 +185,14 @@ def test_without_a_compiler_finetune_trains_on_torch_s_decoders_and_says_so(stor
     assert built.returncode == 0, built.stderr
     assert "no C compiler" not in built.stdout
     assert [p.suffix for p in (tmp_path / "cache" / "ggtorch").iterdir()] == [".so"]
+
+
+def test_writing_into_out_counts_as_an_in_place_change() -> None:
+    """A graph that saved ``out`` (a kept decoded matrix) must see it overwritten, as after ``copy_``."""
+    raw = torch.from_numpy(random_blocks(T.Q8_0, (2, 32))).reshape(2, 34)
+    out = torch.empty(64)
+    before = out._version
+    native.decode(raw, T.Q8_0, out)
+    assert out._version > before
+    with torch.inference_mode():  # inference tensors have no version to count
+        native.decode(raw, T.Q8_0, torch.empty(64))
