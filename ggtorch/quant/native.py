@@ -34,8 +34,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch.autograd.graph import increment_version
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch.autograd.graph import increment_version
 
 log = logging.getLogger(__name__)
 
