@@ -117,7 +117,8 @@ def _decoder(ggml_type: GGMLQuantizationType | int, name: str | None
 
 def _native_cast(blocks: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...], step: int,
                  out: torch.Tensor) -> torch.Tensor:
-    """Decode with the native library into ``out`` of another float dtype, through one reused f32 chunk."""
+    """Decode with the native library into ``out`` of a dtype it does not write (f16: ``native.OUT_DTYPES``),
+    through one reused f32 chunk, so no f32 copy of a whole big tensor is ever made."""
     bs = block_size(qtype)
     rows = out.view(blocks.shape[0], bs)
     chunk = torch.empty(min(step, blocks.shape[0]), bs)
