@@ -18,6 +18,7 @@ import click
 from ggtorch import api
 from ggtorch.cli.options import config_command, config_from_cli
 from ggtorch.errors import BadFlag
+from ggtorch.lora.layers import QUANT_BASES
 from ggtorch.ops import malloc
 from ggtorch.quant import native
 from ggtorch.training.config import (
@@ -89,10 +90,11 @@ def finetune(**values: Any) -> None:
          f"{trainer.model_config.n_embd}), base weights {config.base_dtype}, compute {config.dtype}, "
          f"device {trainer.device}, malloc {malloc.current()}")
     echo(f"LoRA: {n_trainable:,} trainable parameters; seed {trainer.seed}")
-    if (trainer.device.type == "cpu" and config.base_dtype == "quantized" and native.ENABLED
-            and not native.native_types()):
-        echo("note: no C compiler (cc) found, so Q4_0, Q8_0, Q4_K, Q5_K and Q6_K blocks decode through torch, "
-             "more slowly; install one (Debian/Ubuntu: apt install gcc) and the next run builds the faster decoders")
+    held = {m.ggml_type for m in trainer.model.modules() if isinstance(m, QUANT_BASES)} & native.TYPES
+    if trainer.device.type == "cpu" and held and native.ENABLED and not native.native_types():
+        names = ", ".join(sorted(t.name for t in held))
+        echo(f"note: no C compiler (cc) found, so the {names} blocks decode through torch, more slowly; install "
+             "one (Debian/Ubuntu: apt install gcc) and the next run builds the faster decoders")
     run_trainer(ctx, trainer, "only_write_lora", "lora_out")
 
 

@@ -178,7 +178,7 @@ int ggtorch_dequantize(int ggml_type, const uint8_t *src, void *dst, int64_t n_b
     return 0;
 }
 
-/* The ggml types this library decodes, for the loader to check against its own table. */
+/* The ggml types this library decodes, for native.py to check against its TYPES. */
 int ggtorch_native_types(int *out, int capacity) {
     for (int t = 0; t < N_TYPES && t < capacity; ++t) out[t] = TYPES[t].ggml_type;
     return N_TYPES;

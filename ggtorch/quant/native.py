@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 ENABLED = True
 """Decode the types :func:`native_types` lists with the C library on CPU; False keeps the torch decoders."""
 
+TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
+                   GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K})
+"""The types ``native.c`` decodes (its TYPES table): known without building it, and checked against the
+library by :func:`native_types`."""
+
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-ffp-contract=off", "-fPIC")
 """Compiler flags besides the CPU's (``-march=native`` when the compiler takes it) and OpenMP's."""
@@ -140,7 +145,12 @@ def native_types() -> frozenset[GGMLQuantizationType]:
         return frozenset()
     ids = (ctypes.c_int * 16)()
     n = lib.ggtorch_native_types(ids, len(ids))
-    return frozenset(GGMLQuantizationType(ids[i]) for i in range(min(n, len(ids))))
+    built = frozenset(GGMLQuantizationType(ids[i]) for i in range(min(n, len(ids))))
+    if built != TYPES:  # native.c's table and TYPES disagree: trust neither
+        log.info("ggtorch: %s decodes %s, not %s; quantized matrices decode through torch", SOURCE.name,
+                 sorted(t.name for t in built), sorted(t.name for t in TYPES))
+        return frozenset()
+    return built
 
 
 def decodes(blocks: torch.Tensor, ggml_type: GGMLQuantizationType) -> bool:

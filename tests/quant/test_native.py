@@ -23,7 +23,7 @@ from ggtorch.quant import DEQUANTIZERS, dequantize, native
 from tests.quant.test_dequant import assert_bits_equal, random_blocks
 
 NATIVE = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
-"""The types native.c decodes."""
+"""The types native.c decodes (written out here, not read from ggtorch)."""
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) on this machine")
 
@@ -43,7 +43,7 @@ def _torch_decoded(raw: torch.Tensor, ggml_type: T) -> torch.Tensor:
 
 
 def test_the_library_builds_here_and_has_its_types() -> None:
-    assert native.native_types() == frozenset(NATIVE)
+    assert native.native_types() == native.TYPES == frozenset(NATIVE)
 
 
 @pytest.mark.parametrize("ggml_type", NATIVE, ids=lambda t: t.name)
@@ -175,11 +175,17 @@ def _finetune(model, tmp_path, env: dict[str, str]) -> subprocess.CompletedProce
                           env={**os.environ, **env})
 
 
-def test_without_a_compiler_finetune_trains_on_torch_s_decoders_and_says_so(stories_q8, tmp_path) -> None:
-    """A failed build is no error: the run trains (through the torch decoders) and names the fix once."""
+def test_without_a_compiler_finetune_trains_on_torch_s_decoders_and_says_so(stories_q8, stories260k,
+                                                                            tmp_path) -> None:
+    """A failed build is no error: the run trains (through the torch decoders) and names the fix once; a base with
+    nothing the library decodes (F32) neither builds it nor gets the note."""
+    float_base = _finetune(stories260k, tmp_path, {"CC": "false", "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert float_base.returncode == 0, float_base.stderr
+    assert "no C compiler" not in float_base.stdout
     broken = _finetune(stories_q8, tmp_path, {"CC": "false", "XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert broken.returncode == 0, broken.stderr
-    assert broken.stdout.count("note: no C compiler (cc) found") == 1, broken.stdout
+    assert broken.stdout.count("note: no C compiler (cc) found, so the Q8_0 blocks decode through torch") == 1, \
+        broken.stdout
     assert (tmp_path / "lora.gguf").exists()
     built = _finetune(stories_q8, tmp_path, {"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert built.returncode == 0, built.stderr
