@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ggtorch.ops import lowrank
 from ggtorch.ops.matmul import Linear, mm, mm_t
 from ggtorch.quant.autograd import kept_dequantized, quant_mm, quant_mm_t
 from ggtorch.quant.modules import QuantExperts, QuantLinear
@@ -79,8 +80,9 @@ class _LoRAProduct(torch.autograd.Function):
     gradients of x (the base's and the delta's). Here the delta is added into the base's product
     in place and its input gradient into the base's. Computed in ``dtype`` (the autocast dtype, or
     x's), as autocast would compute the two F.linear calls; gradients come back in their tensors'
-    dtypes. The rank-r products go through ggtorch.ops.matmul too, whose oneDNN path is faster
-    than torch.mm's MKL for them in f32 on CPU.
+    dtypes. On CPU the rank-r products run in ggtorch.ops.lowrank, which reads each activation
+    once (the products of :func:`_lowrank_products` are the same formulas); elsewhere they go
+    through ggtorch.ops.matmul.
     """
 
     @staticmethod
@@ -89,9 +91,14 @@ class _LoRAProduct(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (N, in)
             a_c, b_c = a.to(dtype), b.to(dtype)  # (r, in), (out, r)
-            h = mm_t(x2, a_c)  # (N, r)
+            native = _lowrank_products(x2, a_c)
+            h = lowrank.project(x2, a_c) if native else mm_t(x2, a_c)  # (N, r)
             w = products.decode() if ctx.needs_input_grad[0] else None  # W kept for backward, or None
-            y = products.forward(x2, w).addmm_(h, b_c.T, alpha=scale)  # (N, out)
+            y = products.forward(x2, w)  # (N, out)
+            if native and lowrank.takes(y):
+                lowrank.expand_(y, h, b_c.T.contiguous(), scale)
+            else:
+                y.addmm_(h, b_c.T, alpha=scale)
         ctx.save_for_backward(x2, h, a_c, b_c, w)
         ctx.products, ctx.scale, ctx.x_meta = products, scale, (x.shape, x.dtype, a.dtype, b.dtype)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -103,14 +110,29 @@ class _LoRAProduct(torch.autograd.Function):
         grad_x = grad_a = grad_b = None
         with torch.autocast(grad_y.device.type, enabled=False):
             g = grad_y.reshape(-1, grad_y.shape[-1]).to(x2.dtype)  # (N, out)
-            grad_h = mm(g, b_c).mul_(ctx.scale)  # (N, r)
+            native = _lowrank_products(x2, a_c, h)
+            if native:
+                g = g.contiguous()
+            b_t = b_c.T.contiguous()  # (r, out)
+            grad_h = lowrank.project(g, b_t, ctx.scale) if native else mm(g, b_c).mul_(ctx.scale)  # (N, r)
             if ctx.needs_input_grad[0]:
                 acc = ctx.products.input_grad(g, w)  # (N, in)
-                acc.addmm_(grad_h.to(acc.dtype), a_c.to(acc.dtype))
+                if native and lowrank.takes(acc, grad_h):
+                    lowrank.expand_(acc, grad_h, a_c)
+                else:
+                    acc.addmm_(grad_h.to(acc.dtype), a_c.to(acc.dtype))
                 grad_x = acc.to(x_dtype).view(x_shape)
             if ctx.needs_input_grad[1]:
-                grad_a = mm(grad_h.T.contiguous(), x2).to(a_dtype)  # (r, in)
+                grad_a = (lowrank.reduce(x2, grad_h) if native
+                          else mm(grad_h.T.contiguous(), x2)).to(a_dtype)  # (r, in)
             if ctx.needs_input_grad[2]:
-                # h.T @ g, then transposed: g.T @ h would hand MKL a transposed (N, out) operand, a slow case
-                grad_b = mm(h.T.contiguous(), g).mul_(ctx.scale).T.contiguous().to(b_dtype)  # (out, r)
+                if native:
+                    grad_b = lowrank.reduce(g, h, ctx.scale).T.contiguous().to(b_dtype)  # (out, r)
+                else:  # h.T @ g, then transposed: g.T @ h would hand MKL a transposed (N, out) operand, a slow case
+                    grad_b = mm(h.T.contiguous(), g).mul_(ctx.scale).T.contiguous().to(b_dtype)
         return grad_x, grad_a, grad_b, None, None, None
+
+
+def _lowrank_products(x2: torch.Tensor, a: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the rank-r products of a layer with input rows ``x2`` and ``a`` (r, in) run in ggtorch.ops.lowrank."""
+    return a.shape[0] <= lowrank.MAX_RANK and lowrank.takes(x2, a, *others)

@@ -358,22 +358,39 @@ def _lora_product_module(base_kind: str, seed: int) -> tuple[LoRALinear, torch.G
     return m, gen
 
 
-@pytest.mark.parametrize("base_kind", ["Linear", "nn.Linear", "Q4_0", "Q4_0 chunked"])
-@pytest.mark.parametrize("x_grad", [True, False])
-@pytest.mark.parametrize("rank_r_kernel", ["default", "onednn"])
-def test_lora_product_against_the_formula_in_float64(base_kind: str, x_grad: bool, rank_r_kernel: str,
-                                                     monkeypatch) -> None:
-    """One-node LoRA (delta added into the base's product, input gradients summed in place) vs
-    y = x W^T + s (x A^T) B^T differentiated by autograd in float64, on 3-D input with s = 2; with
-    ggtorch.ops.matmul's size rule lifted, the rank-r products run on oneDNN (transposed operands too)."""
-    if rank_r_kernel == "onednn":
-        from ggtorch.ops import matmul
+def _rank_r_products(kernel: str, monkeypatch) -> list[str]:
+    """Route the one-node LoRA's rank-r products: ``lowrank`` through ggtorch.ops.lowrank's C loops (the
+    calls are recorded in the returned list), ``torch`` through ggtorch.ops.matmul as sized, ``onednn``
+    through oneDNN whatever the size (transposed operands too)."""
+    from ggtorch.ops import lowrank, matmul
 
+    calls: list[str] = []
+    if kernel == "lowrank":
+        if not lowrank.available():
+            pytest.skip("no C compiler to build ggtorch/ops/lowrank.c")
+        for name in ("project", "expand_", "reduce"):
+            fn = getattr(lowrank, name)
+            monkeypatch.setattr(lowrank, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+        return calls
+    monkeypatch.setattr(lowrank, "ENABLED", False)
+    if kernel == "onednn":
         if matmul._onednn_linear() is None:
             pytest.skip("this torch build has no oneDNN")
         monkeypatch.setattr(matmul, "ONEDNN_F32", True)
         monkeypatch.setattr(matmul, "ONEDNN_MIN_MACS", 0)
         monkeypatch.setattr(matmul, "ONEDNN_MIN_DIM", 0)
+    return calls
+
+
+@pytest.mark.parametrize("base_kind", ["Linear", "nn.Linear", "Q4_0", "Q4_0 chunked"])
+@pytest.mark.parametrize("x_grad", [True, False])
+@pytest.mark.parametrize("rank_r_kernel", ["lowrank", "torch", "onednn"])
+def test_lora_product_against_the_formula_in_float64(base_kind: str, x_grad: bool, rank_r_kernel: str,
+                                                     monkeypatch) -> None:
+    """One-node LoRA (delta added into the base's product, input gradients summed in place) vs
+    y = x W^T + s (x A^T) B^T differentiated by autograd in float64, on 3-D input with s = 2, with the
+    rank-r products in each of their kernels (:func:`_rank_r_products`)."""
+    calls = _rank_r_products(rank_r_kernel, monkeypatch)
     m, gen = _lora_product_module(base_kind, seed=4)
     base, (n_out, n_in) = m.base, PRODUCT_SHAPE
     x = torch.randn(3, 50, n_in, generator=gen).requires_grad_(x_grad)
@@ -381,6 +398,9 @@ def test_lora_product_against_the_formula_in_float64(base_kind: str, x_grad: boo
     y = m(x)
     assert type(y.grad_fn).__name__ == "_LoRAProductBackward"
     y.backward(grad_y)
+    if rank_r_kernel == "lowrank":  # forward: project, expand; backward: project, [expand], reduce twice
+        assert sorted(calls) == sorted(["project", "expand_", "project", "reduce", "reduce"]
+                                       + ["expand_"] * x_grad), calls
 
     w = (base.dequantized_weight() if isinstance(base, QuantLinear) else base.weight).double()
     a, b = (p.detach().double().requires_grad_() for p in (m.lora_a, m.lora_b))
@@ -402,9 +422,12 @@ def test_lora_product_against_the_formula_in_float64(base_kind: str, x_grad: boo
 
 
 @pytest.mark.parametrize("base_kind", ["Linear", "Q4_0"])
-def test_lora_product_under_bf16_autocast_computes_as_autocast_does(base_kind: str) -> None:
+@pytest.mark.parametrize("rank_r_kernel", ["lowrank", "torch"])
+def test_lora_product_under_bf16_autocast_computes_as_autocast_does(base_kind: str, rank_r_kernel: str,
+                                                                    monkeypatch) -> None:
     """Under autocast the one-node LoRA returns bf16, as F.linear would, with f32 gradients for
     f32 parameters and input, close to the two F.linear calls autocast runs."""
+    calls = _rank_r_products(rank_r_kernel, monkeypatch)
     m, gen = _lora_product_module(base_kind, seed=5)
     base, (n_out, n_in) = m.base, PRODUCT_SHAPE
     x = torch.randn(2, 40, n_in, generator=gen, requires_grad=True)
@@ -422,6 +445,7 @@ def test_lora_product_under_bf16_autocast_computes_as_autocast_does(base_kind: s
         assert y.dtype == torch.bfloat16
         y.backward(grad_y.bfloat16())
         results.append((y.detach().float(), x.grad, m.lora_a.grad, m.lora_b.grad))
+    assert len(calls) == 6 * (rank_r_kernel == "lowrank"), calls
     for got, want in zip(*results, strict=True):
         assert got.dtype == torch.float32
         assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999

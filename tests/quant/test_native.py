@@ -144,12 +144,13 @@ import torch
 from pathlib import Path
 def gomps():
     return {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+from ggtorch.ops import clib
 from ggtorch.quant import native  # (ggtorch's imports may load other packages' runtimes: before counts them)
 from gguf import GGMLQuantizationType as T
 before = gomps()
 assert native.native_types(), "not built"
 native.decode(torch.zeros(64, 18, dtype=torch.uint8), T.Q4_0, torch.empty(64 * 32))
-print(native.torch_openmp() is not None, gomps() == before, len(before))
+print(clib.torch_openmp() is not None, gomps() == before, len(before))
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -157,12 +158,6 @@ print(native.torch_openmp() is not None, gomps() == before, len(before))
     if n == "0":
         pytest.skip("this torch build loads no GNU OpenMP runtime")
     assert found == "True" and same == "True", run.stdout
-
-
-def test_a_failed_build_leaves_nothing_behind(tmp_path) -> None:
-    target = tmp_path / "native.so"
-    assert not native._compile(["false"], None, target)
-    assert not target.exists() and list(tmp_path.iterdir()) == []
 
 
 def _finetune(model, tmp_path, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -190,7 +185,7 @@ def test_without_a_compiler_finetune_trains_on_torch_s_decoders_and_says_so(stor
     built = _finetune(stories_q8, tmp_path, {"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert built.returncode == 0, built.stderr
     assert "no C compiler" not in built.stdout
-    assert [p.suffix for p in (tmp_path / "cache" / "ggtorch").iterdir()] == [".so"]
+    assert [p.suffix for p in (tmp_path / "cache" / "ggtorch").glob("native-*")] == [".so"]
 
 
 def test_writing_into_out_counts_as_an_in_place_change() -> None:

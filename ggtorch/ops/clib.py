@@ -1,0 +1,122 @@
+"""C libraries ggtorch builds on first use (``quant/native.c``, ``ops/lowrank.c``) and loads with ctypes.
+
+A library is compiled with the system's C compiler (``cc``, or ``$CC``) for the CPU it runs on into
+``$XDG_CACHE_HOME/ggtorch`` (``~/.cache/ggtorch``), once per source, flags, compiler, OpenMP runtime and
+CPU: no build step at install time and no Python headers. Without a compiler, callers keep their torch
+code, which computes the same thing.
+
+Its loops are split over torch's intra-op threads on torch's own OpenMP runtime, which the library is
+linked to by path (:func:`torch_openmp`): threads of their own would compete for the cores with torch's
+workers, which spin for a while after every product. Where that runtime cannot be found, the library is
+built without OpenMP and runs on the calling thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$XDG_CACHE_HOME/ggtorch`` or ``~/.cache/ggtorch``."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "ggtorch"
+
+
+def compiler() -> list[str]:
+    """The C compiler command: ``$CC`` split as a shell would, else ``cc`` on the PATH; [] when there is none."""
+    cc = shlex.split(os.environ.get("CC", ""))
+    if cc:
+        return cc
+    found = shutil.which("cc")
+    return [found] if found else []
+
+
+def _cpu_identity() -> str:
+    """The CPU model and features: a library built with -march=native runs only where they match."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() + platform.machine()
+    keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
+    return platform.machine() + "\n".join(sorted(set(keep)))
+
+
+def torch_openmp() -> Path | None:
+    """The GNU OpenMP runtime torch runs its CPU kernels on, as this process has loaded it: the one in
+    torch's own folder (pip wheels bundle it), else the only one loaded; None when unsure (other
+    packages bundle their own copies), without /proc, or for another runtime."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    loaded = {Path(fields[-1]) for fields in map(str.split, maps)
+              if len(fields) >= 6 and Path(fields[-1]).name.startswith("libgomp")}
+    in_torch = [p for p in loaded if Path(torch.__file__).parent in p.parents]
+    found = in_torch or (list(loaded) if len(loaded) == 1 else [])
+    return found[0] if len(found) == 1 and found[0].exists() else None
+
+
+def _commands(cc: list[str], source: Path, flags: tuple[str, ...], openmp: Path | None, march: list[str],
+              obj: str, target: str) -> list[list[str]]:
+    """The compiler runs that build the library: with OpenMP, compiled with -fopenmp and linked to torch's
+    runtime itself (not the compiler's -lgomp, which could load a second runtime with its own threads)."""
+    if openmp is None:
+        return [[*cc, *flags, "-fPIC", *march, "-shared", str(source), "-o", target]]
+    return [[*cc, *flags, "-fPIC", *march, "-fopenmp", "-c", str(source), "-o", obj],
+            [*cc, "-shared", obj, str(openmp), "-o", target]]
+
+
+def compile_library(cc: list[str], source: Path, flags: tuple[str, ...], openmp: Path | None, target: Path) -> bool:
+    """Build ``source`` into ``target`` (written whole or not at all: ranks of one run may build it at once),
+    for this CPU (``-march=native``) when the compiler takes it, else for its default target."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, built = str(Path(tmp) / "lib.o"), str(Path(tmp) / "lib.so")
+        for march in (["-march=native"], []):
+            try:
+                for cmd in _commands(cc, source, flags, openmp, march, obj, built):
+                    subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+            except subprocess.CalledProcessError as e:
+                log.info("ggtorch: %s failed: %s", shlex.join(e.cmd), (e.stderr or "").strip()[-500:])
+                continue
+            except (OSError, subprocess.SubprocessError) as e:
+                log.info("ggtorch: could not compile %s: %s", source.name, e)
+                return False
+            os.replace(built, target)
+            return True
+    return False
+
+
+@functools.cache
+def load(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """``source`` built with ``flags`` (besides ``-fPIC``, the CPU's and OpenMP's) and loaded, building it first
+    when the cache has no copy; None when there is no compiler or the build or the load fails. The caller
+    declares the functions' argument types."""
+    cc = compiler()
+    if not cc or not source.exists():
+        log.info("ggtorch: no C compiler (cc or $CC) to build %s; its work runs through torch", source.name)
+        return None
+    openmp = torch_openmp()
+    key = hashlib.sha256(source.read_bytes() + repr((cc, flags, str(openmp), _cpu_identity())).encode())
+    target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if not target.exists() and not compile_library(cc, source, flags, openmp, target):
+        return None
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as e:
+        log.info("ggtorch: could not load %s: %s", target, e)
+        return None

@@ -1,0 +1,107 @@
+"""LoRA's rank-r products on CPU in one pass over the activation (``lowrank.c``), built on first use.
+
+A LoRA step multiplies every adapted layer's input and output gradient by matrices r columns wide:
+``x @ A.T`` and ``y += s·h @ B.T`` forward, ``g @ B``, ``h.T @ g``, ``g_h.T @ x`` and ``acc += g_h @ A``
+backward. For a GEMM those are degenerate shapes, paid for by the cost of reading the activation
+several times; :mod:`ggtorch.ops.clib` builds ``lowrank.c``, whose loops read it once.
+
+:func:`project`, :func:`expand_` and :func:`reduce` compute what their torch formulas compute (f32
+accumulation, bf16 rounded as torch rounds), for contiguous f32 or bf16 CPU tensors of rank up to
+:data:`MAX_RANK` (:func:`takes`); their results do not depend on the thread count. Elsewhere (other
+devices, other dtypes, no compiler, ``ENABLED = False``) callers keep torch's products.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from torch.autograd.graph import increment_version
+
+from ggtorch.ops import clib
+
+ENABLED = True
+"""Run the rank-r products of :func:`takes` operands in the C library; False keeps torch's products."""
+
+MAX_RANK = 16
+"""Widest r the library takes: past it a GEMM's blocking pays for itself and oneDNN or BLAS is as fast."""
+
+SOURCE = Path(__file__).with_name("lowrank.c")
+FLAGS = ("-O3",)
+"""Compiler flags besides those :func:`ggtorch.ops.clib.load` adds: products and sums may fuse into FMAs."""
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = clib.load(SOURCE, FLAGS)
+    if lib is None:
+        return None
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.ggtorch_lowrank_project.argtypes = [p, p, p, i64, i64, i32, f32, i32, i32]
+    lib.ggtorch_lowrank_expand.argtypes = [p, p, p, i64, i64, i32, f32, i32, i32]
+    lib.ggtorch_lowrank_reduce.argtypes = [p, p, p, i64, i64, i32, f32, i32, i32]
+    for fn in (lib.ggtorch_lowrank_project, lib.ggtorch_lowrank_expand, lib.ggtorch_lowrank_reduce):
+        fn.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the library is built (or can be) and enabled."""
+    return ENABLED and _library() is not None
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether the library computes with these operands: contiguous CPU tensors of one dtype of
+    :data:`DTYPES`, none of them wider than :data:`MAX_RANK` in the rank dimension the caller checks."""
+    first = tensors[0]
+    return (ENABLED and first.dtype in DTYPES and all(
+        t.device.type == "cpu" and t.dtype == first.dtype and t.is_contiguous() for t in tensors)
+        and _library() is not None)
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def project(x: torch.Tensor, m: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``scale · x @ m.T`` for x (N, K) and m (r, K), in their dtype: the (N, r) projection of an activation."""
+    (n, k), r = x.shape, m.shape[0]
+    if m.shape[1] != k:
+        raise ValueError(f"project: x is {tuple(x.shape)} and m {tuple(m.shape)}")
+    out = torch.empty(n, r, dtype=x.dtype)
+    lib = _library()
+    assert lib is not None
+    lib.ggtorch_lowrank_project(x.data_ptr(), m.data_ptr(), out.data_ptr(), n, k, r, scale,
+                                x.dtype == torch.bfloat16, _threads())
+    return out
+
+
+def expand_(y: torch.Tensor, h: torch.Tensor, mt: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``y += scale · h @ mt`` in place for y (N, M), h (N, r) and mt (r, M), one dtype; returns y."""
+    (n, m), r = y.shape, h.shape[1]
+    if h.shape[0] != n or mt.shape != (r, m):
+        raise ValueError(f"expand_: y is {tuple(y.shape)}, h {tuple(h.shape)} and mt {tuple(mt.shape)}")
+    lib = _library()
+    assert lib is not None
+    lib.ggtorch_lowrank_expand(y.data_ptr(), h.data_ptr(), mt.data_ptr(), n, m, r, scale,
+                               y.dtype == torch.bfloat16, _threads())
+    if not y.is_inference():  # written in place: a graph that saved y must see it changed
+        increment_version(y)
+    return y
+
+
+def reduce(x: torch.Tensor, h: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``scale · h.T @ x`` for x (N, K) and h (N, r), in f32 whatever their dtype: a rank-r gradient."""
+    (n, k), r = x.shape, h.shape[1]
+    if h.shape[0] != n:
+        raise ValueError(f"reduce: x is {tuple(x.shape)} and h {tuple(h.shape)}")
+    out = torch.empty(r, k, dtype=torch.float32)
+    lib = _library()
+    assert lib is not None
+    lib.ggtorch_lowrank_reduce(x.data_ptr(), h.data_ptr(), out.data_ptr(), n, k, r, scale,
+                               x.dtype == torch.bfloat16, _threads())
+    return out
