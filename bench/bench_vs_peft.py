@@ -138,13 +138,17 @@ class Case:
     group: str = ""
     """Rows next to each other with the same group run all their processes together, taking turns (the
     110M f32 and bf16 rows: the bf16 row's ratio to the peer in f32 then compares steps that took turns)."""
+    relay: bool = False
+    """In a group, this row's ggtorch side starts when the row before has ended its own, and takes turns with
+    that row's peer process, which goes on with more steps (:func:`run_relay`): the peer of :attr:`peer_case`
+    is measured in the same spells without a third process resident."""
 
     @property
     def peer_case(self) -> Case:
         """The case whose peer runs measure this one: the peer has no --keep-dequantized-mib, so a keep
         row shares the peer of the same row without it instead of measuring the same work again; a row
         with a :attr:`peer_dtype` shares the peer of the row in that dtype."""
-        return replace(self, keep_mib=0, dtype=self.peer_dtype or self.dtype, peer_dtype="")
+        return replace(self, keep_mib=0, dtype=self.peer_dtype or self.dtype, peer_dtype="", relay=False)
 
     def side_warmup(self, side: str) -> int:
         """Warm-up steps of ``side`` in this case."""
@@ -186,11 +190,13 @@ def full_cases(jemalloc: bool) -> list[Case]:
         # not a target: what --keep-dequantized-mib buys (one decode per matrix and step) and costs (memory),
         # against the peer runs of the row above (Case.peer_case)
         replace(base, shape="1.1B", ftype="Q4_0", batch=1, steps=2, keep_mib=KEEP_MIB),
-        # gemma3-270M: ggtorch in f32 against the peer in f32, then ggtorch in bf16 alone against those peer runs
-        # (Case.peer_case). Not in one group: beside the peer's 8 GiB, a third process resident slowed the peer
-        # more than ggtorch (memory pressure), which flattered ggtorch.
-        replace(base, shape="gemma3-270M", ftype="Q8_0"),
-        replace(base, shape="gemma3-270M", ftype="Q8_0", dtype="bf16", peer_dtype="f32"),
+        # gemma3-270M: ggtorch in f32 against the peer in f32, then ggtorch in bf16 against the same peer process,
+        # which takes more steps in turn with it (a relay: beside the peer's 8 GiB, a third process resident slowed
+        # the peer more than ggtorch, memory pressure that flattered ggtorch; alone, the bf16 row met other spells
+        # than its peer's and two full runs gave 2.55x and 2.12x)
+        replace(base, shape="gemma3-270M", ftype="Q8_0", group="gemma3-270M"),
+        replace(base, shape="gemma3-270M", ftype="Q8_0", dtype="bf16", peer_dtype="f32", group="gemma3-270M",
+                relay=True),
     ]
     if jemalloc:  # one run per side, to keep the second pairing short
         rows += [replace(c, malloc="jemalloc", repeat=1) for c in rows
@@ -577,6 +583,54 @@ def run_sides(specs: dict[str, dict[str, Any]], timeout: float,
                 child.kill()
 
 
+def run_relay(legs: dict[str, dict[str, Any]], peer: tuple[str, dict[str, Any]], timeout: float,
+              command: Callable[[str, dict[str, Any], Path], list[str]] = child_command) -> dict[str, dict[str, Any]]:
+    """Each leg's side (a name and its spec, run one after the other) takes turns with one peer process that
+    runs through all of them: the peer loads first; each leg's child loads while the peer waits, takes turns
+    with it step by step (:func:`turn_order`, the peer's warm-up in the first leg only) and then ends alone,
+    the next loading after it, so only two processes are resident at a time. The peer's child runs its
+    warm-up and every leg's timed steps (``steps`` of its spec is ignored); its result is given to each leg
+    as the peer's run: its warm-up and that leg's timed steps. Returns every leg's result and the peer's, by
+    name (the peer's split per leg under ``"<peer name> <leg name>"``)."""
+    peer_name, peer_spec = peer
+    peer_steps = {name: spec["steps"] for name, spec in legs.items()}
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="ggtorch-bench-") as tmp:
+        spec = {**peer_spec, "steps": sum(peer_steps.values()), "turns": True}
+        child = _Child.start(command, peer_spec.get("kind", peer_name), spec, Path(tmp) / "peer", timeout)
+        peer_ok = _reports_idle(child)
+        try:
+            for i, (name, leg_spec) in enumerate(legs.items()):
+                leg = _Child.start(command, leg_spec.get("kind", name), {**leg_spec, "turns": True},
+                                   Path(tmp) / str(i), timeout)
+                try:
+                    leg_ok = _reports_idle(leg)
+                    peer_turns = (peer_spec["warmup"] if i == 0 else 0) + peer_steps[name]
+                    for side in turn_order({name: leg_spec["warmup"] + leg_spec["steps"], peer_name: peer_turns}):
+                        run = leg if side == name else child
+                        if (leg_ok if side == name else peer_ok):
+                            run.send("go")
+                            ok = _reports_idle(run)
+                            leg_ok, peer_ok = (ok, peer_ok) if side == name else (leg_ok, ok)
+                    results[name] = leg.result()  # its extra steps alone, the peer waiting
+                finally:
+                    leg.kill()
+            peer_result = child.result()
+        finally:
+            child.kill()
+    results[peer_name] = peer_result
+    warmup = peer_spec["warmup"]
+    start = warmup
+    for name, n in peer_steps.items():
+        part = dict(peer_result)
+        for key in ("step_s", "cpu_s", "loss"):
+            if key in peer_result:
+                part[key] = peer_result[key][:warmup] + peer_result[key][start:start + n]
+        results[f"{peer_name} {name}"] = part
+        start += n
+    return results
+
+
 def turn_order(steps: dict[str, int]) -> list[str]:
     """Which side runs each step when the sides take turns: the steps a side has beyond the fewest (its
     longer warm-up) first, then one step of each side in turn, so that the sides' last steps, the timed
@@ -860,7 +914,14 @@ def main() -> None:
             read_into_page_cache(path)
             pending.append(plan(case, spec, {"case": case, "gemm": gemm[(case.shape, n_rows)]}, sides, peer_runs))
         building += built
+        relay = len(pending) > 1 and all(p.case.relay for p in pending[1:]) and "ggtorch" in sides
         for _ in range(max((p.case.repeat for p in pending), default=0)):
+            if relay:  # the rows' ggtorch sides one after the other, each in turn with the first row's peer
+                relayed = relay_group(pending, sides, args.timeout)
+                for p in pending:
+                    for side in sides:
+                        p.runs[side].append(relayed[p.side_name(side)])
+                continue
             # every measured side of the group in its own process, all taking turns step by step (run_sides), so
             # a slow spell of the machine hits them alike
             results = run_sides({p.side_name(side): p.side_spec(side) for p in pending for side in p.measured},
@@ -870,7 +931,7 @@ def main() -> None:
                     p.runs[side].append(results[p.side_name(side)])
         for p in pending:
             case, row, runs = p.case, p.row, p.runs
-            if "peer" in p.measured:
+            if "peer" in p.measured and not (relay and case.relay):
                 peer_runs[case.peer_case] = runs["peer"]
             row["wall_s"] = time.perf_counter() - t - built
             row["together"] = len(pending)
@@ -915,6 +976,20 @@ class _Pending:
         """What the side's child gets: the case (for the peer, its :attr:`Case.peer_case`), its kind and warm-up."""
         case = self.case.peer_case if side == "peer" else self.case
         return {**self.spec, **asdict(case), "kind": side, "warmup": case.side_warmup(side)}
+
+
+def relay_group(pending: list[_Pending], sides: list[str], timeout: float) -> dict[str, dict[str, Any]]:
+    """One run of a relay group (:attr:`Case.relay`): every row's ggtorch side in order against the first row's
+    peer (:func:`run_relay`), or the ggtorch sides alone one after the other without a peer side. Each row's
+    results by :meth:`_Pending.side_name`, the peer's being its share of the peer's steps."""
+    legs = {p.side_name("ggtorch"): p.side_spec("ggtorch") for p in pending}
+    if "peer" not in sides:
+        return {name: run_sides({name: spec}, timeout)[name] for name, spec in legs.items()}
+    first = pending[0]
+    results = run_relay(legs, (first.side_name("peer"), first.side_spec("peer")), timeout)
+    peer = first.side_name("peer")
+    return {**{name: results[name] for name in legs},
+            **{p.side_name("peer"): results[f"{peer} {p.side_name('ggtorch')}"] for p in pending}}
 
 
 def plan(case: Case, spec: dict[str, Any], row: dict[str, Any], sides: list[str],
@@ -1098,9 +1173,11 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "extra warm-up steps first and then one step of each side in turn, so both sides' timed steps meet the same "
         "spells of the machine, whose speed drifts by 10-25% within minutes. The 110M f32 and bf16 rows run their four "
         "processes together, taking turns the same way, so that the bf16 row's ratio to the peer in f32 compares steps "
-        "that took turns too. The gemma3-270M bf16 row runs ggtorch alone, right after the f32 row, against that row's "
-        "peer in f32: beside the peer's 8 GiB a third process resident slowed the peer more than ggtorch (memory "
-        "pressure), which flattered ggtorch, so these two rows do not take turns together. ggtorch runs its `Trainer` "
+        "that took turns too. The gemma3-270M rows are a relay: the peer in f32 loads once and takes turns first with "
+        "ggtorch in f32, then, when that process has ended, with ggtorch in bf16, for as many more timed steps (each "
+        "row's peer figure is from the peer's steps in its own turns), so only two processes are resident at a time: "
+        "beside the peer's 8 GiB a third one slowed the peer more than ggtorch (memory pressure). ggtorch runs its "
+        "`Trainer` "
         "(what `ggtorch finetune` runs) with the base kept as stored in the GGUF (with bf16 compute, float matrices "
         "are held in bf16, as autocast would round them in every step); the peer loads the GGUF with transformers "
         "(dequantized on load) and wraps it with peft. Compute bf16 means bf16 autocast for ggtorch and a bf16 model "

@@ -104,17 +104,31 @@ def test_keep_row_shares_the_peer_of_its_twin(bench: Any) -> None:
     assert all(c.peer_case == c for c in cases if not c.keep_mib and not c.peer_dtype)
 
 
-def test_gemma_bf16_row_runs_alone_against_the_peer_in_f32_of_the_row_before(bench: Any) -> None:
+def test_gemma_rows_are_a_relay_against_one_peer_process_in_f32(bench: Any) -> None:
     cases = bench.full_cases(jemalloc=False)
     f32, bf16 = (c for c in cases if c.shape == "gemma3-270M")
-    assert bf16.dtype == "bf16" and bf16.peer_case == f32 and bench.together(cases)[-2:] == [[f32], [bf16]]
+    assert bf16.dtype == "bf16" and bf16.peer_case == f32 and bench.together(cases)[-1] == [f32, bf16]
+    assert bf16.relay and not f32.relay
     assert bf16.label == "gemma3-270M Q8_0 bf16 b4x256 vs peer f32"
     sides = ["ggtorch", "peer"]
-    first = bench.plan(f32, {"model": "m.gguf"}, {"case": f32}, sides, {})
-    assert first.measured == sides
-    first.runs["peer"].append({"step_s": [2.0]})  # as its group runs; main() then records them by peer case
-    later = bench.plan(bf16, {"model": "m.gguf"}, {"case": bf16}, sides, {f32: first.runs["peer"]})
-    assert later.measured == ["ggtorch"] and later.runs["peer"] == [{"step_s": [2.0]}]  # one process
+    pending = [bench.plan(c, {"model": "m.gguf"}, {"case": c}, sides, {}) for c in (f32, bf16)]
+    calls = []
+
+    def run_relay(legs, peer, timeout):
+        calls.append((list(legs), peer))
+        return {**{name: {"step_s": [1.0]} for name in legs},
+                **{f"{peer[0]} {name}": {"step_s": [float(i + 2)]} for i, name in enumerate(legs)}}
+
+    bench.run_relay, original = run_relay, bench.run_relay
+    try:
+        relayed = bench.relay_group(pending, sides, 60.0)
+    finally:
+        bench.run_relay = original
+    (legs, (peer_name, peer_spec)), = calls
+    assert legs == [p.side_name("ggtorch") for p in pending]  # f32 first, then bf16
+    assert peer_name == pending[0].side_name("peer") and peer_spec["dtype"] == "f32" and peer_spec["warmup"] == 3
+    assert relayed[pending[0].side_name("peer")] == {"step_s": [2.0]}  # each row: the peer's steps in its turns
+    assert relayed[pending[1].side_name("peer")] == {"step_s": [3.0]}
     # run on its own (--only), it measures its peer, in f32
     alone = bench.plan(bf16, {"model": "m.gguf"}, {"case": bf16}, sides, {})
     assert alone.measured == sides
@@ -293,7 +307,8 @@ for i in range(case["warmup"] + case["steps"]):
     spans.append((start, time.monotonic()))
 turns.end()
 released = time.monotonic()
-json.dump({"spans": spans, "released": released}, open(sys.argv[3], "w"))
+json.dump({"spans": spans, "released": released, "step_s": [b - a for a, b in spans],
+           "loss": list(range(len(spans)))}, open(sys.argv[3], "w"))
 """
 
 
@@ -307,6 +322,26 @@ def _turn_sides(bench: Any, specs: dict[str, dict[str, Any]]) -> dict[str, dict[
     return bench.run_sides({k: {"threads": 1, **s} for k, s in specs.items()}, 60.0, command)
 
 
+def _turn_command(kind: str, spec: dict[str, Any], result: Path) -> list[str]:
+    return [sys.executable, "-c", TURN_CHILD, str(ROOT / "bench" / "bench_vs_peft.py"), json.dumps(spec), str(result)]
+
+
+def test_a_relay_runs_each_leg_in_turn_with_one_peer_and_splits_its_steps(bench: Any) -> None:
+    legs = {"f32": {"threads": 1, "warmup": 1, "steps": 2}, "bf16": {"threads": 1, "warmup": 1, "steps": 3}}
+    results = bench.run_relay(legs, ("peer", {"threads": 1, "warmup": 3, "steps": 99}), 60.0, _turn_command)
+    assert all("error" not in r for r in results.values()), results
+    peer = results["peer"]
+    assert len(peer["spans"]) == 3 + 2 + 3  # its warm-up, then each leg's timed steps; its own steps ignored
+    spans = sorted((start, end, side) for side in ("f32", "bf16", "peer") for start, end in results[side]["spans"])
+    for (_, end, _), (start, _, _) in zip(spans, spans[1:], strict=False):
+        assert end <= start  # no two steps at once
+    order = [side for _, _, side in spans]
+    assert order == bench.turn_order({"f32": 3, "peer": 5}) + bench.turn_order({"bf16": 4, "peer": 3})
+    assert min(s for s, _ in results["bf16"]["spans"]) > results["f32"]["released"]  # the second leg after the first
+    assert results["peer f32"]["loss"] == [0, 1, 2, 3, 4] and results["peer bf16"]["loss"] == [0, 1, 2, 5, 6, 7]
+    assert results["peer bf16"]["step_s"] == peer["step_s"][:3] + peer["step_s"][5:]
+
+
 def test_turn_order_runs_the_longer_warmup_first_then_one_step_each(bench: Any) -> None:
     assert bench.turn_order({"ggtorch": 3, "peer": 5}) == ["peer", "peer", "ggtorch", "peer", "ggtorch", "peer",
                                                            "ggtorch", "peer"]
@@ -318,10 +353,15 @@ def test_rows_of_a_group_run_together_and_the_others_alone(bench: Any) -> None:
     groups = bench.together(cases)
     assert [c for g in groups for c in g] == cases
     pairs = [g for g in groups if len(g) > 1]
-    # the 110M f32 and bf16 rows, on each allocator: the bf16 row's ratio to the peer in f32 takes turns too
-    assert [[(c.dtype, c.malloc) for c in g] for g in pairs] == [[("f32", "system"), ("bf16", "system")],
-                                                                [("f32", "jemalloc"), ("bf16", "jemalloc")]]
-    assert all(c.shape == "110M" and c.ftype == "F32" and not c.checkpointing for g in pairs for c in g)
+    # the 110M f32 and bf16 rows, on each allocator: the bf16 row's ratio to the peer in f32 takes turns too;
+    # gemma3-270M's f32 and bf16 rows, a relay
+    assert [[(c.shape, c.dtype, c.malloc) for c in g] for g in pairs] == [
+        [("110M", "f32", "system"), ("110M", "bf16", "system")],
+        [("gemma3-270M", "f32", "system"), ("gemma3-270M", "bf16", "system")],
+        [("110M", "f32", "jemalloc"), ("110M", "bf16", "jemalloc")],
+        [("gemma3-270M", "f32", "jemalloc"), ("gemma3-270M", "bf16", "jemalloc")]]
+    assert all(c.ftype == "F32" and not c.checkpointing for g in pairs[::2] for c in g)
+    assert [c.relay for g in pairs for c in g] == [False, False, False, True] * 2
 
 
 def test_sides_take_turns_one_step_at_a_time(bench: Any) -> None:
