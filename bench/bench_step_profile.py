@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -92,10 +93,11 @@ def product_dims(name: str, shapes: Sequence[tuple[int, ...]]) -> tuple[int, int
     return 1, a[0], a[1], b[1]
 
 
-def op_kind(name: str, is_view: bool, dims: tuple[int, int, int, int] | None, decoding: bool) -> str:
-    """The kind (one of :data:`KINDS`) an aten op's time is counted in."""
-    if decoding:
-        return "dequantization"
+def op_kind(name: str, is_view: bool, dims: tuple[int, int, int, int] | None, inside: str | None) -> str:
+    """The kind (one of :data:`KINDS`) an aten op's time is counted in; ``inside``: the kind of the marked call
+    it runs in (a dequantization, a low-rank product of ggtorch.ops.lowrank), which takes its ops' time."""
+    if inside is not None:
+        return inside
     if dims is not None:
         if name.startswith(("bmm", "baddbmm")):
             return "attention products"
@@ -122,12 +124,12 @@ class Tally:
 
 
 class OpTimer(TorchDispatchMode):
-    """Times every aten op run while it is active into a :class:`Tally`; ``decoding`` > 0 marks the ops of a
-    dequantization (see :func:`marking_dequantization`)."""
+    """Times every aten op run while it is active into a :class:`Tally`; ``inside`` (a stack of kinds) marks the
+    ops of a marked call with its kind (see :func:`marking`)."""
 
     def __init__(self, tally: Tally, device: torch.device) -> None:
         super().__init__()
-        self.tally, self.decoding = tally, 0
+        self.tally, self.inside = tally, []
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -139,7 +141,7 @@ class OpTimer(TorchDispatchMode):
         name = func.overloadpacket.__name__
         shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
         dims = product_dims(name, shapes)
-        kind = op_kind(name, func.is_view, dims, self.decoding > 0)
+        kind = op_kind(name, func.is_view, dims, self.inside[0] if self.inside else None)
         self.tally.seconds[kind] += seconds
         if dims is not None:
             self.tally.flops[kind] += 2.0 * math.prod(dims)
@@ -148,29 +150,51 @@ class OpTimer(TorchDispatchMode):
         return out
 
 
+def marked(timer: OpTimer, kind: str, fn: Callable[..., Any], label: str = "outside aten ops",
+           flops: Callable[..., float] | None = None) -> Callable[..., Any]:
+    """``fn`` whose calls count as ``kind``: the aten ops they run, and the rest of their wall time (C loops run
+    outside any aten op, under ``label``), with ``flops(*args)`` multiply-adds × 2 when given."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        outermost, start = not timer.inside, time.perf_counter()
+        in_ops = timer.tally.seconds[kind]
+        timer.inside.append(kind)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            timer.inside.pop()
+            if outermost:
+                rest = time.perf_counter() - start - (timer.tally.seconds[kind] - in_ops)
+                timer.tally.seconds[kind] += rest
+                timer.tally.ops[(kind, label)] += rest
+                if flops is not None:
+                    timer.tally.flops[kind] += flops(*args)
+
+    return call
+
+
 @contextmanager
-def marking_dequantization(timer: OpTimer) -> Iterator[None]:
-    """Inside, every dequantization the training path makes counts as dequantization: its aten ops, and the rest
-    of its wall time (the C loops of ggtorch.quant.native run outside any aten op)."""
+def marking(timer: OpTimer) -> Iterator[None]:
+    """Inside, every dequantization the training path makes counts as dequantization, and every low-rank product
+    of ggtorch.ops.lowrank (C loops: no aten op) as a low-rank product, with its multiply-adds."""
+    from ggtorch.ops import lowrank
 
-    def marking(dequantize: Callable[..., Any]) -> Callable[..., Any]:
-        def marked(*args: Any, **kwargs: Any) -> Any:
-            outermost, start = timer.decoding == 0, time.perf_counter()
-            in_ops = timer.tally.seconds["dequantization"]
-            timer.decoding += 1
-            try:
-                return dequantize(*args, **kwargs)
-            finally:
-                timer.decoding -= 1
-                if outermost:  # the call's time outside aten ops: the native decoders' C loops, Python
-                    rest = time.perf_counter() - start - (timer.tally.seconds["dequantization"] - in_ops)
-                    timer.tally.seconds["dequantization"] += rest
-                    timer.tally.ops[("dequantization", "outside aten ops")] += rest
+    def rank_r(x: torch.Tensor, small: torch.Tensor, *rest: Any) -> float:  # (N, K) and (r, K) or (N, r)
+        return 2.0 * x.shape[0] * x.shape[1] * min(small.shape)
 
-        return marked
+    def expand(y: torch.Tensor, h: torch.Tensor, *rest: Any) -> float:  # y (N, M) += h (N, r) @ (r, M)
+        return 2.0 * y.numel() * h.shape[1]
 
-    with wrapping_dequantization(marking):
-        yield
+    saved = {name: getattr(lowrank, name) for name in ("project", "expand_", "reduce")}
+    for name, fn in saved.items():
+        setattr(lowrank, name, marked(timer, "low-rank products", fn, f"lowrank.{name} (C loops)",
+                                      expand if name == "expand_" else rank_r))
+    try:
+        with wrapping_dequantization(partial(marked, timer, "dequantization")):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(lowrank, name, fn)
 
 
 @dataclass
@@ -205,7 +229,7 @@ def profile_trainer(trainer: Any, steps: int) -> tuple[list[float], Tally]:
     timer = OpTimer(tally, trainer.device)
     for _ in range(steps):
         plain.append(trainer.step().seconds)
-        with marking_dequantization(timer), timer:
+        with marking(timer), timer:
             trainer.step()
     return plain, tally
 

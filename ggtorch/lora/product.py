@@ -113,8 +113,9 @@ class _LoRAProduct(torch.autograd.Function):
             native = _lowrank_products(x2, a_c, h)
             if native:
                 g = g.contiguous()
-            b_t = b_c.T.contiguous()  # (r, out)
-            grad_h = lowrank.project(g, b_t, ctx.scale) if native else mm(g, b_c).mul_(ctx.scale)  # (N, r)
+                grad_h = lowrank.project(g, b_c.T.contiguous(), ctx.scale)  # (N, r)
+            else:
+                grad_h = mm(g, b_c).mul_(ctx.scale)
             if ctx.needs_input_grad[0]:
                 acc = ctx.products.input_grad(g, w)  # (N, in)
                 if native and lowrank.takes(acc, grad_h):
