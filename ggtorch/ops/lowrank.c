@@ -16,6 +16,7 @@
 #define L 16 /* lanes of a vector */
 #define RB 4 /* rows of the small matrix per pass (the registers one pass accumulates in) */
 #define TILE 64 /* columns per tile of lowrank_reduce: 4 vectors */
+#define MAX_R 64 /* widest r of lowrank_expand (lowrank.py's MAX_RANK is lower) */
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
@@ -125,31 +126,42 @@ static int team(int threads, int64_t macs, int64_t units) {
         }                                                                                                   \
     }                                                                                                       \
                                                                                                             \
-    /* y[i, :] += s * sum_j h[i, j] mt[j, :] */                                                             \
+    /* y[i, :] += s * sum_j h[i, j] mt[j, :] for up to 4 rows i: each vector of mt is loaded once for the rows */  \
+    static void expand_block_##SUFFIX(T *y, const T *h, const T *mt, int64_t M, int rows, int r, float s) {   \
+        float hs[4][MAX_R];                                                                                 \
+        for (int i = 0; i < rows; ++i)                                                                      \
+            for (int j = 0; j < r; ++j) hs[i][j] = s * GET(h + i * r + j);                                  \
+        int64_t o = 0;                                                                                      \
+        for (; o + L <= M; o += L) {                                                                        \
+            v16 a[4];                                                                                       \
+            for (int i = 0; i < rows; ++i) a[i] = LD(y + i * M + o);                                        \
+            for (int j = 0; j < r; ++j) {                                                                   \
+                const v16 mv = LD(mt + j * M + o);                                                          \
+                for (int i = 0; i < rows; ++i) a[i] += hs[i][j] * mv;                                       \
+            }                                                                                               \
+            for (int i = 0; i < rows; ++i) ST(y + i * M + o, a[i]);                                         \
+        }                                                                                                   \
+        for (; o < M; ++o)                                                                                  \
+            for (int i = 0; i < rows; ++i) {                                                                \
+                float a = GET(y + i * M + o);                                                               \
+                for (int j = 0; j < r; ++j) a += hs[i][j] * GET(mt + j * M + o);                            \
+                SET(y + i * M + o, a);                                                                      \
+            }                                                                                               \
+    }                                                                                                       \
+                                                                                                            \
     static void expand_##SUFFIX(T *y, const T *h, const T *mt, int64_t N, int64_t M, int r, float s,        \
                                 int threads) {                                                              \
-        const int nt = team(threads, N * M * r, N);                                                         \
+        const int64_t blocks = (N + 3) / 4;                                                                 \
+        const int nt = team(threads, N * M * r, blocks);                                                    \
         (void)nt;                                                                                           \
         PARALLEL_FOR                                                                                        \
-        for (int64_t i = 0; i < N; ++i) {                                                                   \
-            T *yr = y + i * M;                                                                              \
-            float hs[64];                                                                                   \
-            for (int j0 = 0; j0 < r; j0 += 64) {                                                            \
-                const int js = r - j0 < 64 ? r - j0 : 64;                                                   \
-                for (int j = 0; j < js; ++j) hs[j] = GET(h + i * r + j0 + j);                               \
-                const T *mt0 = mt + (int64_t)j0 * M;                                                        \
-                int64_t o = 0;                                                                              \
-                for (; o + L <= M; o += L) {                                                                \
-                    v16 a = {0};                                                                            \
-                    for (int j = 0; j < js; ++j) a += hs[j] * LD(mt0 + j * M + o);                          \
-                    ST(yr + o, LD(yr + o) + s * a);                                                         \
-                }                                                                                           \
-                for (; o < M; ++o) {                                                                        \
-                    float a = 0.f;                                                                          \
-                    for (int j = 0; j < js; ++j) a += hs[j] * GET(mt0 + j * M + o);                         \
-                    SET(yr + o, GET(yr + o) + s * a);                                                       \
-                }                                                                                           \
-            }                                                                                               \
+        for (int64_t b = 0; b < blocks; ++b) {                                                              \
+            const int64_t i0 = b * 4;                                                                       \
+            const int rows = N - i0 < 4 ? (int)(N - i0) : 4;                                                \
+            if (rows == 4) /* the common case, with a constant trip count */                                \
+                expand_block_##SUFFIX(y + i0 * M, h + i0 * r, mt, M, 4, r, s);                              \
+            else                                                                                            \
+                expand_block_##SUFFIX(y + i0 * M, h + i0 * r, mt, M, rows, r, s);                           \
         }                                                                                                   \
     }                                                                                                       \
                                                                                                             \
@@ -202,11 +214,13 @@ void ggtorch_lowrank_project(const void *x, const void *m, void *out, int64_t N,
     else project_f32(x, m, out, N, K, r, s, threads);
 }
 
-/* y (N, M) += s * h (N, r) @ mt (r, M), all in one dtype. */
-void ggtorch_lowrank_expand(void *y, const void *h, const void *mt, int64_t N, int64_t M, int r, float s, int bf16,
-                            int threads) {
+/* y (N, M) += s * h (N, r) @ mt (r, M), all in one dtype; r at most MAX_R (returns -1 past it). */
+int ggtorch_lowrank_expand(void *y, const void *h, const void *mt, int64_t N, int64_t M, int r, float s, int bf16,
+                           int threads) {
+    if (r > MAX_R) return -1;
     if (bf16) expand_bf16(y, h, mt, N, M, r, s, threads);
     else expand_f32(y, h, mt, N, M, r, s, threads);
+    return 0;
 }
 
 /* g (r, K) = s * h (N, r).T @ x (N, K), in f32 whatever the operands' dtype. */

@@ -25,8 +25,9 @@ from ggtorch.ops import clib
 ENABLED = True
 """Run the rank-r products of :func:`takes` operands in the C library; False keeps torch's products."""
 
-MAX_RANK = 16
-"""Widest r the library takes: past it a GEMM's blocking pays for itself and oneDNN or BLAS is as fast."""
+MAX_RANK = 8
+"""Widest r the library takes: from 16 on, oneDNN's and BLAS's blocked kernels (and bf16's dot-product
+instructions) are as fast or faster than one pass over the activation per four columns of r."""
 
 SOURCE = Path(__file__).with_name("lowrank.c")
 FLAGS = ("-O3",)
@@ -44,8 +45,8 @@ def _library() -> ctypes.CDLL | None:
     lib.ggtorch_lowrank_project.argtypes = [p, p, p, i64, i64, i32, f32, i32, i32]
     lib.ggtorch_lowrank_expand.argtypes = [p, p, p, i64, i64, i32, f32, i32, i32]
     lib.ggtorch_lowrank_reduce.argtypes = [p, p, p, i64, i64, i32, f32, i32, i32]
-    for fn in (lib.ggtorch_lowrank_project, lib.ggtorch_lowrank_expand, lib.ggtorch_lowrank_reduce):
-        fn.restype = None
+    lib.ggtorch_lowrank_project.restype = lib.ggtorch_lowrank_reduce.restype = None
+    lib.ggtorch_lowrank_expand.restype = ctypes.c_int  # -1: r past the C loops' widest
     return lib
 
 
@@ -63,8 +64,13 @@ def takes(*tensors: torch.Tensor) -> bool:
         and _library() is not None)
 
 
-def _threads() -> int:
-    return torch.get_num_threads()
+def _run(name: str, operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n: int, k: int, r: int,
+         scale: float, bf16: bool) -> int | None:
+    """``ggtorch_lowrank_<name>`` of lowrank.c on three tensors' data, (n, k, r), on torch's intra-op thread count."""
+    lib = _library()
+    assert lib is not None
+    return getattr(lib, f"ggtorch_lowrank_{name}")(*(t.data_ptr() for t in operands), n, k, r, scale, bf16,
+                                                     torch.get_num_threads())
 
 
 def project(x: torch.Tensor, m: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -73,10 +79,7 @@ def project(x: torch.Tensor, m: torch.Tensor, scale: float = 1.0) -> torch.Tenso
     if m.shape[1] != k:
         raise ValueError(f"project: x is {tuple(x.shape)} and m {tuple(m.shape)}")
     out = torch.empty(n, r, dtype=x.dtype)
-    lib = _library()
-    assert lib is not None
-    lib.ggtorch_lowrank_project(x.data_ptr(), m.data_ptr(), out.data_ptr(), n, k, r, scale,
-                                x.dtype == torch.bfloat16, _threads())
+    _run("project", (x, m, out), n, k, r, scale, x.dtype == torch.bfloat16)
     return out
 
 
@@ -85,10 +88,8 @@ def expand_(y: torch.Tensor, h: torch.Tensor, mt: torch.Tensor, scale: float = 1
     (n, m), r = y.shape, h.shape[1]
     if h.shape[0] != n or mt.shape != (r, m):
         raise ValueError(f"expand_: y is {tuple(y.shape)}, h {tuple(h.shape)} and mt {tuple(mt.shape)}")
-    lib = _library()
-    assert lib is not None
-    lib.ggtorch_lowrank_expand(y.data_ptr(), h.data_ptr(), mt.data_ptr(), n, m, r, scale,
-                               y.dtype == torch.bfloat16, _threads())
+    if _run("expand", (y, h, mt), n, m, r, scale, y.dtype == torch.bfloat16) != 0:
+        raise ValueError(f"expand_: rank {r} is wider than lowrank.c takes")
     if not y.is_inference():  # written in place: a graph that saved y must see it changed
         increment_version(y)
     return y
@@ -100,8 +101,5 @@ def reduce(x: torch.Tensor, h: torch.Tensor, scale: float = 1.0) -> torch.Tensor
     if h.shape[0] != n:
         raise ValueError(f"reduce: x is {tuple(x.shape)} and h {tuple(h.shape)}")
     out = torch.empty(r, k, dtype=torch.float32)
-    lib = _library()
-    assert lib is not None
-    lib.ggtorch_lowrank_reduce(x.data_ptr(), h.data_ptr(), out.data_ptr(), n, k, r, scale,
-                               x.dtype == torch.bfloat16, _threads())
+    _run("reduce", (x, h, out), n, k, r, scale, x.dtype == torch.bfloat16)
     return out

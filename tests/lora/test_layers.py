@@ -421,6 +421,18 @@ def test_lora_product_against_the_formula_in_float64(base_kind: str, x_grad: boo
         assert x.grad is None
 
 
+def test_ranks_past_the_c_loops_take_torch_s_products(monkeypatch) -> None:
+    """Up to lowrank.MAX_RANK the one-node LoRA's rank-r products run in ggtorch.ops.lowrank, past it in torch's."""
+    from ggtorch.ops import lowrank
+
+    calls = _rank_r_products("lowrank", monkeypatch)
+    for rank, expected in ((lowrank.MAX_RANK, 6), (lowrank.MAX_RANK + 1, 0)):
+        calls.clear()
+        m = LoRALinear(_lora_bases(*PRODUCT_SHAPE)["Linear"], rank=rank)
+        m(torch.randn(2, 8, PRODUCT_SHAPE[1], requires_grad=True)).sum().backward()
+        assert len(calls) == expected, (rank, calls)
+
+
 @pytest.mark.parametrize("base_kind", ["Linear", "Q4_0"])
 @pytest.mark.parametrize("rank_r_kernel", ["lowrank", "torch"])
 def test_lora_product_under_bf16_autocast_computes_as_autocast_does(base_kind: str, rank_r_kernel: str,
