@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.autograd.graph import increment_version
 
 log = logging.getLogger(__name__)
 
@@ -120,3 +121,11 @@ def load(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
     except OSError as e:
         log.info("ggtorch: could not load %s: %s", target, e)
         return None
+
+
+def written(t: torch.Tensor) -> torch.Tensor:
+    """Record that a library wrote into ``t`` in place, as torch's in-place ops record it (its version counter):
+    a graph that saved ``t`` for backward then refuses it, as after ``copy_``, instead of using changed values."""
+    if not t.is_inference():
+        increment_version(t)
+    return t

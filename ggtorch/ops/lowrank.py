@@ -18,7 +18,6 @@ import functools
 from pathlib import Path
 
 import torch
-from torch.autograd.graph import increment_version
 
 from ggtorch.ops import clib
 
@@ -90,9 +89,7 @@ def expand_(y: torch.Tensor, h: torch.Tensor, mt: torch.Tensor, scale: float = 1
         raise ValueError(f"expand_: y is {tuple(y.shape)}, h {tuple(h.shape)} and mt {tuple(mt.shape)}")
     if _run("expand", (y, h, mt), n, m, r, scale, y.dtype == torch.bfloat16) != 0:
         raise ValueError(f"expand_: rank {r} is wider than lowrank.c takes")
-    if not y.is_inference():  # written in place: a graph that saved y must see it changed
-        increment_version(y)
-    return y
+    return clib.written(y)
 
 
 def reduce(x: torch.Tensor, h: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from torch.autograd.graph import increment_version
 
 from ggtorch.ops import clib
 
@@ -97,6 +96,4 @@ def decode(blocks: torch.Tensor, ggml_type: GGMLQuantizationType, out: torch.Ten
     if lib.ggtorch_dequantize(int(ggml_type), blocks.data_ptr(), out.data_ptr(), blocks.shape[0],
                               torch.get_num_threads(), out.dtype == torch.bfloat16) != 0:
         raise ValueError(f"the native decoders have no {ggml_type.name}")
-    if not out.is_inference():  # written in place: a graph that saved out must see it changed, as after copy_
-        increment_version(out)
-    return out
+    return clib.written(out)
