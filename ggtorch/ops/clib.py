@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -102,6 +103,23 @@ def compile_library(cc: list[str], source: Path, flags: tuple[str, ...], openmp:
     return False
 
 
+def _text_with_includes(source: Path) -> bytes:
+    """``source`` and every local header it includes (``#include "name"``, relative to its folder, recursively):
+    what a library is built from, so that an edit to a shared header rebuilds every library that includes it."""
+    seen: dict[Path, bytes] = {}
+
+    def read(path: Path) -> None:
+        path = path.resolve()
+        if path in seen:
+            return
+        seen[path] = path.read_bytes()
+        for name in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', seen[path], flags=re.MULTILINE):
+            read(path.parent / name.decode())
+
+    read(source)
+    return b"".join(seen.values())
+
+
 @functools.cache
 def load(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
     """``source`` built with ``flags`` (besides ``-fPIC``, the CPU's and OpenMP's) and loaded, building it first
@@ -112,7 +130,7 @@ def load(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
         log.info("ggtorch: no C compiler (cc or $CC) to build %s; its work runs through torch", source.name)
         return None
     openmp = torch_openmp()
-    key = hashlib.sha256(source.read_bytes() + repr((cc, flags, str(openmp), _cpu_identity())).encode())
+    key = hashlib.sha256(_text_with_includes(source) + repr((cc, flags, str(openmp), _cpu_identity())).encode())
     target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists() and not compile_library(cc, source, flags, openmp, target):
         return None

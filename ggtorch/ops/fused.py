@@ -10,17 +10,62 @@ Their *outputs* are saved too, by whoever consumes them: the LoRA ``A`` of the n
 layer keeps its input for its own gradient. Inside :func:`recompute_outputs` those saves keep
 a recipe instead (the Function's own saved inputs, which live anyway) and the output is
 recomputed, bit-identically, when backward needs it, so it never stays resident.
+
+On CPU, for contiguous f32 or bf16 tensors, both run in ``fused.c`` (built on first use by
+:mod:`ggtorch.ops.clib`): one pass over their inputs each way instead of one per op, computing in f32
+and rounding bf16 results once. Elsewhere (other devices or dtypes, no compiler, ``NATIVE = False``)
+the torch ops above run.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from ggtorch.ops import clib
+
+NATIVE = True
+"""Run RMSNorm and SwiGLU on CPU in ``fused.c`` where :func:`_native` takes their operands; False keeps torch's ops."""
+
+SOURCE = Path(__file__).with_name("fused.c")
+FLAGS = ("-O3", "-fno-math-errno")
+"""Compiler flags besides those :func:`ggtorch.ops.clib.load` adds: the square root inlined (no errno to set)."""
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = clib.load(SOURCE, FLAGS)
+    if lib is None:
+        return None
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.ggtorch_swiglu.argtypes = [p, p, p, i64, i32, i32]
+    lib.ggtorch_swiglu_backward.argtypes = [p, p, p, p, p, i64, i32, i32]
+    lib.ggtorch_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]
+    lib.ggtorch_rms_norm_backward.argtypes = [p, p, p, p, p, i64, i64, i32, i32]
+    for fn in (lib.ggtorch_swiglu, lib.ggtorch_swiglu_backward, lib.ggtorch_rms_norm, lib.ggtorch_rms_norm_backward):
+        fn.restype = None
+    return lib
+
+
+def _native(*tensors: torch.Tensor) -> bool:
+    """Whether ``fused.c`` computes with these operands: contiguous CPU tensors of one shape and one dtype, f32 or
+    bf16, and the library built."""
+    first = tensors[0]
+    return (NATIVE and first.dtype in (torch.float32, torch.bfloat16) and all(
+        t.device.type == "cpu" and t.dtype == first.dtype and t.shape == first.shape and t.is_contiguous()
+        for t in tensors) and _library() is not None)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 _registries: list[dict[int, tuple[weakref.ref[torch.Tensor], int, _Recipe]]] = []
 """Outputs that may be saved as recipes, by data pointer; one dict per active recompute_outputs."""
@@ -83,6 +128,11 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+        if _native(x) and weight.device.type == "cpu" and weight.shape == x.shape[-1:]:
+            out, rstd = _native_rms_norm(x, weight, eps)
+            ctx.save_for_backward(x, weight, rstd)
+            _remember(out, _normed, x, weight, rstd, x.dtype)  # the same products: bit-identical to out
+            return out
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., 1)
         ctx.save_for_backward(x, weight, rstd)
@@ -93,9 +143,13 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         x, weight, rstd = ctx.saved_tensors
+        grad, grad_x, grad_w = grad.contiguous(), None, None
+        if ctx.needs_input_grad[0] and _native(x, grad) and weight.shape == x.shape[-1:]:
+            grad_x = _native_rms_norm_backward(x, weight, rstd, grad)
+            if not ctx.needs_input_grad[1]:
+                return grad_x, None, None
         xf, gf = x.float(), grad.float()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and grad_x is None:
             # d/dx of w·x·r with r = (mean(x^2) + eps)^-1/2:  r·(g·w) - x·r^3·mean(g·w·x)
             gw = gf * weight.float()
             coef = (gw * xf).mean(dim=-1, keepdim=True).mul_(rstd.pow(3))
@@ -108,6 +162,29 @@ class _RMSNorm(torch.autograd.Function):
 def _normed(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The normalized output in ``dtype`` (x: the input, already f32 in the forward)."""
     return (x.float() * rstd).mul_(weight.float()).to(dtype)
+
+
+def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused.c's forward: the output in x's dtype and the per-row 1/rms in f32, shaped (..., 1)."""
+    out = torch.empty_like(x)
+    rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32)
+    w = weight.float().contiguous()  # held here: a temporary's memory would be freed before the call
+    C = x.shape[-1]
+    _library().ggtorch_rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), rstd.data_ptr(), x.numel() // C, C, eps,
+                                x.dtype == torch.bfloat16, torch.get_num_threads())
+    return out, rstd
+
+
+def _native_rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                              grad: torch.Tensor) -> torch.Tensor:
+    """fused.c's input gradient for a contiguous ``grad`` in x's dtype."""
+    grad_x = torch.empty_like(x)
+    w = weight.float().contiguous()
+    C = x.shape[-1]
+    _library().ggtorch_rms_norm_backward(x.data_ptr(), w.data_ptr(), rstd.data_ptr(), grad.data_ptr(),
+                                         grad_x.data_ptr(), x.numel() // C, C, x.dtype == torch.bfloat16,
+                                         torch.get_num_threads())
+    return grad_x
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -128,6 +205,14 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         gate, up = ctx.saved_tensors
+        grad = grad.contiguous()
+        if _native(gate, up, grad):
+            grad_gate = torch.empty_like(gate) if ctx.needs_input_grad[0] else None
+            grad_up = torch.empty_like(up) if ctx.needs_input_grad[1] else None
+            _library().ggtorch_swiglu_backward(gate.data_ptr(), up.data_ptr(), grad.data_ptr(), _ptr(grad_gate),
+                                               _ptr(grad_up), gate.numel(), gate.dtype == torch.bfloat16,
+                                               torch.get_num_threads())
+            return grad_gate, grad_up
         # silu's own backward kernel, grad·sig·(1 + g·(1 - sig)) in one pass, where the formula
         # written out takes a sigmoid and eight more passes over (tokens, n_ff) tensors
         grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
@@ -136,6 +221,11 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if _native(gate, up):
+        out = torch.empty_like(gate)
+        _library().ggtorch_swiglu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(),
+                                  gate.dtype == torch.bfloat16, torch.get_num_threads())
+        return out
     return F.silu(gate).mul_(up)
 
 

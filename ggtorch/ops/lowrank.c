@@ -10,64 +10,11 @@
  * Every output element is computed by one thread in a fixed order, so the results do not depend on
  * the number of threads. Built and loaded by ggtorch/ops/lowrank.py (ggtorch/ops/clib.py).
  */
-#include <stdint.h>
-#include <string.h>
+#include "vec.h"
 
-#define L 16 /* lanes of a vector */
 #define RB 4 /* rows of the small matrix per pass (the registers one pass accumulates in) */
 #define TILE 64 /* columns per tile of lowrank_reduce: 4 vectors */
 #define MAX_R 64 /* widest r of lowrank_expand (lowrank.py's MAX_RANK is lower) */
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-
-static inline v16 ld_f32(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline v16 ld_bf16(const uint16_t *p) {
-    u16x16 h;
-    memcpy(&h, p, sizeof h);
-    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-    v16 v;
-    memcpy(&v, &w, sizeof v);
-    return v;
-}
-
-static inline void st_f32(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
-/* round to nearest even, NaN kept quiet (as torch's f32 -> bf16) */
-static inline void st_bf16(uint16_t *p, v16 v) {
-    u32x16 b;
-    memcpy(&b, &v, sizeof b);
-    const u32x16 rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-    const u32x16 nan = (u32x16)((b & 0x7fffffffu) > 0x7f800000u);
-    const u32x16 out = (rounded & ~nan) | (((b >> 16) | 0x40u) & nan);
-    const u16x16 h = __builtin_convertvector(out, u16x16);
-    memcpy(p, &h, sizeof h);
-}
-
-static inline float f32_of_f32(const float *p) { return *p; }
-
-static inline float f32_of_bf16(const uint16_t *p) {
-    const uint32_t w = (uint32_t)*p << 16;
-    float f;
-    memcpy(&f, &w, 4);
-    return f;
-}
-
-static inline void set_f32(float *p, float f) { *p = f; }
-
-static inline void set_bf16(uint16_t *p, float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    *p = (b & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((b >> 16) | 0x40u)
-                                         : (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
 
 /* Below this many multiply-adds a call runs on the caller's thread: waking the team costs more. */
 #define MIN_PARALLEL_MACS (1 << 16)
@@ -76,12 +23,6 @@ static int team(int threads, int64_t macs, int64_t units) {
     if (threads < 1 || macs < MIN_PARALLEL_MACS) return 1;
     return units < threads ? (int)(units > 0 ? units : 1) : threads;
 }
-
-#ifdef _OPENMP
-#define PARALLEL_FOR _Pragma("omp parallel for num_threads(nt) schedule(static)")
-#else
-#define PARALLEL_FOR
-#endif
 
 #define KERNELS(T, SUFFIX, LD, ST, GET, SET)                                                                  \
     /* out[i, j] = s * sum_k x[i, k] m[j, k] for up to 4 rows i of x and up to RB rows j of m */             \

@@ -11,8 +11,7 @@
  * when a matrix is decoded chunk by chunk between matrix products that have just evicted
  * the caches.
  */
-#include <stdint.h>
-#include <string.h>
+#include "../ops/vec.h"
 
 #define QK_K 256
 
@@ -126,14 +125,6 @@ static const struct { int ggml_type; decoder fn; int type_size, block_size; } TY
 };
 #define N_TYPES (int)(sizeof(TYPES) / sizeof(TYPES[0]))
 
-/* f32 -> bf16, rounding to nearest even as torch's .to(torch.bfloat16) does (NaN stays NaN) */
-static uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 #define BF16_GROUP 4096 /* values decoded to f32 on the stack, then rounded: 16 KiB, in L1 */
 
 /* One thread's share: n blocks into f32 (bf16 == 0) or into bf16 through a small f32 buffer. */
@@ -149,7 +140,7 @@ static void decode_share(decoder fn, const uint8_t *src, void *dst, int64_t n, i
     for (int64_t b = 0; b < n; b += group) {
         const int64_t nb = n - b < group ? n - b : group;
         fn(src + b * type_size, buf, nb);
-        for (int64_t i = 0; i < nb * block_size; ++i) out[b * block_size + i] = to_bf16(buf[i]);
+        for (int64_t i = 0; i < nb * block_size; ++i) out[b * block_size + i] = bf16_of(buf[i]);
     }
 }
 

@@ -57,3 +57,17 @@ def test_the_compiler_is_cc_unless_cc_is_set(monkeypatch) -> None:
     assert clib.compiler() == ["ccache", "gcc", "-m64"]
     monkeypatch.delenv("CC")
     assert clib.compiler() == ([shutil.which("cc")] if shutil.which("cc") else [])
+
+
+@pytest.mark.skipif(not clib.compiler(), reason="no C compiler")
+def test_an_edited_header_rebuilds_the_library(cache, tmp_path) -> None:
+    (tmp_path / "include").mkdir()
+    header = tmp_path / "include" / "answer.h"
+    header.write_text("#define ANSWER 42\n")
+    source = tmp_path / "answer.c"
+    source.write_text('#include "include/answer.h"\n' + SOURCE)
+    assert clib.load(source, ()).ggtorch_test_answer() == 42
+    header.write_text("#define ANSWER 43\n")
+    clib.load.cache_clear()
+    assert clib.load(source, ()).ggtorch_test_answer() == 43
+    assert len(list(cache.iterdir())) == 2

@@ -1,4 +1,5 @@
-"""The fused RMSNorm / SwiGLU Functions against the op-by-op formulas autograd differentiates itself."""
+"""The fused RMSNorm / SwiGLU Functions against the op-by-op formulas autograd differentiates itself, in float64
+and in their own dtype, through torch's ops and through fused.c (the ``native`` fixture runs a test both ways)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ggtorch.ops import clib, fused
 from ggtorch.ops.fused import rms_norm, swiglu
+
+
+@pytest.fixture(params=[False, True], ids=["torch", "fused.c"])
+def native(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    if request.param and not clib.compiler():
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(fused, "NATIVE", request.param)
+    return request.param
 
 
 def reference_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -14,15 +24,40 @@ def reference_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Te
     return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * w.float()).to(x.dtype)
 
 
-def test_rms_norm_forward_is_bit_identical_to_the_op_by_op_form() -> None:
+def test_rms_norm_forward_is_bit_identical_to_the_op_by_op_form(native: bool) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 17, 96, generator=g) * 3
     w = torch.randn(96, generator=g)
-    assert torch.equal(rms_norm(x, w, 1e-5), reference_rms_norm(x, w, 1e-5))
+    if native:  # its own order of the sum of squares: within a few f32 steps, and recomputed bit-identically
+        out = rms_norm(x, w, 1e-5)
+        torch.testing.assert_close(out, reference_rms_norm(x, w, 1e-5), rtol=4e-7, atol=1e-7)
+        _, rstd = fused._native_rms_norm(x, w, 1e-5)
+        assert torch.equal(out, fused._normed(x, w, rstd, x.dtype))
+    else:
+        assert torch.equal(rms_norm(x, w, 1e-5), reference_rms_norm(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [5, 16, 96, 1000])
+def test_rms_norm_and_its_input_gradient_against_float64(native: bool, dtype: torch.dtype, width: int) -> None:
+    """Every tail of the 16-wide vectors; one rounding of the f32 result (bf16: of the f32 value)."""
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn(7, width, generator=g) * 3).to(dtype).requires_grad_()
+    w = torch.randn(width, generator=g).to(dtype)  # bf16 models hold their norms' gains in bf16
+    dy = torch.randn(7, width, generator=g).to(dtype)
+    out = rms_norm(x, w, 1e-5)
+    (grad,) = torch.autograd.grad(out, x, dy)
+    x64 = x.detach().double().requires_grad_()
+    out64 = reference_rms_norm(x64, w.double(), 1e-5)
+    (grad64,) = torch.autograd.grad(out64, x64, dy.double())
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-2}
+    assert out.dtype == grad.dtype == dtype
+    torch.testing.assert_close(out.double(), out64, **tol)
+    torch.testing.assert_close(grad.double(), grad64, **tol)
 
 
 @pytest.mark.parametrize("needs", [(True, False), (True, True)])
-def test_rms_norm_gradients_equal_autograd_of_the_formula(needs: tuple[bool, bool]) -> None:
+def test_rms_norm_gradients_equal_autograd_of_the_formula(native: bool, needs: tuple[bool, bool]) -> None:
     g = torch.Generator().manual_seed(2)
     x0 = torch.randn(4, 9, 64, generator=g) * 2
     w0 = torch.randn(64, generator=g)
@@ -40,16 +75,20 @@ def test_rms_norm_gradients_equal_autograd_of_the_formula(needs: tuple[bool, boo
         assert grads[0][1] is None
 
 
-def test_rms_norm_keeps_the_input_dtype_under_bf16() -> None:
+def test_rms_norm_keeps_the_input_dtype_under_bf16(native: bool) -> None:
     x = torch.randn(2, 3, 32).to(torch.bfloat16).requires_grad_()
     w = torch.randn(32)
     y = rms_norm(x, w, 1e-5)
-    assert y.dtype == torch.bfloat16 and torch.equal(y, reference_rms_norm(x, w, 1e-5))
+    assert y.dtype == torch.bfloat16
+    if native:  # its 1/rms may differ from the ops' in the last f32 bit: within one bf16 rounding
+        torch.testing.assert_close(y, reference_rms_norm(x, w, 1e-5), rtol=4e-3, atol=1e-6)
+    else:
+        assert torch.equal(y, reference_rms_norm(x, w, 1e-5))
     y.float().sum().backward()
     assert x.grad is not None and x.grad.dtype == torch.bfloat16
 
 
-def test_swiglu_forward_is_bit_identical_and_gradients_match_autograd() -> None:
+def test_swiglu_forward_is_bit_identical_and_gradients_match_autograd(native: bool) -> None:
     g = torch.Generator().manual_seed(3)
     gate0 = torch.randn(4, 7, 48, generator=g) * 4
     up0 = torch.randn(4, 7, 48, generator=g)
@@ -61,9 +100,52 @@ def test_swiglu_forward_is_bit_identical_and_gradients_match_autograd() -> None:
         (y * dy).sum().backward()
         outs.append(y.detach())
         grads.append((gate.grad, up.grad))
-    assert torch.equal(outs[0], outs[1])
+    if native:  # its own exp: within a few f32 steps
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(outs[0], outs[1])
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [7, 16, 2049, 40000])
+def test_swiglu_and_its_gradients_against_float64(native: bool, dtype: torch.dtype, n: int) -> None:
+    """Every tail of the vectors and of the threads' chunks, gates out to where e^-g over- and underflows."""
+    g = torch.Generator().manual_seed(n)
+    gate = (torch.randn(n, generator=g) * 8).to(dtype)
+    gate[: min(n, 4)] = torch.tensor([-100.0, -87.5, 88.5, 100.0])[: min(n, 4)].to(dtype)
+    up = torch.randn(n, generator=g).to(dtype)
+    dy = torch.randn(n, generator=g).to(dtype)
+    gate_, up_ = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    out = swiglu(gate_, up_)
+    grads = torch.autograd.grad(out, (gate_, up_), dy)
+    g64, u64 = gate.double().requires_grad_(), up.double().requires_grad_()
+    out64 = F.silu(g64) * u64
+    grads64 = torch.autograd.grad(out64, (g64, u64), dy.double())
+    tol = {"rtol": 2e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-2}
+    for ours, exact in zip((out, *grads), (out64, *grads64), strict=True):
+        assert ours.dtype == dtype
+        torch.testing.assert_close(ours.double(), exact, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_c_results_do_not_depend_on_the_thread_count(dtype: torch.dtype) -> None:
+    if not clib.compiler():
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(5)
+    gate, up, dy = (torch.randn(300, 1000, generator=g).to(dtype) for _ in range(3))
+    w = torch.randn(1000, generator=g)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out, rstd = fused._native_rms_norm(gate, w, 1e-6)
+            results.append([fused._swiglu(gate, up), out, fused._native_rms_norm_backward(gate, w, rstd, dy)])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r, strict=True))
 
 
 def test_swiglu_gradcheck_float64() -> None:
@@ -73,7 +155,7 @@ def test_swiglu_gradcheck_float64() -> None:
     assert torch.autograd.gradcheck(swiglu, (gate, up))
 
 
-def test_fused_functions_keep_less_for_backward() -> None:
+def test_fused_functions_keep_less_for_backward(native: bool) -> None:
     """What the point is: SwiGLU keeps 2 (not 3) activation tensors, RMSNorm 1 (not 2) plus 1/rms."""
     sizes: list[int] = []
 
@@ -101,14 +183,13 @@ def _lora_grads(model: torch.nn.Module, tokens: torch.Tensor, autocast: bool) ->
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_recomputed_outputs_give_bit_identical_gradients_and_are_not_kept(monkeypatch: pytest.MonkeyPatch,
-                                                                          autocast: bool) -> None:
+                                                                          autocast: bool, native: bool) -> None:
     """Llama.forward saves rms_norm/swiglu outputs as recipes; backward must not notice."""
     from contextlib import nullcontext
 
     from ggtorch.lora import LoraConfig, attach_lora
     from ggtorch.models import model as llama
     from ggtorch.models.config import LlamaConfig
-    from ggtorch.ops import fused
 
     torch.manual_seed(0)
     model = llama.Llama(LlamaConfig(n_vocab=64, n_embd=32, n_layer=2, n_head=4, n_head_kv=2, n_ff=48,
@@ -135,10 +216,8 @@ def test_recomputed_outputs_give_bit_identical_gradients_and_are_not_kept(monkey
     assert all(torch.equal(a, b) for a, b in zip(with_recompute, kept, strict=True))
 
 
-def test_a_changed_output_is_saved_as_is_not_recomputed() -> None:
+def test_a_changed_output_is_saved_as_is_not_recomputed(native: bool) -> None:
     """An output edited in place after the forward no longer equals its recipe: it must be kept."""
-    from ggtorch.ops import fused
-
     g, u = torch.randn(4, 8), torch.randn(4, 8)
     a = torch.randn(3, 8, requires_grad=True)
     with fused.recompute_outputs():
@@ -150,4 +229,4 @@ def test_a_changed_output_is_saved_as_is_not_recomputed() -> None:
         q = fused.swiglu(g, u)
         h = torch.nn.functional.linear(q, a)
     h.sum().backward()
-    torch.testing.assert_close(a.grad, torch.ones(4, 3).T @ (torch.nn.functional.silu(g) * u))
+    torch.testing.assert_close(a.grad, torch.ones(4, 3).T @ (torch.nn.functional.silu(g) * u), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,201 @@
+/* RMSNorm and SwiGLU of a training step on CPU, forward and backward, in f32 or bf16, one pass each.
+ *
+ * Written in torch ops, SwiGLU's forward is a silu and a multiply and its backward four passes over
+ * (tokens, n_ff) tensors; RMSNorm's forward five passes and its backward eight. Each pass reads and
+ * writes whole activations, and torch's silu spends most of its time on its exp. Here each function
+ * reads its inputs once and writes its outputs once, in 16-wide vectors (vec.h), computing in f32:
+ * bf16 operands are widened on load, results rounded once on store (torch rounds the intermediate
+ * silu(gate) to bf16 too; these do not).
+ *
+ * Every element is computed by one thread and every row's sum in a fixed order, so the results do not
+ * depend on the number of threads. Built and loaded by ggtorch/ops/fused.py (ggtorch/ops/clib.py).
+ */
+#include "vec.h"
+
+#define CHUNK 2048 /* elements per task of the elementwise loops: a multiple of L */
+#define MIN_PARALLEL 16384 /* below this many elements a call runs on the caller's thread */
+
+static int team(int threads, int64_t elements, int64_t units) {
+    if (threads < 1 || elements < MIN_PARALLEL) return 1;
+    return units < threads ? (int)(units > 0 ? units : 1) : threads;
+}
+
+static inline v16 splat(float f) { return (v16){0} + f; }
+
+static inline v16 select(i32x16 mask, v16 a, v16 b) { /* mask ? a : b, lane by lane */
+    return (v16)(((i32x16)a & mask) | ((i32x16)b & ~mask));
+}
+
+/* e^x, lane by lane: Cephes' expf (n = round(x / ln 2), e^r on |r| <= ln 2 / 2 as a degree-7 polynomial,
+ * times 2^n through the exponent bits), within 2 ulp of e^x for x in [-87, 88]; x is clamped to that range
+ * (the exact result then is below 2^-125 or above 2^126, and silu or the sigmoid of such an x differs
+ * from the one of the range's end by less than one f32 step of either). NaN stays NaN. */
+static inline v16 vexp(v16 x) {
+    const v16 lo = splat(-87.f), hi = splat(88.f);
+    x = select((i32x16)(x < lo), lo, x);
+    x = select((i32x16)(x > hi), hi, x);
+    const v16 magic = splat(12582912.f); /* 1.5 * 2^23: adding it rounds to an integer in the low bits */
+    const v16 t = x * 1.44269504088896341f + magic;
+    const v16 n = t - magic;
+    const v16 r = x - n * 0.693359375f - n * -2.12194440e-4f;
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const v16 e = p * (r * r) + r + 1.f;
+    const i32x16 bits = ((i32x16)t - (i32x16)magic + 127) << 23;
+    return e * (v16)bits;
+}
+
+/* The elements [i, i + m) (m <= L) of a vector: whole vectors straight from memory, a tail through a
+ * zeroed buffer, so the tail runs the same vector code as the rest. */
+#define LOAD_PART(T, LD, dst, src, i, m)            \
+    do {                                            \
+        if ((m) == L) dst = LD((src) + (i));        \
+        else {                                      \
+            T buf_[L] = {0};                        \
+            memcpy(buf_, (src) + (i), (m) * sizeof(T)); \
+            dst = LD(buf_);                         \
+        }                                           \
+    } while (0)
+
+#define STORE_PART(T, ST, dst, i, m, v)             \
+    do {                                            \
+        if ((m) == L) ST((dst) + (i), v);           \
+        else {                                      \
+            T buf_[L];                              \
+            ST(buf_, v);                            \
+            memcpy((dst) + (i), buf_, (m) * sizeof(T)); \
+        }                                           \
+    } while (0)
+
+#define KERNELS(T, SUFFIX, LD, ST)                                                                          \
+    /* out = silu(g) * u = g / (1 + e^-g) * u */                                                            \
+    static void swiglu_##SUFFIX(const T *g, const T *u, T *out, int64_t n, int threads) {                   \
+        const int64_t chunks = (n + CHUNK - 1) / CHUNK;                                                     \
+        const int nt = team(threads, n, chunks);                                                            \
+        (void)nt;                                                                                           \
+        PARALLEL_FOR                                                                                        \
+        for (int64_t c = 0; c < chunks; ++c) {                                                              \
+            const int64_t end = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;                                  \
+            for (int64_t i = c * CHUNK; i < end; i += L) {                                                  \
+                const int64_t m = end - i < L ? end - i : L;                                                \
+                v16 gv, uv;                                                                                 \
+                LOAD_PART(T, LD, gv, g, i, m);                                                              \
+                LOAD_PART(T, LD, uv, u, i, m);                                                              \
+                STORE_PART(T, ST, out, i, m, gv / (1.f + vexp(-gv)) * uv);                                  \
+            }                                                                                               \
+        }                                                                                                   \
+    }                                                                                                       \
+                                                                                                            \
+    /* with s = sigmoid(g): grad_g = grad * u * s * (1 + g * (1 - s)) (silu's derivative, as torch's        \
+       silu_backward writes it), grad_u = grad * g * s; either output may be NULL (not wanted) */            \
+    static void swiglu_backward_##SUFFIX(const T *g, const T *u, const T *grad, T *grad_g, T *grad_u,      \
+                                         int64_t n, int threads) {                                          \
+        const int64_t chunks = (n + CHUNK - 1) / CHUNK;                                                     \
+        const int nt = team(threads, n, chunks);                                                            \
+        (void)nt;                                                                                           \
+        PARALLEL_FOR                                                                                        \
+        for (int64_t c = 0; c < chunks; ++c) {                                                              \
+            const int64_t end = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;                                  \
+            for (int64_t i = c * CHUNK; i < end; i += L) {                                                  \
+                const int64_t m = end - i < L ? end - i : L;                                                \
+                v16 gv, uv, dv;                                                                             \
+                LOAD_PART(T, LD, gv, g, i, m);                                                              \
+                LOAD_PART(T, LD, uv, u, i, m);                                                              \
+                LOAD_PART(T, LD, dv, grad, i, m);                                                           \
+                const v16 s = 1.f / (1.f + vexp(-gv));                                                      \
+                if (grad_g) STORE_PART(T, ST, grad_g, i, m, dv * uv * (s * (1.f + gv * (1.f - s))));        \
+                if (grad_u) STORE_PART(T, ST, grad_u, i, m, dv * (gv * s));                                 \
+            }                                                                                               \
+        }                                                                                                   \
+    }                                                                                                       \
+                                                                                                            \
+    /* sum of a[k] * b[k] * c[k] (c NULL: of a[k] * b[k]) over one row, b f32 when it is the weight */      \
+    static float row_sum_##SUFFIX(const T *a, const T *b, const float *w, int64_t C) {                      \
+        v16 acc = {0};                                                                                      \
+        for (int64_t k = 0; k < C; k += L) {                                                                \
+            const int64_t m = C - k < L ? C - k : L;                                                        \
+            v16 av, bv, wv = splat(1.f);                                                                    \
+            LOAD_PART(T, LD, av, a, k, m);                                                                  \
+            LOAD_PART(T, LD, bv, b, k, m);                                                                  \
+            if (w) LOAD_PART(float, ld_f32, wv, w, k, m);                                                   \
+            acc += av * bv * wv;                                                                            \
+        }                                                                                                   \
+        float t = 0.f;                                                                                      \
+        for (int l = 0; l < L; ++l) t += acc[l];                                                            \
+        return t;                                                                                           \
+    }                                                                                                       \
+                                                                                                            \
+    /* per row: rstd = 1 / sqrt(mean(x^2) + eps), out = x * rstd * w */                                     \
+    static void rms_norm_##SUFFIX(const T *x, const float *w, T *out, float *rstd, int64_t rows, int64_t C, \
+                                  float eps, int threads) {                                                 \
+        const int nt = team(threads, rows * C, rows);                                                       \
+        (void)nt;                                                                                           \
+        PARALLEL_FOR                                                                                        \
+        for (int64_t i = 0; i < rows; ++i) {                                                                \
+            const T *xi = x + i * C;                                                                        \
+            const float r = 1.f / __builtin_sqrtf(row_sum_##SUFFIX(xi, xi, NULL, C) / (float)C + eps);      \
+            rstd[i] = r;                                                                                    \
+            for (int64_t k = 0; k < C; k += L) {                                                            \
+                const int64_t m = C - k < L ? C - k : L;                                                    \
+                v16 xv, wv;                                                                                 \
+                LOAD_PART(T, LD, xv, xi, k, m);                                                             \
+                LOAD_PART(float, ld_f32, wv, w, k, m);                                                      \
+                STORE_PART(T, ST, out + i * C, k, m, xv * r * wv);                                          \
+            }                                                                                               \
+        }                                                                                                   \
+    }                                                                                                       \
+                                                                                                            \
+    /* per row, with gw = grad * w: grad_x = gw * rstd - x * mean(gw * x) * rstd^3 */                        \
+    static void rms_norm_backward_##SUFFIX(const T *x, const float *w, const float *rstd, const T *grad,    \
+                                           T *grad_x, int64_t rows, int64_t C, int threads) {              \
+        const int nt = team(threads, rows * C, rows);                                                       \
+        (void)nt;                                                                                           \
+        PARALLEL_FOR                                                                                        \
+        for (int64_t i = 0; i < rows; ++i) {                                                                \
+            const T *xi = x + i * C, *gi = grad + i * C;                                                    \
+            const float r = rstd[i];                                                                        \
+            const float coef = row_sum_##SUFFIX(gi, xi, w, C) / (float)C * (r * r * r);                     \
+            for (int64_t k = 0; k < C; k += L) {                                                            \
+                const int64_t m = C - k < L ? C - k : L;                                                    \
+                v16 xv, gv, wv;                                                                             \
+                LOAD_PART(T, LD, xv, xi, k, m);                                                             \
+                LOAD_PART(T, LD, gv, gi, k, m);                                                             \
+                LOAD_PART(float, ld_f32, wv, w, k, m);                                                      \
+                STORE_PART(T, ST, grad_x + i * C, k, m, gv * wv * r - xv * coef);                           \
+            }                                                                                               \
+        }                                                                                                   \
+    }
+
+KERNELS(float, f32, ld_f32, st_f32)
+KERNELS(uint16_t, bf16, ld_bf16, st_bf16)
+
+/* out = silu(g) * u over n elements, f32 or bf16 (`bf16` not 0). */
+void ggtorch_swiglu(const void *g, const void *u, void *out, int64_t n, int bf16, int threads) {
+    if (bf16) swiglu_bf16(g, u, out, n, threads);
+    else swiglu_f32(g, u, out, n, threads);
+}
+
+/* The gradients of silu(g) * u for the output's gradient `grad`; grad_g or grad_u may be NULL. */
+void ggtorch_swiglu_backward(const void *g, const void *u, const void *grad, void *grad_g, void *grad_u, int64_t n,
+                             int bf16, int threads) {
+    if (bf16) swiglu_backward_bf16(g, u, grad, grad_g, grad_u, n, threads);
+    else swiglu_backward_f32(g, u, grad, grad_g, grad_u, n, threads);
+}
+
+/* RMSNorm of rows × C values x (f32 or bf16) with f32 gain w: out in x's dtype, rstd (rows) f32. */
+void ggtorch_rms_norm(const void *x, const float *w, void *out, float *rstd, int64_t rows, int64_t C, float eps,
+                      int bf16, int threads) {
+    if (bf16) rms_norm_bf16(x, w, out, rstd, rows, C, eps, threads);
+    else rms_norm_f32(x, w, out, rstd, rows, C, eps, threads);
+}
+
+/* The input gradient of RMSNorm for the output's gradient `grad` (x's dtype), from the forward's rstd. */
+void ggtorch_rms_norm_backward(const void *x, const float *w, const float *rstd, const void *grad, void *grad_x,
+                               int64_t rows, int64_t C, int bf16, int threads) {
+    if (bf16) rms_norm_backward_bf16(x, w, rstd, grad, grad_x, rows, C, threads);
+    else rms_norm_backward_f32(x, w, rstd, grad, grad_x, rows, C, threads);
+}
