@@ -173,11 +173,16 @@ def marked(timer: OpTimer, kind: str, fn: Callable[..., Any], label: str = "outs
     return call
 
 
+FUSED_C = ("_native_rms_norm", "_native_rms_norm_backward", "_native_swiglu", "_native_swiglu_backward")
+"""ggtorch.ops.fused's calls into fused.c."""
+
+
 @contextmanager
 def marking(timer: OpTimer) -> Iterator[None]:
-    """Inside, every dequantization the training path makes counts as dequantization, and every low-rank product
-    of ggtorch.ops.lowrank (C loops: no aten op) as a low-rank product, with its multiply-adds."""
-    from ggtorch.ops import lowrank
+    """Inside, every dequantization the training path makes counts as dequantization, every low-rank product
+    of ggtorch.ops.lowrank (C loops: no aten op) as a low-rank product, with its multiply-adds, and fused.c's
+    RMSNorm and SwiGLU (C loops too) as elementwise work."""
+    from ggtorch.ops import fused, lowrank
 
     def rank_r(x: torch.Tensor, small: torch.Tensor, *rest: Any) -> float:  # (N, K) and (r, K) or (N, r)
         return 2.0 * x.shape[0] * x.shape[1] * min(small.shape)
@@ -189,12 +194,17 @@ def marking(timer: OpTimer) -> Iterator[None]:
     for name, fn in saved.items():
         setattr(lowrank, name, marked(timer, "low-rank products", fn, f"lowrank.{name} (C loops)",
                                       expand if name == "expand_" else rank_r))
+    saved_fused = {name: getattr(fused, name) for name in FUSED_C}
+    for name, fn in saved_fused.items():
+        setattr(fused, name, marked(timer, "elementwise and reductions", fn, f"fused.{name.lstrip('_')} (C loops)"))
     try:
         with wrapping_dequantization(partial(marked, timer, "dequantization")):
             yield
     finally:
         for name, fn in saved.items():
             setattr(lowrank, name, fn)
+        for name, fn in saved_fused.items():
+            setattr(fused, name, fn)
 
 
 @dataclass

@@ -95,6 +95,11 @@ def test_a_lora_step_s_products_are_all_counted(profile: Any, stories260k: Path,
     assert tally.flops["low-rank products"] == pytest.approx(low_rank)
     assert tally.seconds["dequantization"] == 0.0  # an F32 base decodes nothing
     assert sum(tally.seconds.values()) == pytest.approx(sum(tally.ops.values()))
+    from ggtorch.ops import fused
+
+    if fused._library() is not None:  # RMSNorm and SwiGLU in fused.c's loops, outside any aten op, both ways
+        labels = [f"fused.{name.lstrip('_')} (C loops)" for name in profile.FUSED_C]
+        assert all(tally.ops[("elementwise and reductions", label)] > 0 for label in labels)
 
 
 def test_a_quantized_base_s_decodes_are_dequantization(profile: Any, stories_q8: Path, shared: Path,

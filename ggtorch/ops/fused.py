@@ -207,12 +207,7 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         grad = grad.contiguous()
         if _native(gate, up, grad):
-            grad_gate = torch.empty_like(gate) if ctx.needs_input_grad[0] else None
-            grad_up = torch.empty_like(up) if ctx.needs_input_grad[1] else None
-            _library().ggtorch_swiglu_backward(gate.data_ptr(), up.data_ptr(), grad.data_ptr(), _ptr(grad_gate),
-                                               _ptr(grad_up), gate.numel(), gate.dtype == torch.bfloat16,
-                                               torch.get_num_threads())
-            return grad_gate, grad_up
+            return _native_swiglu_backward(gate, up, grad, *ctx.needs_input_grad)
         # silu's own backward kernel, grad·sig·(1 + g·(1 - sig)) in one pass, where the formula
         # written out takes a sigmoid and eight more passes over (tokens, n_ff) tensors
         grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
@@ -222,11 +217,27 @@ class _SwiGLU(torch.autograd.Function):
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if _native(gate, up):
-        out = torch.empty_like(gate)
-        _library().ggtorch_swiglu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(),
-                                  gate.dtype == torch.bfloat16, torch.get_num_threads())
-        return out
+        return _native_swiglu(gate, up)
     return F.silu(gate).mul_(up)
+
+
+def _native_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """fused.c's ``silu(gate) * up``."""
+    out = torch.empty_like(gate)
+    _library().ggtorch_swiglu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(),
+                              gate.dtype == torch.bfloat16, torch.get_num_threads())
+    return out
+
+
+def _native_swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor, need_gate: bool,
+                            need_up: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """fused.c's gradients of ``silu(gate) * up`` (None where not needed) for a contiguous ``grad``."""
+    grad_gate = torch.empty_like(gate) if need_gate else None
+    grad_up = torch.empty_like(up) if need_up else None
+    _library().ggtorch_swiglu_backward(gate.data_ptr(), up.data_ptr(), grad.data_ptr(), _ptr(grad_gate),
+                                       _ptr(grad_up), gate.numel(), gate.dtype == torch.bfloat16,
+                                       torch.get_num_threads())
+    return grad_gate, grad_up
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
