@@ -27,6 +27,7 @@ from torch import nn
 
 from ggtorch.models.attention import attention
 from ggtorch.models.config import ModelConfig
+from ggtorch.ops import fused
 from ggtorch.ops.experts import Experts
 from ggtorch.ops.fused import recompute_outputs, rms_norm, swiglu
 from ggtorch.ops.matmul import Linear
@@ -132,6 +133,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
     n_rot = 2 * cos.shape[-1]
     if n_rot < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :n_rot], cos, sin, neox), x[..., n_rot:]), dim=-1)
+    if fused.rope_takes(x, cos, sin):  # CPU: one pass in fused.c, in x's dtype
+        return fused.rope(x, cos, sin, neox)
     if neox:
         return _RealRope.apply(x.float(), cos.unsqueeze(-2), sin.unsqueeze(-2), True).to(x.dtype)
     if x.device.type not in COMPLEX_DEVICES:

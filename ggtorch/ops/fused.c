@@ -1,8 +1,9 @@
-/* RMSNorm and SwiGLU of a training step on CPU, forward and backward, in f32 or bf16, one pass each.
+/* RMSNorm, SwiGLU and rope of a training step on CPU, forward and backward, in f32 or bf16, one pass each.
  *
  * Written in torch ops, SwiGLU's forward is a silu and a multiply and its backward four passes over
- * (tokens, n_ff) tensors; RMSNorm's forward five passes and its backward eight. Each pass reads and
- * writes whole activations, and torch's silu spends most of its time on its exp. Here each function
+ * (tokens, n_ff) tensors; RMSNorm's forward five passes and its backward eight; rope on bf16 widens to
+ * f32, rotates and rounds back, three passes. Each pass reads and writes whole activations, and torch's
+ * silu spends most of its time on its exp. Here each function
  * reads its inputs once and writes its outputs once, in 16-wide vectors (vec.h), computing in f32:
  * bf16 operands are widened on load, results rounded once on store (torch rounds the intermediate
  * silu(gate) to bf16 too; these do not).
@@ -173,6 +174,88 @@ static inline v16 vexp(v16 x) {
 KERNELS(float, f32, ld_f32, st_f32)
 KERNELS(uint16_t, bf16, ld_bf16, st_bf16)
 
+/* Rope rotates pairs of one head's values: (x[i], x[i + half]) with `halves` (ggml's NEOX mode), else
+ * (x[2i], x[2i + 1]) (NORM), by the row's angle i: (x0 c - x1 s, x0 s + x1 c) in f32, each product and
+ * the sum rounded, as ggml's loop and torch's ops round them (no FMA: NO_CONTRACT below). NORM's
+ * pairs sit side by side in a vector: out = x * (c0 c0 c1 c1 ..) + (x1 x0 x3 x2 ..) * (-s0 s0 -s1 s1 ..),
+ * lane shuffles that need __builtin_shufflevector; without it (GCC before 12) the loops are scalar and
+ * fused.py keeps torch's rope (ggtorch_rope_vectorized). */
+#define ROPE_MAX_D 1024 /* widest head (fused.py's ROPE_MAX_D) */
+
+#ifdef GGTORCH_SHUFFLES
+#define ROPE_HEAD(T, LD, ST, GET, SET)                                                                       \
+    if (halves) {                                                                                           \
+        for (int64_t i = 0; i < half; i += L) {                                                             \
+            const int64_t m = half - i < L ? half - i : L;                                                  \
+            v16 x0, x1, cv, sv;                                                                             \
+            LOAD_PART(T, LD, x0, xh, i, m);                                                                 \
+            LOAD_PART(T, LD, x1, xh + half, i, m);                                                          \
+            LOAD_PART(float, ld_f32, cv, c, i, m);                                                          \
+            LOAD_PART(float, ld_f32, sv, s, i, m);                                                          \
+            sv *= sign;                                                                                     \
+            STORE_PART(T, ST, oh, i, m, x0 * cv - x1 * sv);                                                 \
+            STORE_PART(T, ST, oh + half, i, m, x0 * sv + x1 * cv);                                          \
+        }                                                                                                   \
+    } else { /* c2, s2: the row's angles, each twice, the sines signed (-s0 s0 -s1 s1 ..) */                \
+        for (int64_t k = 0; k < 2 * half; k += L) {                                                         \
+            const int64_t m = 2 * half - k < L ? 2 * half - k : L;                                          \
+            v16 xv, cv, sv;                                                                                 \
+            LOAD_PART(T, LD, xv, xh, k, m);                                                                 \
+            LOAD_PART(float, ld_f32, cv, c2, k, m);                                                         \
+            LOAD_PART(float, ld_f32, sv, s2, k, m);                                                         \
+            const v16 sw = __builtin_shufflevector(xv, xv, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14); \
+            STORE_PART(T, ST, oh, k, m, xv * cv + sw * sv);                                                 \
+        }                                                                                                   \
+    }
+#else
+#define ROPE_HEAD(T, LD, ST, GET, SET)                                                                       \
+    {                                                                                                       \
+        const int64_t stride0 = halves ? 1 : 2, step1 = halves ? half : 1;                                  \
+        for (int64_t i = 0; i < half; ++i) {                                                                \
+            const float x0 = GET(xh + i * stride0), x1 = GET(xh + i * stride0 + step1), si = sign * s[i];   \
+            SET(oh + i * stride0, x0 * c[i] - x1 * si);                                                     \
+            SET(oh + i * stride0 + step1, x0 * si + x1 * c[i]);                                             \
+        }                                                                                                   \
+    }
+#endif
+
+/* Products and sums not fused into FMAs (which round once) in a function marked so; with Clang, in every
+ * function from here on (the pragma's scope), so the rope functions come last. */
+#if defined(__clang__)
+#define NO_CONTRACT
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define NO_CONTRACT
+#endif
+
+#define ROPE(T, SUFFIX, LD, ST, GET, SET)                                                                   \
+    NO_CONTRACT static void rope_##SUFFIX(const T *x, const float *cos, const float *sin, T *out, int64_t rows,        \
+                              int64_t T_, int64_t H, int64_t half, int halves, int per_row, float sign,     \
+                              int threads) {                                                                \
+        const int nt = team(threads, rows * H * 2 * half, rows);                                            \
+        (void)nt;                                                                                           \
+        PARALLEL_FOR                                                                                        \
+        for (int64_t row = 0; row < rows; ++row) { /* row = b * T + t */                                   \
+            const float *c = cos + (per_row ? row : row % T_) * half;                                       \
+            const float *s = sin + (per_row ? row : row % T_) * half;                                       \
+            float c2[ROPE_MAX_D], s2[ROPE_MAX_D];                                                           \
+            for (int64_t i = 0; i < half && !halves; ++i) {                                                 \
+                c2[2 * i] = c2[2 * i + 1] = c[i];                                                           \
+                s2[2 * i] = -(s2[2 * i + 1] = sign * s[i]);                                                 \
+            }                                                                                               \
+            for (int64_t h = 0; h < H; ++h) {                                                               \
+                const T *xh = x + (row * H + h) * 2 * half;                                                 \
+                T *oh = out + (row * H + h) * 2 * half;                                                     \
+                ROPE_HEAD(T, LD, ST, GET, SET)                                                              \
+            }                                                                                               \
+        }                                                                                                   \
+    }
+
+ROPE(float, f32, ld_f32, st_f32, f32_of_f32, set_f32)
+ROPE(uint16_t, bf16, ld_bf16, st_bf16, f32_of_bf16, set_bf16)
+
 /* out = silu(g) * u over n elements, f32 or bf16 (`bf16` not 0). */
 void ggtorch_swiglu(const void *g, const void *u, void *out, int64_t n, int bf16, int threads) {
     if (bf16) swiglu_bf16(g, u, out, n, threads);
@@ -198,4 +281,24 @@ void ggtorch_rms_norm_backward(const void *x, const float *w, const float *rstd,
                                int64_t rows, int64_t C, int bf16, int threads) {
     if (bf16) rms_norm_backward_bf16(x, w, rstd, grad, grad_x, rows, C, threads);
     else rms_norm_backward_f32(x, w, rstd, grad, grad_x, rows, C, threads);
+}
+
+/* Rope of x (rows = B * T, H heads of 2 * half values; f32 or bf16) into out (x's dtype) by the angles' cos and
+ * sin (f32: T rows, or one per row of x with `per_row`); `sign` -1 rotates back (the backward). Returns 0, or -1
+ * for heads wider than ROPE_MAX_D. */
+int ggtorch_rope(const void *x, const float *cos, const float *sin, void *out, int64_t rows, int64_t T, int64_t H,
+                 int64_t half, int halves, int per_row, float sign, int bf16, int threads) {
+    if (2 * half > ROPE_MAX_D) return -1;
+    if (bf16) rope_bf16(x, cos, sin, out, rows, T, H, half, halves, per_row, sign, threads);
+    else rope_f32(x, cos, sin, out, rows, T, H, half, halves, per_row, sign, threads);
+    return 0;
+}
+
+/* 1 when rope runs in vectors here (the compiler has __builtin_shufflevector), else 0 (scalar loops). */
+int ggtorch_rope_vectorized(void) {
+#ifdef GGTORCH_SHUFFLES
+    return 1;
+#else
+    return 0;
+#endif
 }

@@ -50,6 +50,8 @@ def _library() -> ctypes.CDLL | None:
     lib.ggtorch_swiglu_backward.argtypes = [p, p, p, p, p, i64, i32, i32]
     lib.ggtorch_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]
     lib.ggtorch_rms_norm_backward.argtypes = [p, p, p, p, p, i64, i64, i32, i32]
+    lib.ggtorch_rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i32, i32, f32, i32, i32]
+    lib.ggtorch_rope_vectorized.argtypes = []
     for fn in (lib.ggtorch_swiglu, lib.ggtorch_swiglu_backward, lib.ggtorch_rms_norm, lib.ggtorch_rms_norm_backward):
         fn.restype = None
     return lib
@@ -243,3 +245,53 @@ def _native_swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Te
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``, the SwiGLU of llama's feed-forward."""
     return _SwiGLU.apply(gate, up)
+
+
+ROPE_MAX_D = 1024
+"""The widest head fused.c rotates (its ROPE_MAX_D: the row's angles, twice over, sit on the stack)."""
+
+
+def rope_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether :func:`rope` runs in ``fused.c``: x (B, T, H, D) contiguous, every dim rotated (D = 2 · the angles'
+    width), its angles contiguous f32 (T, D/2) or (B, T, D/2), all on the CPU, and the library's rope built in
+    vectors (its scalar loops, from compilers without vector shuffles, are slower than torch's ops)."""
+    if x.dim() != 4:
+        return False
+    B, T, _, D = x.shape
+    return (_native(x) and bool(_library().ggtorch_rope_vectorized()) and D == 2 * cos.shape[-1] <= ROPE_MAX_D
+            and cos.shape == sin.shape and cos.shape[:-1] in ((T,), (B, T))
+            and all(a.dtype == torch.float32 and a.device.type == "cpu" and a.is_contiguous() for a in (cos, sin)))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves: bool) -> torch.Tensor:
+    """Rope of x (B, T, H, D) in its own dtype for :func:`rope_takes` operands: pair i, (x[i], x[i + D/2]) with
+    ``halves`` (NEOX) else (x[2i], x[2i+1]) (NORM), rotated by the angle whose cos and sin are column i.
+    Backward rotates back and saves only the angles."""
+    return _NativeRope.apply(x, cos, sin, halves)
+
+
+class _NativeRope(torch.autograd.Function):
+    """fused.c's rope: one pass, f32 arithmetic, x's dtype in and out (the torch ops widen bf16 to f32 and round
+    back in passes of their own)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,  # type: ignore[override]
+                halves: bool) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.halves = halves
+        return _native_rope(x, cos, sin, halves, 1.0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        return _native_rope(grad.contiguous(), cos, sin, ctx.halves, -1.0), None, None, None
+
+
+def _native_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves: bool, sign: float) -> torch.Tensor:
+    """fused.c's rotation of contiguous x (B, T, H, D) by the angles (by their negatives with ``sign`` -1)."""
+    B, T, H, D = x.shape
+    out = torch.empty_like(x)
+    if _library().ggtorch_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), B * T, T, H, D // 2,
+                               halves, cos.dim() == 3, sign, x.dtype == torch.bfloat16, torch.get_num_threads()):
+        raise ValueError(f"rope: heads of {D} values are wider than fused.c takes")
+    return out

@@ -26,6 +26,7 @@ static inline v16 ld_f32(const float *p) {
 static inline void st_f32(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
 #if (defined(__clang__) || __GNUC__ >= 12) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define GGTORCH_SHUFFLES 1 /* __builtin_shufflevector is there */
 /* bf16 <-> f32 as 16-bit lane shuffles: a bf16 is the high half of its f32 (one permute each way) */
 static inline v16 ld_bf16(const uint16_t *p) {
     u16x16 h;

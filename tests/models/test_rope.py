@@ -1,4 +1,5 @@
-"""apply_rope against the rotation written out per pair (NORM) and per half (NEOX), values and gradients."""
+"""apply_rope against the rotation written out per pair (NORM) and per half (NEOX), values and gradients, through
+torch's ops and through fused.c (on CPU, where it is built)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import torch
 
 from ggtorch.models import model
 from ggtorch.models.model import apply_rope, rope_angles_at, rope_pairs
+from ggtorch.ops import fused
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["torch", "fused.c"])
+def native(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    monkeypatch.setattr(fused, "NATIVE", request.param)
+    return request.param
 
 
 def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

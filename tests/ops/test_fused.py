@@ -230,3 +230,80 @@ def test_a_changed_output_is_saved_as_is_not_recomputed(native: bool) -> None:
         h = torch.nn.functional.linear(q, a)
     h.sum().backward()
     torch.testing.assert_close(a.grad, torch.ones(4, 3).T @ (torch.nn.functional.silu(g) * u), rtol=1e-5, atol=1e-5)
+
+
+def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves: bool) -> torch.Tensor:
+    """The rotation written out in float64: pair i is (x[i], x[i + D/2]) with ``halves``, else (x[2i], x[2i+1])."""
+    x, c, s = x.double(), cos.double().unsqueeze(-2), sin.double().unsqueeze(-2)  # angles over the heads
+    half = cos.shape[-1]
+    x0, x1 = (x[..., :half], x[..., half:]) if halves else (x[..., 0::2], x[..., 1::2])
+    r0, r1 = x0 * c - x1 * s, x0 * s + x1 * c
+    return torch.cat((r0, r1), dim=-1) if halves else torch.stack((r0, r1), dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("halves", [False, True], ids=["norm", "neox"])
+@pytest.mark.parametrize("head", [6, 20, 64, 256])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_rope_and_its_gradient_against_float64(native: bool, dtype: torch.dtype, halves: bool, head: int,
+                                               per_row: bool) -> None:
+    """fused.c's rope (every tail of the vectors, angles per position or per row) and the torch ops it replaces:
+    both within one rounding of the exact rotation, forward and backward (the rotation back)."""
+    from ggtorch.models.model import apply_rope, rope_angles_at
+
+    B, T, H = 2, 9, 3
+    g = torch.Generator().manual_seed(head)
+    positions = torch.randint(0, 500, (B, T), generator=g) if per_row else torch.arange(T)
+    cos, sin = rope_angles_at(positions, head, 10000.0, 1.0)
+    x = (torch.randn(B, T, H, head, generator=g) * 2).to(dtype).requires_grad_()
+    dy = torch.randn(B, T, H, head, generator=g).to(dtype)
+    if native:
+        assert fused.rope_takes(x, cos, sin) == (fused._library().ggtorch_rope_vectorized() == 1)
+    out = apply_rope(x, cos, sin, halves)
+    (grad,) = torch.autograd.grad(out, x, dy)
+    x64 = x.detach().double().requires_grad_()
+    out64 = reference_rope(x64, cos, sin, halves)
+    (grad64,) = torch.autograd.grad(out64, x64, dy.double())
+    tol = {"rtol": 2e-6, "atol": 2e-6} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-2}
+    assert out.dtype == grad.dtype == dtype
+    torch.testing.assert_close(out.double(), out64, **tol)
+    torch.testing.assert_close(grad.double(), grad64, **tol)
+
+
+def test_rope_in_fused_c_equals_the_torch_ops_and_the_thread_count_does_not_matter() -> None:
+    if not clib.compiler() or not fused._library().ggtorch_rope_vectorized():
+        pytest.skip("no C compiler, or one without vector shuffles")
+    from ggtorch.models.model import rope_angles_at
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 50, 4, 64, generator=g)
+    cos, sin = rope_angles_at(torch.arange(50), 64, 10000.0, 1.0)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append([fused.rope(x, cos, sin, halves) for halves in (False, True)])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r, strict=True))
+    from ggtorch.models.model import apply_rope
+
+    fused.NATIVE = False
+    try:  # the same products and sums, each rounded (no FMA): bit-equal to the ops', f32 and bf16
+        for halves, ours in zip((False, True), results[0], strict=True):
+            assert torch.equal(ours, apply_rope(x, cos, sin, halves))
+            assert torch.equal(fused.rope(x.bfloat16(), cos, sin, halves), apply_rope(x.bfloat16(), cos, sin, halves))
+    finally:
+        fused.NATIVE = True
+
+
+def test_rope_leaves_wide_heads_and_strided_views_to_torch() -> None:
+    x = torch.zeros(1, 2, 1, fused.ROPE_MAX_D + 2)
+    angles = torch.zeros(2, x.shape[-1] // 2)
+    assert not fused.rope_takes(x, angles, angles)
+    heads_first = torch.zeros(1, 2, 4, 64).transpose(1, 2)  # (B, T, H, D) as a view: not contiguous
+    angles = torch.zeros(4, 32)
+    assert not fused.rope_takes(heads_first, angles, angles)
+    if fused._library() is not None and fused._library().ggtorch_rope_vectorized():
+        assert fused.rope_takes(heads_first.contiguous(), angles, angles)
