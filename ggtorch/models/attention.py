@@ -10,12 +10,15 @@ each block's probabilities are saved for backward, where flash keeps one log-sum
 past the length limit that memory grows with the square of the sequence.
 
 Precision matches flash's: scores, softmax and its backward in f32, the products with the
-probabilities in the input dtype, as the flash kernel does for bf16. Key and value gradients are
+probabilities in the input dtype, as the flash kernel does for bf16, under autocast too (which
+would otherwise run the f32 score products in bf16 and round the scores before the softmax). Key and value gradients are
 summed over the blocks in the input dtype (bf16 partial sums stay within flash's error in
 tests/models/test_attention.py; an f32 accumulator would cost a pass per block).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +158,12 @@ class _ProductAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                 allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
+        with torch.autocast(q.device.type, enabled=False):
+            return _ProductAttention._forward(ctx, q, k, v, allowed, scale)
+
+    @staticmethod
+    def _forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+                 scale: float) -> torch.Tensor:
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         G = H // Hkv
@@ -184,6 +193,11 @@ class _ProductAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _ProductAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k3, v3, out, *probs = ctx.saved_tensors
         B, H, T, D = q.shape
         Hkv = ctx.kv_shape[1]

@@ -179,3 +179,21 @@ def test_sinks_through_the_fused_kernel_equal_the_formula_in_float64(dtype: torc
     for name, a, b in zip(("out", "q", "k", "v", "sinks"), got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=tol * max(1.0, float(b.abs().max())), msg=name)
     assert float(ref[4].abs().min()) > 1e-3  # every sink takes a share of its rows
+
+
+@pytest.mark.parametrize("masking", ["causal", "packed"])
+def test_under_bf16_autocast_scores_and_softmax_stay_f32(masking: str) -> None:
+    """Autocast would run the f32 score products in bf16 (and round the scores before the softmax): the products
+    path switches it off, so a step under autocast is the step without it, bit for bit."""
+    tensors = _qkv(2, 4, 2, BLOCK_ROWS + 40)
+    grad_out = torch.randn(2, 4, BLOCK_ROWS + 40, 64, generator=torch.Generator().manual_seed(3))
+    mask = _mask(masking, 2, BLOCK_ROWS + 40)
+
+    def products(q, k, v):
+        return attention(q, k, v, scale=SCALE, causal=mask is None, mask=mask)
+
+    plain, node = _run(products, tensors, torch.bfloat16, grad_out)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast, _ = _run(products, tensors, torch.bfloat16, grad_out)
+    assert node == "_ProductAttentionBackward"
+    assert all(torch.equal(a, b) for a, b in zip(plain, autocast, strict=True))
