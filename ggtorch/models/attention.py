@@ -11,8 +11,8 @@ past the length limit that memory grows with the square of the sequence.
 
 Precision matches flash's: scores, softmax and its backward in f32, the products with the
 probabilities in the input dtype, as the flash kernel does for bf16, under autocast too (which
-would otherwise run the f32 score products in bf16 and round the scores before the softmax). Key and value gradients are
-summed over the blocks in the input dtype (bf16 partial sums stay within flash's error in
+would otherwise run the f32 score products in bf16 and round the scores before the softmax). Key
+and value gradients are summed over the blocks in the input dtype (bf16 partial sums stay within flash's error in
 tests/models/test_attention.py; an f32 accumulator would cost a pass per block).
 """
 

@@ -1,4 +1,5 @@
-"""C libraries ggtorch builds on first use (``quant/native.c``, ``ops/lowrank.c``) and loads with ctypes.
+"""C libraries ggtorch builds on first use (``quant/native.c``, ``ops/lowrank.c``, ``ops/fused.c``) and loads with
+ctypes.
 
 A library is compiled with the system's C compiler (``cc``, or ``$CC``) for the CPU it runs on into
 ``$XDG_CACHE_HOME/ggtorch`` (``~/.cache/ggtorch``), once per source, flags, compiler, OpenMP runtime and

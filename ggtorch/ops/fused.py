@@ -1,4 +1,5 @@
-"""RMSNorm and SwiGLU as autograd Functions that keep less for backward than their op-by-op form.
+"""RMSNorm and SwiGLU as autograd Functions that keep less for backward than their op-by-op form, and
+rope; on CPU all three in C.
 
 Written op by op, ``silu(g) * u`` keeps three (tokens, n_ff) tensors alive until backward
 (g, silu(g), u) and RMSNorm keeps its input and the normalized copy; every intermediate is
@@ -12,9 +13,9 @@ a recipe instead (the Function's own saved inputs, which live anyway) and the ou
 recomputed, bit-identically, when backward needs it, so it never stays resident.
 
 On CPU, for contiguous f32 or bf16 tensors, both run in ``fused.c`` (built on first use by
-:mod:`ggtorch.ops.clib`): one pass over their inputs each way instead of one per op, computing in f32
-and rounding bf16 results once. Elsewhere (other devices or dtypes, no compiler, ``NATIVE = False``)
-the torch ops above run.
+:mod:`ggtorch.ops.clib`), as does rope (:func:`rope`, which models.model's apply_rope takes where it
+can): one pass over their inputs each way instead of one per op, computing in f32 and rounding bf16
+results once. Elsewhere (other devices or dtypes, no compiler, ``NATIVE = False``) torch's ops run.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import torch.nn.functional as F
 from ggtorch.ops import clib
 
 NATIVE = True
-"""Run RMSNorm and SwiGLU on CPU in ``fused.c`` where :func:`_native` takes their operands; False keeps torch's ops."""
+"""Run RMSNorm, SwiGLU and rope on CPU in ``fused.c`` where :func:`_native` takes their operands; False keeps torch's
+ops."""
 
 SOURCE = Path(__file__).with_name("fused.c")
 FLAGS = ("-O3", "-fno-math-errno")
