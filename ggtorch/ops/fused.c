@@ -72,46 +72,44 @@ static inline v16 vexp(v16 x) {
         }                                           \
     } while (0)
 
+/* BODY for every vector [i, i + m) of n elements (m = L but at the end), CHUNK elements a task of the team. */
+#define FOR_VECTORS(n, threads, ...)                                                                        \
+    const int64_t chunks = ((n) + CHUNK - 1) / CHUNK;                                                       \
+    const int nt = team(threads, n, chunks);                                                                \
+    (void)nt;                                                                                               \
+    PARALLEL_FOR                                                                                            \
+    for (int64_t c = 0; c < chunks; ++c) {                                                                  \
+        const int64_t end = (c + 1) * CHUNK < (n) ? (c + 1) * CHUNK : (n);                                  \
+        for (int64_t i = c * CHUNK; i < end; i += L) {                                                      \
+            const int64_t m = end - i < L ? end - i : L;                                                    \
+            __VA_ARGS__                                                                                     \
+        }                                                                                                   \
+    }
+
 #define KERNELS(T, SUFFIX, LD, ST)                                                                          \
     /* out = silu(g) * u = g / (1 + e^-g) * u */                                                            \
     static void swiglu_##SUFFIX(const T *g, const T *u, T *out, int64_t n, int threads) {                   \
-        const int64_t chunks = (n + CHUNK - 1) / CHUNK;                                                     \
-        const int nt = team(threads, n, chunks);                                                            \
-        (void)nt;                                                                                           \
-        PARALLEL_FOR                                                                                        \
-        for (int64_t c = 0; c < chunks; ++c) {                                                              \
-            const int64_t end = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;                                  \
-            for (int64_t i = c * CHUNK; i < end; i += L) {                                                  \
-                const int64_t m = end - i < L ? end - i : L;                                                \
-                v16 gv, uv;                                                                                 \
-                LOAD_PART(T, LD, gv, g, i, m);                                                              \
-                LOAD_PART(T, LD, uv, u, i, m);                                                              \
-                STORE_PART(T, ST, out, i, m, gv / (1.f + vexp(-gv)) * uv);                                  \
-            }                                                                                               \
-        }                                                                                                   \
+        FOR_VECTORS(n, threads, {                                                                           \
+            v16 gv, uv;                                                                                     \
+            LOAD_PART(T, LD, gv, g, i, m);                                                                  \
+            LOAD_PART(T, LD, uv, u, i, m);                                                                  \
+            STORE_PART(T, ST, out, i, m, gv / (1.f + vexp(-gv)) * uv);                                      \
+        })                                                                                                  \
     }                                                                                                       \
                                                                                                             \
     /* with s = sigmoid(g): grad_g = grad * u * s * (1 + g * (1 - s)) (silu's derivative, as torch's        \
        silu_backward writes it), grad_u = grad * g * s; either output may be NULL (not wanted) */            \
     static void swiglu_backward_##SUFFIX(const T *g, const T *u, const T *grad, T *grad_g, T *grad_u,      \
                                          int64_t n, int threads) {                                          \
-        const int64_t chunks = (n + CHUNK - 1) / CHUNK;                                                     \
-        const int nt = team(threads, n, chunks);                                                            \
-        (void)nt;                                                                                           \
-        PARALLEL_FOR                                                                                        \
-        for (int64_t c = 0; c < chunks; ++c) {                                                              \
-            const int64_t end = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;                                  \
-            for (int64_t i = c * CHUNK; i < end; i += L) {                                                  \
-                const int64_t m = end - i < L ? end - i : L;                                                \
-                v16 gv, uv, dv;                                                                             \
-                LOAD_PART(T, LD, gv, g, i, m);                                                              \
-                LOAD_PART(T, LD, uv, u, i, m);                                                              \
-                LOAD_PART(T, LD, dv, grad, i, m);                                                           \
-                const v16 s = 1.f / (1.f + vexp(-gv));                                                      \
-                if (grad_g) STORE_PART(T, ST, grad_g, i, m, dv * uv * (s * (1.f + gv * (1.f - s))));        \
-                if (grad_u) STORE_PART(T, ST, grad_u, i, m, dv * (gv * s));                                 \
-            }                                                                                               \
-        }                                                                                                   \
+        FOR_VECTORS(n, threads, {                                                                           \
+            v16 gv, uv, dv;                                                                                 \
+            LOAD_PART(T, LD, gv, g, i, m);                                                                  \
+            LOAD_PART(T, LD, uv, u, i, m);                                                                  \
+            LOAD_PART(T, LD, dv, grad, i, m);                                                               \
+            const v16 s = 1.f / (1.f + vexp(-gv));                                                          \
+            if (grad_g) STORE_PART(T, ST, grad_g, i, m, dv * uv * (s * (1.f + gv * (1.f - s))));            \
+            if (grad_u) STORE_PART(T, ST, grad_u, i, m, dv * (gv * s));                                     \
+        })                                                                                                  \
     }                                                                                                       \
                                                                                                             \
     /* sum of a[k] * b[k] * c[k] (c NULL: of a[k] * b[k]) over one row, b f32 when it is the weight */      \
