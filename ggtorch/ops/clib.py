@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.autograd.graph import increment_version
@@ -140,6 +141,21 @@ def load(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
     except OSError as e:
         log.info("ggtorch: could not load %s: %s", target, e)
         return None
+
+
+Signature = tuple[Any, list[Any]]
+"""A library function's ctypes result type and argument types."""
+
+
+def load_declared(source: Path, flags: tuple[str, ...], signatures: dict[str, Signature]) -> ctypes.CDLL | None:
+    """:func:`load`, with each named function's result and argument types declared (``signatures``), as every
+    caller needs them before its first call; None as :func:`load` returns it."""
+    lib = load(source, flags)
+    if lib is not None:
+        for name, (restype, argtypes) in signatures.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+    return lib
 
 
 def written(t: torch.Tensor) -> torch.Tensor:

@@ -44,19 +44,15 @@ FLAGS = ("-O3", "-fno-math-errno")
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = clib.load(SOURCE, FLAGS)
-    if lib is None:
-        return None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.ggtorch_swiglu.argtypes = [p, p, p, i64, i32, i32]
-    lib.ggtorch_swiglu_backward.argtypes = [p, p, p, p, p, i64, i32, i32]
-    lib.ggtorch_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]
-    lib.ggtorch_rms_norm_backward.argtypes = [p, p, p, p, p, i64, i64, i32, i32]
-    lib.ggtorch_rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i32, i32, f32, i32, i32]
-    lib.ggtorch_rope_vectorized.argtypes = []
-    for fn in (lib.ggtorch_swiglu, lib.ggtorch_swiglu_backward, lib.ggtorch_rms_norm, lib.ggtorch_rms_norm_backward):
-        fn.restype = None
-    return lib
+    return clib.load_declared(SOURCE, FLAGS, {
+        "ggtorch_swiglu": (None, [p, p, p, i64, i32, i32]),
+        "ggtorch_swiglu_backward": (None, [p, p, p, p, p, i64, i32, i32]),
+        "ggtorch_rms_norm": (None, [p, p, p, p, i64, i64, f32, i32, i32]),
+        "ggtorch_rms_norm_backward": (None, [p, p, p, p, p, i64, i64, i32, i32]),
+        "ggtorch_rope": (ctypes.c_int, [p, p, p, p, i64, i64, i64, i64, i32, i32, f32, i32, i32]),  # -1: not taken
+        "ggtorch_rope_vectorized": (ctypes.c_int, []),
+    })
 
 
 def _native(*tensors: torch.Tensor) -> bool:

@@ -37,16 +37,12 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = clib.load(SOURCE, FLAGS)
-    if lib is None:
-        return None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.ggtorch_lowrank_project.argtypes = [p, p, p, i64, i64, i32, f32, i32, i32]
-    lib.ggtorch_lowrank_expand.argtypes = [p, p, p, i64, i64, i32, f32, i32, i32]
-    lib.ggtorch_lowrank_reduce.argtypes = [p, p, p, i64, i64, i32, f32, i32, i32]
-    lib.ggtorch_lowrank_project.restype = lib.ggtorch_lowrank_reduce.restype = None
-    lib.ggtorch_lowrank_expand.restype = ctypes.c_int  # -1: r past the C loops' widest
-    return lib
+    operands = [p, p, p, i64, i64, i32, f32, i32, i32]
+    return clib.load_declared(SOURCE, FLAGS, {
+        "ggtorch_lowrank_project": (None, operands), "ggtorch_lowrank_reduce": (None, operands),
+        "ggtorch_lowrank_expand": (ctypes.c_int, operands),  # -1: r past the C loops' widest
+    })
 
 
 def available() -> bool:

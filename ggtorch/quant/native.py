@@ -44,15 +44,11 @@ and sum contracted into an FMA, so every value is computed as ggml's scalar code
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The built library, building it first when needed; None when there is no compiler or it fails."""
-    lib = clib.load(SOURCE, FLAGS)
-    if lib is None:
-        return None
-    lib.ggtorch_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                      ctypes.c_int]
-    lib.ggtorch_dequantize.restype = ctypes.c_int
-    lib.ggtorch_native_types.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
-    lib.ggtorch_native_types.restype = ctypes.c_int
-    return lib
+    c_int, ptr = ctypes.c_int, ctypes.c_void_p
+    return clib.load_declared(SOURCE, FLAGS, {
+        "ggtorch_dequantize": (c_int, [c_int, ptr, ptr, ctypes.c_int64, c_int, c_int]),
+        "ggtorch_native_types": (c_int, [ctypes.POINTER(c_int), c_int]),
+    })
 
 
 @functools.cache

@@ -71,3 +71,11 @@ def test_an_edited_header_rebuilds_the_library(cache, tmp_path) -> None:
     clib.load.cache_clear()
     assert clib.load(source, ()).ggtorch_test_answer() == 43
     assert len(list(cache.iterdir())) == 2
+
+
+@pytest.mark.skipif(not clib.compiler(), reason="no C compiler")
+def test_load_declared_sets_each_function_s_types(cache, tmp_path) -> None:
+    source = tmp_path / "half.c"
+    source.write_text("double ggtorch_test_half(double x) { return x / 2; }\n")
+    lib = clib.load_declared(source, (), {"ggtorch_test_half": (ctypes.c_double, [ctypes.c_double])})
+    assert lib.ggtorch_test_half(3) == 1.5  # undeclared, ctypes would pass an int and read an int back
