@@ -16,11 +16,6 @@
 #define CHUNK 2048 /* elements per task of the elementwise loops: a multiple of L */
 #define MIN_PARALLEL 16384 /* below this many elements a call runs on the caller's thread */
 
-static int team(int threads, int64_t elements, int64_t units) {
-    if (threads < 1 || elements < MIN_PARALLEL) return 1;
-    return units < threads ? (int)(units > 0 ? units : 1) : threads;
-}
-
 static inline v16 splat(float f) { return (v16){0} + f; }
 
 static inline v16 select(i32x16 mask, v16 a, v16 b) { /* mask ? a : b, lane by lane */
@@ -52,30 +47,30 @@ static inline v16 vexp(v16 x) {
 
 /* The elements [i, i + m) (m <= L) of a vector: whole vectors straight from memory, a tail through a
  * zeroed buffer, so the tail runs the same vector code as the rest. */
-#define LOAD_PART(T, LD, dst, src, i, m)            \
-    do {                                            \
-        if ((m) == L) dst = LD((src) + (i));        \
-        else {                                      \
-            T buf_[L] = {0};                        \
-            memcpy(buf_, (src) + (i), (m) * sizeof(T)); \
-            dst = LD(buf_);                         \
-        }                                           \
+#define LOAD_PART(T, LD, dst, src, i, m)                                                                    \
+    do {                                                                                                    \
+        if ((m) == L) dst = LD((src) + (i));                                                                \
+        else {                                                                                              \
+            T buf_[L] = {0};                                                                                \
+            memcpy(buf_, (src) + (i), (m) * sizeof(T));                                                     \
+            dst = LD(buf_);                                                                                 \
+        }                                                                                                   \
     } while (0)
 
-#define STORE_PART(T, ST, dst, i, m, v)             \
-    do {                                            \
-        if ((m) == L) ST((dst) + (i), v);           \
-        else {                                      \
-            T buf_[L];                              \
-            ST(buf_, v);                            \
-            memcpy((dst) + (i), buf_, (m) * sizeof(T)); \
-        }                                           \
+#define STORE_PART(T, ST, dst, i, m, v)                                                                     \
+    do {                                                                                                    \
+        if ((m) == L) ST((dst) + (i), v);                                                                   \
+        else {                                                                                              \
+            T buf_[L];                                                                                      \
+            ST(buf_, v);                                                                                    \
+            memcpy((dst) + (i), buf_, (m) * sizeof(T));                                                     \
+        }                                                                                                   \
     } while (0)
 
 /* BODY for every vector [i, i + m) of n elements (m = L but at the end), CHUNK elements a task of the team. */
 #define FOR_VECTORS(n, threads, ...)                                                                        \
     const int64_t chunks = ((n) + CHUNK - 1) / CHUNK;                                                       \
-    const int nt = team(threads, n, chunks);                                                                \
+    const int nt = team(threads, n, MIN_PARALLEL, chunks);                                                  \
     (void)nt;                                                                                               \
     PARALLEL_FOR                                                                                            \
     for (int64_t c = 0; c < chunks; ++c) {                                                                  \
@@ -98,8 +93,8 @@ static inline v16 vexp(v16 x) {
     }                                                                                                       \
                                                                                                             \
     /* with s = sigmoid(g): grad_g = grad * u * s * (1 + g * (1 - s)) (silu's derivative, as torch's        \
-       silu_backward writes it), grad_u = grad * g * s; either output may be NULL (not wanted) */            \
-    static void swiglu_backward_##SUFFIX(const T *g, const T *u, const T *grad, T *grad_g, T *grad_u,      \
+       silu_backward writes it), grad_u = grad * g * s; either output may be NULL (not wanted) */           \
+    static void swiglu_backward_##SUFFIX(const T *g, const T *u, const T *grad, T *grad_g, T *grad_u,       \
                                          int64_t n, int threads) {                                          \
         FOR_VECTORS(n, threads, {                                                                           \
             v16 gv, uv, dv;                                                                                 \
@@ -131,7 +126,7 @@ static inline v16 vexp(v16 x) {
     /* per row: rstd = 1 / sqrt(mean(x^2) + eps), out = x * rstd * w */                                     \
     static void rms_norm_##SUFFIX(const T *x, const float *w, T *out, float *rstd, int64_t rows, int64_t C, \
                                   float eps, int threads) {                                                 \
-        const int nt = team(threads, rows * C, rows);                                                       \
+        const int nt = team(threads, rows * C, MIN_PARALLEL, rows);                                         \
         (void)nt;                                                                                           \
         PARALLEL_FOR                                                                                        \
         for (int64_t i = 0; i < rows; ++i) {                                                                \
@@ -148,10 +143,10 @@ static inline v16 vexp(v16 x) {
         }                                                                                                   \
     }                                                                                                       \
                                                                                                             \
-    /* per row, with gw = grad * w: grad_x = gw * rstd - x * mean(gw * x) * rstd^3 */                        \
+    /* per row, with gw = grad * w: grad_x = gw * rstd - x * mean(gw * x) * rstd^3 */                       \
     static void rms_norm_backward_##SUFFIX(const T *x, const float *w, const float *rstd, const T *grad,    \
-                                           T *grad_x, int64_t rows, int64_t C, int threads) {              \
-        const int nt = team(threads, rows * C, rows);                                                       \
+                                           T *grad_x, int64_t rows, int64_t C, int threads) {               \
+        const int nt = team(threads, rows * C, MIN_PARALLEL, rows);                                         \
         (void)nt;                                                                                           \
         PARALLEL_FOR                                                                                        \
         for (int64_t i = 0; i < rows; ++i) {                                                                \
@@ -176,12 +171,12 @@ KERNELS(uint16_t, bf16, ld_bf16, st_bf16)
  * (x[2i], x[2i + 1]) (NORM), by the row's angle i: (x0 c - x1 s, x0 s + x1 c) in f32, each product and
  * the sum rounded, as ggml's loop and torch's ops round them (no FMA: NO_CONTRACT below). NORM's
  * pairs sit side by side in a vector: out = x * (c0 c0 c1 c1 ..) + (x1 x0 x3 x2 ..) * (-s0 s0 -s1 s1 ..),
- * lane shuffles that need __builtin_shufflevector; without it (GCC before 12) the loops are scalar and
- * fused.py keeps torch's rope (ggtorch_rope_vectorized). */
+ * lane shuffles that need __builtin_shufflevector: without it (GCC before 12) there is no rope here and
+ * fused.py keeps torch's (ggtorch_rope_built). */
 #define ROPE_MAX_D 1024 /* widest head (fused.py's ROPE_MAX_D) */
 
 #ifdef GGTORCH_SHUFFLES
-#define ROPE_HEAD(T, LD, ST, GET, SET)                                                                       \
+#define ROPE_HEAD(T, LD, ST)                                                                                \
     if (halves) {                                                                                           \
         for (int64_t i = 0; i < half; i += L) {                                                             \
             const int64_t m = half - i < L ? half - i : L;                                                  \
@@ -205,17 +200,6 @@ KERNELS(uint16_t, bf16, ld_bf16, st_bf16)
             STORE_PART(T, ST, oh, k, m, xv * cv + sw * sv);                                                 \
         }                                                                                                   \
     }
-#else
-#define ROPE_HEAD(T, LD, ST, GET, SET)                                                                       \
-    {                                                                                                       \
-        const int64_t stride0 = halves ? 1 : 2, step1 = halves ? half : 1;                                  \
-        for (int64_t i = 0; i < half; ++i) {                                                                \
-            const float x0 = GET(xh + i * stride0), x1 = GET(xh + i * stride0 + step1), si = sign * s[i];   \
-            SET(oh + i * stride0, x0 * c[i] - x1 * si);                                                     \
-            SET(oh + i * stride0 + step1, x0 * si + x1 * c[i]);                                             \
-        }                                                                                                   \
-    }
-#endif
 
 /* Products and sums not fused into FMAs (which round once) in a function marked so; with Clang, in every
  * function from here on (the pragma's scope), so the rope functions come last. */
@@ -228,31 +212,33 @@ KERNELS(uint16_t, bf16, ld_bf16, st_bf16)
 #define NO_CONTRACT
 #endif
 
-#define ROPE(T, SUFFIX, LD, ST, GET, SET)                                                                   \
-    NO_CONTRACT static void rope_##SUFFIX(const T *x, const float *cos, const float *sin, T *out, int64_t rows,        \
-                              int64_t T_, int64_t H, int64_t half, int halves, int per_row, float sign,     \
-                              int threads) {                                                                \
-        const int nt = team(threads, rows * H * 2 * half, rows);                                            \
+#define ROPE(T, SUFFIX, LD, ST)                                                                             \
+    NO_CONTRACT static void rope_##SUFFIX(const T *x, const float *cos, const float *sin, T *out,           \
+                                          int64_t rows, int64_t T_, int64_t H, int64_t half, int halves,    \
+                                          int per_row, float sign, int threads) {                           \
+        const int nt = team(threads, rows * H * 2 * half, MIN_PARALLEL, rows);                              \
         (void)nt;                                                                                           \
         PARALLEL_FOR                                                                                        \
-        for (int64_t row = 0; row < rows; ++row) { /* row = b * T + t */                                   \
+        for (int64_t row = 0; row < rows; ++row) { /* row = b * T + t */                                    \
             const float *c = cos + (per_row ? row : row % T_) * half;                                       \
             const float *s = sin + (per_row ? row : row % T_) * half;                                       \
             float c2[ROPE_MAX_D], s2[ROPE_MAX_D];                                                           \
-            for (int64_t i = 0; i < half && !halves; ++i) {                                                 \
-                c2[2 * i] = c2[2 * i + 1] = c[i];                                                           \
-                s2[2 * i] = -(s2[2 * i + 1] = sign * s[i]);                                                 \
-            }                                                                                               \
+            if (!halves)                                                                                    \
+                for (int64_t i = 0; i < half; ++i) {                                                        \
+                    c2[2 * i] = c2[2 * i + 1] = c[i];                                                       \
+                    s2[2 * i] = -(s2[2 * i + 1] = sign * s[i]);                                             \
+                }                                                                                           \
             for (int64_t h = 0; h < H; ++h) {                                                               \
                 const T *xh = x + (row * H + h) * 2 * half;                                                 \
                 T *oh = out + (row * H + h) * 2 * half;                                                     \
-                ROPE_HEAD(T, LD, ST, GET, SET)                                                              \
+                ROPE_HEAD(T, LD, ST)                                                                        \
             }                                                                                               \
         }                                                                                                   \
     }
 
-ROPE(float, f32, ld_f32, st_f32, f32_of_f32, set_f32)
-ROPE(uint16_t, bf16, ld_bf16, st_bf16, f32_of_bf16, set_bf16)
+ROPE(float, f32, ld_f32, st_f32)
+ROPE(uint16_t, bf16, ld_bf16, st_bf16)
+#endif
 
 /* out = silu(g) * u over n elements, f32 or bf16 (`bf16` not 0). */
 void ggtorch_swiglu(const void *g, const void *u, void *out, int64_t n, int bf16, int threads) {
@@ -283,17 +269,23 @@ void ggtorch_rms_norm_backward(const void *x, const float *w, const float *rstd,
 
 /* Rope of x (rows = B * T, H heads of 2 * half values; f32 or bf16) into out (x's dtype) by the angles' cos and
  * sin (f32: T rows, or one per row of x with `per_row`); `sign` -1 rotates back (the backward). Returns 0, or -1
- * for heads wider than ROPE_MAX_D. */
+ * for heads wider than ROPE_MAX_D or in a build without rope (ggtorch_rope_built). */
 int ggtorch_rope(const void *x, const float *cos, const float *sin, void *out, int64_t rows, int64_t T, int64_t H,
                  int64_t half, int halves, int per_row, float sign, int bf16, int threads) {
+#ifdef GGTORCH_SHUFFLES
     if (2 * half > ROPE_MAX_D) return -1;
     if (bf16) rope_bf16(x, cos, sin, out, rows, T, H, half, halves, per_row, sign, threads);
     else rope_f32(x, cos, sin, out, rows, T, H, half, halves, per_row, sign, threads);
     return 0;
+#else
+    (void)x, (void)cos, (void)sin, (void)out, (void)rows, (void)T, (void)H, (void)half, (void)halves, (void)per_row;
+    (void)sign, (void)bf16, (void)threads;
+    return -1;
+#endif
 }
 
-/* 1 when rope runs in vectors here (the compiler has __builtin_shufflevector), else 0 (scalar loops). */
-int ggtorch_rope_vectorized(void) {
+/* 1 when this build has rope (the compiler has __builtin_shufflevector), else 0. */
+int ggtorch_rope_built(void) {
 #ifdef GGTORCH_SHUFFLES
     return 1;
 #else

@@ -51,7 +51,7 @@ def _library() -> ctypes.CDLL | None:
         "ggtorch_rms_norm": (None, [p, p, p, p, i64, i64, f32, i32, i32]),
         "ggtorch_rms_norm_backward": (None, [p, p, p, p, p, i64, i64, i32, i32]),
         "ggtorch_rope": (ctypes.c_int, [p, p, p, p, i64, i64, i64, i64, i32, i32, f32, i32, i32]),  # -1: not taken
-        "ggtorch_rope_vectorized": (ctypes.c_int, []),
+        "ggtorch_rope_built": (ctypes.c_int, []),
     })
 
 
@@ -256,9 +256,16 @@ def rope_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     if x.dim() != 4:
         return False
     B, T, _, D = x.shape
-    return (_native(x) and bool(_library().ggtorch_rope_vectorized()) and D == 2 * cos.shape[-1] <= ROPE_MAX_D
+    return (_native(x) and _rope_built() and D == 2 * cos.shape[-1] <= ROPE_MAX_D
             and cos.shape == sin.shape and cos.shape[:-1] in ((T,), (B, T))
             and all(a.dtype == torch.float32 and a.device.type == "cpu" and a.is_contiguous() for a in (cos, sin)))
+
+
+@functools.cache
+def _rope_built() -> bool:
+    """Whether the library has rope (built by a compiler with vector shuffles); asked once."""
+    lib = _library()
+    return lib is not None and bool(lib.ggtorch_rope_built())
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves: bool) -> torch.Tensor:
@@ -291,5 +298,5 @@ def _native_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves: 
     out = torch.empty_like(x)
     if _library().ggtorch_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), B * T, T, H, D // 2,
                                halves, cos.dim() == 3, sign, x.dtype == torch.bfloat16, torch.get_num_threads()):
-        raise ValueError(f"rope: heads of {D} values are wider than fused.c takes")
+        raise ValueError(f"rope: fused.c does not take heads of {D} values (see rope_takes)")
     return out

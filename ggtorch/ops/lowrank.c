@@ -19,11 +19,6 @@
 /* Below this many multiply-adds a call runs on the caller's thread: waking the team costs more. */
 #define MIN_PARALLEL_MACS (1 << 16)
 
-static int team(int threads, int64_t macs, int64_t units) {
-    if (threads < 1 || macs < MIN_PARALLEL_MACS) return 1;
-    return units < threads ? (int)(units > 0 ? units : 1) : threads;
-}
-
 #define KERNELS(T, SUFFIX, LD, ST, GET, SET)                                                                  \
     /* out[i, j] = s * sum_k x[i, k] m[j, k] for up to 4 rows i of x and up to RB rows j of m */             \
     static void project_block_##SUFFIX(const T *x, int64_t K, const T *m, int rows, int js, float s,        \
@@ -51,7 +46,7 @@ static int team(int threads, int64_t macs, int64_t units) {
     static void project_##SUFFIX(const T *x, const T *m, T *out, int64_t N, int64_t K, int r, float s,      \
                                  int threads) {                                                             \
         const int64_t blocks = (N + 3) / 4;                                                                 \
-        const int nt = team(threads, N * K * r, blocks);                                                    \
+        const int nt = team(threads, N * K * r, MIN_PARALLEL_MACS, blocks);                                 \
         (void)nt;                                                                                           \
         PARALLEL_FOR                                                                                        \
         for (int64_t b = 0; b < blocks; ++b) {                                                              \
@@ -93,7 +88,7 @@ static int team(int threads, int64_t macs, int64_t units) {
     static void expand_##SUFFIX(T *y, const T *h, const T *mt, int64_t N, int64_t M, int r, float s,        \
                                 int threads) {                                                              \
         const int64_t blocks = (N + 3) / 4;                                                                 \
-        const int nt = team(threads, N * M * r, blocks);                                                    \
+        const int nt = team(threads, N * M * r, MIN_PARALLEL_MACS, blocks);                                 \
         (void)nt;                                                                                           \
         PARALLEL_FOR                                                                                        \
         for (int64_t b = 0; b < blocks; ++b) {                                                              \
@@ -110,7 +105,7 @@ static int team(int threads, int64_t macs, int64_t units) {
     static void reduce_##SUFFIX(const T *x, const T *h, float *g, int64_t N, int64_t K, int r, float s,     \
                                 int threads) {                                                              \
         const int64_t tiles = (K + TILE - 1) / TILE;                                                        \
-        const int nt = team(threads, N * K * r, tiles);                                                     \
+        const int nt = team(threads, N * K * r, MIN_PARALLEL_MACS, tiles);                                  \
         (void)nt;                                                                                           \
         PARALLEL_FOR                                                                                        \
         for (int64_t t = 0; t < tiles; ++t) {                                                               \

@@ -1,7 +1,7 @@
 /* What ggtorch's C loops share: 16-wide f32 vectors (GCC/Clang vector extensions, compiled to AVX-512, AVX2,
  * NEON or scalar code, whatever the target has), their loads and stores in f32 and bf16, and the scalar
  * conversions. bf16 is widened exactly on load and rounded to nearest even on store, NaN kept quiet, as
- * torch's f32 -> bf16 conversion rounds. Included by ops/lowrank.c, ops/fused.c and quant/native.c; ops/clib.py
+ * torch's f32 -> bf16 conversion rounds; the size of a loop's team. Included by ops/lowrank.c, ops/fused.c and quant/native.c; ops/clib.py
  * hashes it into each library's cache key. */
 #ifndef GGTORCH_VEC_H
 #define GGTORCH_VEC_H
@@ -90,6 +90,14 @@ static inline void set_f32(float *p, float f) { *p = f; }
 
 static inline void set_bf16(uint16_t *p, float f) { *p = bf16_of(f); }
 
+/* Threads for a parallel loop over `units` tasks: 1 below `min_work` (waking the team costs more than the work),
+ * else torch's count, at most one per task. */
+static inline int team(int threads, int64_t work, int64_t min_work, int64_t units) {
+    if (threads < 1 || work < min_work) return 1;
+    return units < threads ? (int)(units > 0 ? units : 1) : threads;
+}
+
+/* A parallel loop on `nt` threads of the team (see team). */
 #ifdef _OPENMP
 #define PARALLEL_FOR _Pragma("omp parallel for num_threads(nt) schedule(static)")
 #else

@@ -258,7 +258,7 @@ def test_rope_and_its_gradient_against_float64(native: bool, dtype: torch.dtype,
     x = (torch.randn(B, T, H, head, generator=g) * 2).to(dtype).requires_grad_()
     dy = torch.randn(B, T, H, head, generator=g).to(dtype)
     if native:
-        assert fused.rope_takes(x, cos, sin) == (fused._library().ggtorch_rope_vectorized() == 1)
+        assert fused.rope_takes(x, cos, sin) == (fused._library().ggtorch_rope_built() == 1)
     out = apply_rope(x, cos, sin, halves)
     (grad,) = torch.autograd.grad(out, x, dy)
     x64 = x.detach().double().requires_grad_()
@@ -271,7 +271,7 @@ def test_rope_and_its_gradient_against_float64(native: bool, dtype: torch.dtype,
 
 
 def test_rope_in_fused_c_equals_the_torch_ops_and_the_thread_count_does_not_matter() -> None:
-    if not clib.compiler() or not fused._library().ggtorch_rope_vectorized():
+    if not clib.compiler() or not fused._library().ggtorch_rope_built():
         pytest.skip("no C compiler, or one without vector shuffles")
     from ggtorch.models.model import rope_angles_at
 
@@ -305,5 +305,5 @@ def test_rope_leaves_wide_heads_and_strided_views_to_torch() -> None:
     heads_first = torch.zeros(1, 2, 4, 64).transpose(1, 2)  # (B, T, H, D) as a view: not contiguous
     angles = torch.zeros(4, 32)
     assert not fused.rope_takes(heads_first, angles, angles)
-    if fused._library() is not None and fused._library().ggtorch_rope_vectorized():
+    if fused._library() is not None and fused._library().ggtorch_rope_built():
         assert fused.rope_takes(heads_first.contiguous(), angles, angles)
