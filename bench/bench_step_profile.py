@@ -173,7 +173,8 @@ def marked(timer: OpTimer, kind: str, fn: Callable[..., Any], label: str = "outs
     return call
 
 
-FUSED_C = ("_native_rms_norm", "_native_rms_norm_backward", "_native_swiglu", "_native_swiglu_backward")
+FUSED_C = ("_native_rms_norm", "_native_rms_norm_backward", "_native_swiglu", "_native_swiglu_backward",
+           "_native_rope")
 """ggtorch.ops.fused's calls into fused.c."""
 
 
@@ -181,7 +182,7 @@ FUSED_C = ("_native_rms_norm", "_native_rms_norm_backward", "_native_swiglu", "_
 def marking(timer: OpTimer) -> Iterator[None]:
     """Inside, every dequantization the training path makes counts as dequantization, every low-rank product
     of ggtorch.ops.lowrank (C loops: no aten op) as a low-rank product, with its multiply-adds, and fused.c's
-    RMSNorm and SwiGLU (C loops too) as elementwise work."""
+    RMSNorm, SwiGLU and rope (C loops too) as elementwise work."""
     from ggtorch.ops import fused, lowrank
 
     def rank_r(x: torch.Tensor, small: torch.Tensor, *rest: Any) -> float:  # (N, K) and (r, K) or (N, r)
