@@ -1,4 +1,5 @@
-/* RMSNorm, SwiGLU and rope of a training step on CPU, forward and backward, in f32 or bf16, one pass each.
+/* RMSNorm, SwiGLU and rope of a training step on CPU, forward and backward, in f32 or bf16, one pass each, and
+ * the online softmax of the loss over a vocabulary's slabs (SOFTMAX_SLAB).
  *
  * Written in torch ops, SwiGLU's forward is a silu and a multiply and its backward four passes over
  * (tokens, n_ff) tensors; RMSNorm's forward five passes and its backward eight; rope on bf16 widens to
@@ -167,6 +168,66 @@ static inline v16 vexp(v16 x) {
 KERNELS(float, f32, ld_f32, st_f32)
 KERNELS(uint16_t, bf16, ld_bf16, st_bf16)
 
+static const i32x16 LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* e^x, and 0 where x < -87 (where vexp clamps; e^x is below f32's normals there) */
+static inline v16 vexp_or_0(v16 x) { return select((i32x16)(x < splat(-87.f)), splat(0.f), vexp(x)); }
+
+/* One slab of the loss's online softmax (ggtorch/training/loss.py): for each of `rows` rows of `width` logits
+ * (row stride ld), the target's logit is added to picked[i] when the slab holds it (targets[i] - v0 in
+ * [0, width)), then every logit l is overwritten by e = e^(l - m), summed into run_sum[i]. The row's reference
+ * m stays run_max[i] while the slab's largest logit is at most `headroom` above it (so e <= e^headroom);
+ * otherwise (and on the first slab, run_max -inf) it becomes that logit, and the sums so far are rescaled:
+ * rescale[i] = e^(old m - new m) (1 when m stays), run_sum[i] times it here, the caller's sums of e times it.
+ * Exact rows maxima would rescale on most slabs; the result is the same up to rounding. */
+#define SOFTMAX_SLAB(T, SUFFIX, LD, ST, GET)                                                                \
+    static void softmax_slab_##SUFFIX(T *x, int64_t rows, int64_t width, int64_t ld, const int64_t *targets, \
+                                      int64_t v0, float *run_max, float *run_sum, float *picked,            \
+                                      float *rescale, float headroom, int threads) {                        \
+        const int nt = team(threads, rows * width, MIN_PARALLEL, rows);                                     \
+        (void)nt;                                                                                           \
+        PARALLEL_FOR                                                                                        \
+        for (int64_t i = 0; i < rows; ++i) {                                                                \
+            T *xi = x + i * ld;                                                                             \
+            v16 top = splat(-__builtin_inff());                                                             \
+            for (int64_t k = 0; k < width; k += L) {                                                        \
+                const int64_t m = width - k < L ? width - k : L;                                            \
+                v16 v;                                                                                      \
+                LOAD_PART(T, LD, v, xi, k, m);                                                              \
+                if (m < L) v = select(LANES < (int)m, v, splat(-__builtin_inff()));                         \
+                top = select((i32x16)(v > top), v, top);                                                    \
+            }                                                                                               \
+            float slab_max = top[0];                                                                        \
+            for (int l = 1; l < L; ++l) slab_max = top[l] > slab_max ? top[l] : slab_max;                   \
+            const int64_t t = targets[i] - v0;                                                              \
+            if (t >= 0 && t < width) picked[i] += GET(xi + t);                                              \
+            float ref = run_max[i], r = 1.f;                                                                \
+            if (ref == -__builtin_inff()) ref = slab_max;                                                   \
+            else if (slab_max > ref + headroom) {                                                           \
+                r = vexp_or_0(splat(ref - slab_max))[0];                                                    \
+                ref = slab_max;                                                                             \
+            }                                                                                               \
+            v16 sum = {0};                                                                                  \
+            for (int64_t k = 0; k < width; k += L) {                                                        \
+                const int64_t m = width - k < L ? width - k : L;                                            \
+                v16 v;                                                                                      \
+                LOAD_PART(T, LD, v, xi, k, m);                                                              \
+                v16 e = vexp_or_0(v - ref);                                                                 \
+                if (m < L) e = select(LANES < (int)m, e, splat(0.f));                                       \
+                sum += e;                                                                                   \
+                STORE_PART(T, ST, xi, k, m, e);                                                             \
+            }                                                                                               \
+            float s = 0.f;                                                                                  \
+            for (int l = 0; l < L; ++l) s += sum[l];                                                        \
+            run_sum[i] = run_sum[i] * r + s;                                                                \
+            run_max[i] = ref;                                                                               \
+            rescale[i] = r;                                                                                 \
+        }                                                                                                   \
+    }
+
+SOFTMAX_SLAB(float, f32, ld_f32, st_f32, f32_of_f32)
+SOFTMAX_SLAB(uint16_t, bf16, ld_bf16, st_bf16, f32_of_bf16)
+
 /* Rope rotates pairs of one head's values: (x[i], x[i + half]) with `halves` (ggml's NEOX mode), else
  * (x[2i], x[2i + 1]) (NORM), by the row's angle i: (x0 c - x1 s, x0 s + x1 c) in f32, each product and
  * the sum rounded, as ggml's loop and torch's ops round them (no FMA: NO_CONTRACT below). NORM's
@@ -265,6 +326,18 @@ void ggtorch_rms_norm_backward(const void *x, const float *w, const float *rstd,
                                int64_t rows, int64_t C, int bf16, int threads) {
     if (bf16) rms_norm_backward_bf16(x, w, rstd, grad, grad_x, rows, C, threads);
     else rms_norm_backward_f32(x, w, rstd, grad, grad_x, rows, C, threads);
+}
+
+/* One slab of the online softmax over logits x (f32 or bf16, in place; see SOFTMAX_SLAB). Returns how many rows'
+ * sums were rescaled (rescale[i] != 1). */
+int64_t ggtorch_softmax_slab(void *x, int64_t rows, int64_t width, int64_t ld, const int64_t *targets, int64_t v0,
+                             float *run_max, float *run_sum, float *picked, float *rescale, float headroom, int bf16,
+                             int threads) {
+    if (bf16) softmax_slab_bf16(x, rows, width, ld, targets, v0, run_max, run_sum, picked, rescale, headroom, threads);
+    else softmax_slab_f32(x, rows, width, ld, targets, v0, run_max, run_sum, picked, rescale, headroom, threads);
+    int64_t moved = 0;
+    for (int64_t i = 0; i < rows; ++i) moved += rescale[i] != 1.f;
+    return moved;
 }
 
 /* Rope of x (rows = B * T, H heads of 2 * half values; f32 or bf16) into out (x's dtype) by the angles' cos and

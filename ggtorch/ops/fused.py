@@ -1,5 +1,5 @@
 """RMSNorm and SwiGLU as autograd Functions that keep less for backward than their op-by-op form, and
-rope; on CPU all three in C.
+rope; on CPU all three in C, as is the loss's online softmax (:func:`softmax_slab_`).
 
 Written op by op, ``silu(g) * u`` keeps three (tokens, n_ff) tensors alive until backward
 (g, silu(g), u) and RMSNorm keeps its input and the normalized copy; every intermediate is
@@ -52,6 +52,7 @@ def _library() -> ctypes.CDLL | None:
         "ggtorch_rms_norm_backward": (None, [p, p, p, p, p, i64, i64, i32, i32]),
         "ggtorch_rope": (ctypes.c_int, [p, p, p, p, i64, i64, i64, i64, i32, i32, f32, i32, i32]),  # -1: not taken
         "ggtorch_rope_built": (ctypes.c_int, []),
+        "ggtorch_softmax_slab": (i64, [p, i64, i64, i64, p, i64, p, p, p, p, f32, i32, i32]),
     })
 
 
@@ -300,3 +301,35 @@ def _native_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves: 
                                halves, cos.dim() == 3, sign, x.dtype == torch.bfloat16, torch.get_num_threads()):
         raise ValueError(f"rope: fused.c does not take heads of {D} values (see rope_takes)")
     return out
+
+
+SOFTMAX_HEADROOM = 30.0
+"""How far a slab's largest logit may rise above a row's reference before :func:`softmax_slab_` moves the reference
+and the row's sums are rescaled: e^30 ≈ 1e13 leaves a sum over a 262,144-word vocabulary, and its products with
+an output matrix, far inside f32's and bf16's range (not f16's: f16 logits take torch's ops)."""
+
+
+def softmax_slab_takes(logits: torch.Tensor) -> bool:
+    """Whether :func:`softmax_slab_` runs on these logits: a 2-D CPU tensor in f32 or bf16 with contiguous rows."""
+    return (NATIVE and logits.dim() == 2 and logits.device.type == "cpu" and logits.stride(1) == 1
+            and logits.dtype in (torch.float32, torch.bfloat16) and _library() is not None)
+
+
+def softmax_slab_(logits: torch.Tensor, targets: torch.Tensor, v0: int, run_max: torch.Tensor,
+                  run_sum: torch.Tensor, picked: torch.Tensor, rescale: torch.Tensor) -> bool:
+    """One slab of an online softmax in ``fused.c``, the logits of vocabulary ids v0.. overwritten by their
+    exponentials: for :func:`softmax_slab_takes` logits (rows, width), targets (rows,) int64, and running f32 rows
+    (rows,) each, contiguous: each row's target logit is added to ``picked`` when the slab holds it, and
+    e^(logit - run_max) summed into ``run_sum``, run_max moving (by at least :data:`SOFTMAX_HEADROOM`) only when
+    a logit would otherwise give more than e^SOFTMAX_HEADROOM. True when it moved for some row: the caller's sums
+    of these exponentials must then be multiplied by ``rescale`` (1 elsewhere), as run_sum has been."""
+    rows, width = logits.shape
+    for t, dtype in ((targets, torch.int64), (run_max, torch.float32), (run_sum, torch.float32),
+                     (picked, torch.float32), (rescale, torch.float32)):
+        if t.shape != (rows,) or t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"softmax_slab_: a row tensor of shape {tuple(t.shape)} and {t.dtype}, "
+                             f"expected ({rows},) {dtype}, contiguous, on the CPU")
+    return bool(_library().ggtorch_softmax_slab(
+        logits.data_ptr(), rows, width, logits.stride(0), targets.data_ptr(), v0, run_max.data_ptr(),
+        run_sum.data_ptr(), picked.data_ptr(), rescale.data_ptr(), SOFTMAX_HEADROOM,
+        logits.dtype == torch.bfloat16, torch.get_num_threads()))

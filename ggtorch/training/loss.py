@@ -22,7 +22,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ggtorch.data import IGNORE_INDEX
 from ggtorch.lora import LoRALinear, frozen_float_weight
-from ggtorch.ops.matmul import mm, mm_t, uses_onednn
+from ggtorch.ops import fused
+from ggtorch.ops.matmul import add_mm_, mm, mm_t, uses_onednn
 from ggtorch.quant import dequantize
 from ggtorch.quant.autograd import compute_dtype, quant_embedding
 from ggtorch.quant.modules import QuantLinear
@@ -239,6 +240,9 @@ class _SlabCrossEntropy(torch.autograd.Function):
     used once for both products and dropped. A quantized W is dequantized one slab at a time: neither
     the whole float W nor a (rows, V) block exists, and every chunk's GEMMs have all the batch's rows
     (at most :data:`FUSED_ROWS`), which a 262,144-word vocabulary would otherwise cut to a few dozen.
+    On CPU a slab's softmax is one pass in C (:func:`ggtorch.ops.fused.softmax_slab_`), whose row maxima
+    move only when a logit rises well above them, so the sums are seldom rescaled; elsewhere torch's ops
+    take the exact maxima, a pass over the slab per op.
     """
 
     @staticmethod
@@ -250,11 +254,12 @@ class _SlabCrossEntropy(torch.autograd.Function):
         need_grad = ctx.needs_input_grad[0]
         with torch.autocast(x.device.type, enabled=False):
             valid = targets != IGNORE_INDEX
-            safe = torch.where(valid, targets, 0)
+            safe = torch.where(valid, targets, 0).to(torch.int64)
             run_max = torch.full((n,), -torch.inf, dtype=f32, device=x.device)
             run_sum = torch.zeros(n, dtype=f32, device=x.device)
             picked = torch.zeros(n, dtype=f32, device=x.device)
             acc = torch.zeros(n, c, dtype=f32, device=x.device) if need_grad else None
+            rescale = torch.empty(n, dtype=f32, device=x.device)
             rows, width = slab_chunk(n, c)
             xc = None
             for v0 in range(0, n_vocab, width):
@@ -264,17 +269,30 @@ class _SlabCrossEntropy(torch.autograd.Function):
                     xc = x.to(w.dtype)
                 for r0 in range(0, n, rows):
                     r = slice(r0, min(r0 + rows, n))
-                    logits = mm_t(xc[r], w).float()  # (rows, width)
-                    t = safe[r] - v0
-                    inside = (t >= 0) & (t < v1 - v0)
-                    picked[r] += torch.where(inside, logits.gather(1, t.clamp(0, v1 - v0 - 1)[:, None])[:, 0], 0.0)
-                    new_max = torch.maximum(run_max[r], logits.amax(dim=1))
-                    rescale = torch.exp(run_max[r] - new_max)
-                    e = logits.sub_(new_max[:, None]).exp_()
-                    run_sum[r] = run_sum[r] * rescale + e.sum(dim=1)
-                    run_max[r] = new_max
+                    logits = mm_t(xc[r], w)  # (rows, width) in the compute dtype
+                    if fused.softmax_slab_takes(logits):  # one pass in C, the exponentials over the logits
+                        moved = fused.softmax_slab_(logits, safe[r], v0, run_max[r], run_sum[r], picked[r],
+                                                    rescale[r])
+                        e = logits
+                    else:
+                        logits = logits.float()
+                        t = safe[r] - v0
+                        inside = (t >= 0) & (t < v1 - v0)
+                        picked[r] += torch.where(inside, logits.gather(1, t.clamp(0, v1 - v0 - 1)[:, None])[:, 0],
+                                                 0.0)
+                        new_max = torch.maximum(run_max[r], logits.amax(dim=1))
+                        torch.exp(run_max[r] - new_max, out=rescale[r])
+                        e = logits.sub_(new_max[:, None]).exp_()
+                        run_sum[r] = run_sum[r] * rescale[r] + e.sum(dim=1)
+                        e = e.to(w.dtype)
+                        run_max[r], moved = new_max, True
                     if acc is not None:
-                        acc[r].mul_(rescale[:, None]).add_(mm(e.to(w.dtype), w))  # a view: acc itself
+                        if moved:
+                            acc[r].mul_(rescale[r, None])  # a view: acc itself
+                        if w.dtype == f32:
+                            add_mm_(acc[r], e, w)
+                        else:
+                            acc[r].add_(mm(e, w))
             losses = (run_max + torch.log(run_sum) - picked) * valid
             grad_x = None
             if acc is not None:

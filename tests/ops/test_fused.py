@@ -3,6 +3,8 @@ and in their own dtype, through torch's ops and through fused.c (the ``native`` 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -307,3 +309,75 @@ def test_rope_leaves_wide_heads_and_strided_views_to_torch() -> None:
     assert not fused.rope_takes(heads_first, angles, angles)
     if fused._library() is not None and fused._library().ggtorch_rope_built():
         assert fused.rope_takes(heads_first.contiguous(), angles, angles)
+
+
+def _slab_rows(rows: int, dtype: torch.dtype, width: int, n_vocab: int, threads: int | None = None,
+               ld: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Every slab of (rows, n_vocab) logits through fused.c's online softmax, with the caller's sums of
+    the exponentials times a (n_vocab, 3) matrix rescaled as softmax_slab_ asks: (logits, targets,
+    run_max, run_sum, picked, the sums, whether any slab moved a row's reference)."""
+    g = torch.Generator().manual_seed(rows + width)
+    logits = torch.randn(rows, n_vocab, generator=g, dtype=torch.float64) * 4
+    logits[1] += torch.linspace(0, 100, n_vocab, dtype=torch.float64)  # rises past the headroom, slab by slab
+    logits[2] -= torch.linspace(0, 200, n_vocab, dtype=torch.float64)  # later slabs underflow to 0
+    logits = logits.to(dtype)
+    w = torch.randn(n_vocab, 3, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, n_vocab, (rows,), generator=g)
+    run_max = torch.full((rows,), -torch.inf)
+    run_sum, picked, rescale = torch.zeros(rows), torch.zeros(rows), torch.empty(rows)
+    acc = torch.zeros(rows, 3, dtype=torch.float64)
+    any_moved = False
+    saved = torch.get_num_threads()
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        for v0 in range(0, n_vocab, width):
+            v1 = min(v0 + width, n_vocab)
+            buffer = torch.zeros(rows, ld or v1 - v0, dtype=dtype)  # ld: rows of a wider buffer
+            slab = buffer[:, :v1 - v0]
+            slab.copy_(logits[:, v0:v1])
+            moved = fused.softmax_slab_(slab, targets, v0, run_max, run_sum, picked, rescale)
+            assert torch.equal(buffer[:, v1 - v0:], torch.zeros_like(buffer[:, v1 - v0:]))  # nothing past the slab
+            assert moved == bool((rescale != 1).any())
+            any_moved |= moved
+            assert slab.float().max() <= math.exp(fused.SOFTMAX_HEADROOM) * (1 + 2**-8)  # bf16: rounded up
+            acc = acc * rescale.double()[:, None] + slab.double() @ w[v0:v1]
+    finally:
+        torch.set_num_threads(saved)
+    return logits, targets, run_max, run_sum, picked, acc / run_sum.double()[:, None], w, any_moved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("width", "ld"), [(5, None), (16, None), (100, None), (1000, None), (100, 128)])
+def test_softmax_slabs_against_float64(dtype: torch.dtype, width: int, ld: int | None) -> None:
+    """The loss's online softmax over slabs of a vocabulary, every vector tail: log-sum-exp, the target's
+    logit and softmax @ W against float64 from the same (rounded) logits; rows whose logits rise by more
+    than the headroom move their reference, others never do."""
+    if not clib.compiler():
+        pytest.skip("no C compiler")
+    logits, targets, run_max, run_sum, picked, mean_w, w, any_moved = _slab_rows(6, dtype, width, 1000, ld=ld)
+    exact = logits.double()
+    torch.testing.assert_close(run_max.double() + run_sum.double().log(), exact.logsumexp(dim=1), rtol=1e-6, atol=1e-5)
+    assert torch.equal(picked.double(), exact.gather(1, targets[:, None])[:, 0])
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-3}
+    torch.testing.assert_close(mean_w, exact.softmax(dim=1) @ w, **tol)
+    assert any_moved == (width < 1000)  # row 1's logits rise 100 over the vocabulary
+    assert run_max[1] >= exact[1].max() - fused.SOFTMAX_HEADROOM
+
+
+def test_softmax_slabs_do_not_depend_on_the_thread_count() -> None:
+    if not clib.compiler():
+        pytest.skip("no C compiler")
+    runs = [_slab_rows(300, torch.bfloat16, 100, 1000, threads=n)[2:6] for n in (1, 2, 3)]
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run, strict=True))
+
+
+def test_softmax_slab_refuses_a_row_tensor_of_the_wrong_kind() -> None:
+    if fused._library() is None:
+        pytest.skip("no C compiler")
+    logits, rows = torch.zeros(4, 8), torch.zeros(4)
+    with pytest.raises(ValueError, match="int64"):
+        fused.softmax_slab_(logits, torch.zeros(4, dtype=torch.int32), 0, rows, rows.clone(), rows.clone(),
+                            rows.clone())
+    assert not fused.softmax_slab_takes(torch.zeros(4, 8, dtype=torch.float16))
+    assert not fused.softmax_slab_takes(torch.zeros(8, 4).T)

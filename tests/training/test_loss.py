@@ -1,4 +1,5 @@
-"""ggtorch.training.loss against torch's F.cross_entropy on materialized logits (values and gradients)."""
+"""ggtorch.training.loss against torch's F.cross_entropy on materialized logits (values and gradients), every test
+with the output loss's online softmax in torch's ops and in fused.c."""
 
 from __future__ import annotations
 
@@ -10,10 +11,19 @@ from torch import nn
 
 from ggtorch.io.encode import quantize
 from ggtorch.lora import LoRALinear
+from ggtorch.ops import clib, fused
 from ggtorch.quant import autograd as quant_autograd
 from ggtorch.quant.modules import QuantLinear
 from ggtorch.training import loss as loss_mod
 from ggtorch.training.loss import cross_entropy, output_cross_entropy
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["torch", "fused.c"])
+def native(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    if request.param and not clib.compiler():
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(fused, "NATIVE", request.param)
+    return request.param
 
 
 def _case(n: int, v: int, n_ignored: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,13 +118,13 @@ def test_fused_output_loss_equals_logits_then_cross_entropy(kind: str, lora: boo
     targets[0, :4] = -100
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     results = []
-    for fused in (True, False):
+    for fused_loss in (True, False):
         h = hidden.clone().requires_grad_()
         params = [p for p in output.parameters() if p.requires_grad]
         for p in params:
             p.grad = None
         with ctx:
-            loss = (output_cross_entropy(output, h, targets) if fused
+            loss = (output_cross_entropy(output, h, targets) if fused_loss
                     else F.cross_entropy(output(h).float().reshape(-1, N_VOCAB), targets.reshape(-1)))
         (loss * 3).backward()
         results.append((loss.detach(), h.grad, [p.grad.clone() for p in params]))
