@@ -173,16 +173,17 @@ def marked(timer: OpTimer, kind: str, fn: Callable[..., Any], label: str = "outs
     return call
 
 
-FUSED_C = ("_native_rms_norm", "_native_rms_norm_backward", "_native_swiglu", "_native_swiglu_backward",
-           "_native_rope")
-"""ggtorch.ops.fused's calls into fused.c."""
+FUSED_C = {**dict.fromkeys(("_native_rms_norm", "_native_rms_norm_backward", "_native_swiglu",
+                             "_native_swiglu_backward", "_native_rope"), "elementwise and reductions"),
+           "softmax_slab_": "softmax, exp, max"}
+"""ggtorch.ops.fused's calls into fused.c, each with its kind."""
 
 
 @contextmanager
 def marking(timer: OpTimer) -> Iterator[None]:
     """Inside, every dequantization the training path makes counts as dequantization, every low-rank product
     of ggtorch.ops.lowrank (C loops: no aten op) as a low-rank product, with its multiply-adds, and fused.c's
-    RMSNorm, SwiGLU and rope (C loops too) as elementwise work."""
+    RMSNorm, SwiGLU and rope (C loops too) as elementwise work, its slabs of the loss's softmax as softmax."""
     from ggtorch.ops import fused, lowrank
 
     def rank_r(x: torch.Tensor, small: torch.Tensor, *rest: Any) -> float:  # (N, K) and (r, K) or (N, r)
@@ -197,7 +198,7 @@ def marking(timer: OpTimer) -> Iterator[None]:
                                       expand if name == "expand_" else rank_r))
     saved_fused = {name: getattr(fused, name) for name in FUSED_C}
     for name, fn in saved_fused.items():
-        setattr(fused, name, marked(timer, "elementwise and reductions", fn, f"fused.{name.lstrip('_')} (C loops)"))
+        setattr(fused, name, marked(timer, FUSED_C[name], fn, f"fused.{name.lstrip('_')} (C loops)"))
     try:
         with wrapping_dequantization(partial(marked, timer, "dequantization")):
             yield

@@ -98,8 +98,8 @@ def test_a_lora_step_s_products_are_all_counted(profile: Any, stories260k: Path,
     from ggtorch.ops import fused
 
     if fused._library() is not None and fused._library().ggtorch_rope_built():  # fused.c's loops (no aten op)
-        labels = [f"fused.{name.lstrip('_')} (C loops)" for name in profile.FUSED_C]
-        assert all(tally.ops[("elementwise and reductions", label)] > 0 for label in labels)
+        labels = {name: f"fused.{name.lstrip('_')} (C loops)" for name in profile.FUSED_C}
+        assert all(tally.ops[(kind, labels[name])] > 0 for name, kind in profile.FUSED_C.items())
 
 
 def test_a_quantized_base_s_decodes_are_dequantization(profile: Any, stories_q8: Path, shared: Path,
