@@ -14,7 +14,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ggtorch.errors import Unsupported
-from ggtorch.lora.product import _expert_products, _frozen_products, _LoRAProduct
+from ggtorch.lora.product import _expert_products, _frozen_products, _LoRAProduct, shared_input_lora
 from ggtorch.models.model import RMSNorm
 from ggtorch.ops.experts import Experts, grouped
 from ggtorch.quant.autograd import compute_dtype
@@ -112,6 +112,25 @@ class LoRALinear(_LoRA):
             x = x.to(self.lora_a.dtype)  # a half-precision base still gets an f32 delta (peft does the same)
         h = F.linear(x, self.lora_a)  # (..., r); under autocast in the autocast dtype
         return y + (F.linear(h, self.lora_b.to(h.dtype)) * self.scale).to(y.dtype)
+
+    @staticmethod
+    def forward_shared(layers: tuple[LoRALinear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """The outputs of several LoRALinear layers that read the same x (ggtorch.models.model.shared_input: q, k
+        and v; gate and up) as one node, each layer's rank-r products over all the layers' A at once and its
+        input gradient summed there (ggtorch.lora.product._SharedInputLoRA); None when one of them does not
+        take the one-node product (merged, dropout, a base whose weight trains), and they run one by one."""
+        dtype = compute_dtype(x)
+        autocast = torch.is_autocast_enabled(x.device.type)
+        products = []
+        for layer in layers:
+            if layer.merged or (layer.training and layer.dropout_p > 0):
+                return None
+            p = _frozen_products(layer.base, dtype)
+            if p is None or not (dtype == layer.lora_a.dtype or autocast):
+                return None
+            products.append(p)
+        pairs = [t for layer in layers for t in (layer.lora_a, layer.lora_b)]
+        return shared_input_lora(x, tuple(float(layer.scale) for layer in layers), tuple(products), dtype, pairs)
 
     @property
     def dropout_p(self) -> float:

@@ -137,3 +137,96 @@ class _LoRAProduct(torch.autograd.Function):
 def _lowrank_products(x2: torch.Tensor, a: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether the rank-r products of a layer with input rows ``x2`` and ``a`` (r, in) run in ggtorch.ops.lowrank."""
     return a.shape[0] <= lowrank.MAX_RANK and lowrank.takes(x2, a, *others)
+
+
+SHARED_MAX_RANK = 3 * lowrank.MAX_RANK
+"""Widest sum of ranks whose shared-input products run in ggtorch.ops.lowrank: each of its loops reads the
+activation from memory once for all ranks (the rest from cache), so a group of q, k and v at the single
+layer's widest rank still reads x once where three layers read it three times."""
+
+
+class _SharedInputLoRA(torch.autograd.Function):
+    """``base_i(x) + s_i·(x @ A_i.T) @ B_i.T`` for layers over one frozen base each that read the same x (q, k
+    and v; gate and up), as one autograd node: the :class:`_LoRAProduct` of each, with x cast once, its
+    rank-r products made over the layers' stacked A ([A_0; A_1; ...]) so that each pass over x serves them
+    all (the projection forward, A's gradient), and the input gradient summed here, in f32 when x is f32,
+    with one pass of the stacked A's product, where separate layers' gradients come back one by one for
+    autograd to sum. ``pairs`` is A_0, B_0, A_1, B_1, ...
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scales: tuple[float, ...], products: tuple[Products, ...],  # type: ignore[override]
+                dtype: torch.dtype, *pairs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (N, in)
+            a_c = [a.to(dtype) for a in pairs[0::2]]  # (r_i, in)
+            b_c = [b.to(dtype) for b in pairs[1::2]]  # (out_i, r_i)
+            a_all = torch.cat(a_c)  # (R, in)
+            native = a_all.shape[0] <= SHARED_MAX_RANK and lowrank.takes(x2, a_all)
+            h = lowrank.project(x2, a_all) if native else mm_t(x2, a_all)  # (N, R)
+            hs = [part.contiguous() for part in h.split([a.shape[0] for a in a_c], dim=1)]  # (N, r_i)
+            ws = [p.decode() if ctx.needs_input_grad[0] else None for p in products]
+            ys = []
+            for p, w, h_i, b, s in zip(products, ws, hs, b_c, scales, strict=True):
+                y = p.forward(x2, w)  # (N, out_i)
+                if native and lowrank.takes(y):
+                    lowrank.expand_(y, h_i, b.T.contiguous(), s)
+                else:
+                    y.addmm_(h_i, b.T, alpha=s)
+                ys.append(y.view(*x.shape[:-1], y.shape[-1]))
+        ctx.save_for_backward(x2, a_all, *hs, *b_c, *(w for w in ws if w is not None))
+        ctx.products, ctx.scales, ctx.kept = products, scales, [w is not None for w in ws]
+        ctx.x_meta = (x.shape, x.dtype, [a.dtype for a in pairs[0::2]], [b.dtype for b in pairs[1::2]])
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, *grad_ys: torch.Tensor):  # type: ignore[override]
+        n = len(ctx.products)
+        x2, a_all, *rest = ctx.saved_tensors
+        hs, b_c, kept = rest[:n], rest[n:2 * n], iter(rest[2 * n:])
+        ws = [next(kept) if k else None for k in ctx.kept]
+        x_shape, x_dtype, a_dtypes, b_dtypes = ctx.x_meta
+        needs = ctx.needs_input_grad
+        grad_x = None
+        grad_pairs: list[torch.Tensor | None] = []
+        with torch.autocast(x2.device.type, enabled=False):
+            gs = [g.reshape(-1, g.shape[-1]).to(x2.dtype).contiguous() for g in grad_ys]  # (N, out_i)
+            native = a_all.shape[0] <= SHARED_MAX_RANK and lowrank.takes(x2, a_all, *hs, *gs)
+            grad_hs = [lowrank.project(g, b.T.contiguous(), s) if native else mm(g, b).mul_(s)
+                       for g, b, s in zip(gs, b_c, ctx.scales, strict=True)]  # (N, r_i)
+            grad_h = torch.cat(grad_hs, dim=1)  # (N, R)
+            if needs[0]:
+                acc_dtype = torch.promote_types(x2.dtype, x_dtype)  # bf16 products summed in f32 for an f32 x
+                acc = ctx.products[0].input_grad(gs[0], ws[0]).to(acc_dtype)  # (N, in)
+                for p, g, w in zip(ctx.products[1:], gs[1:], ws[1:], strict=True):
+                    acc.add_(p.input_grad(g, w))
+                grad_h_acc, a_acc = grad_h.to(acc_dtype), a_all.to(acc_dtype)
+                if native and lowrank.takes(acc, grad_h_acc, a_acc):
+                    lowrank.expand_(acc, grad_h_acc, a_acc)
+                else:
+                    acc.addmm_(grad_h_acc, a_acc)
+                grad_x = acc.to(x_dtype).view(x_shape)
+            grad_a_all = None
+            if any(needs[4::2]):
+                grad_a_all = (lowrank.reduce(x2, grad_h) if native
+                              else mm(grad_h.T.contiguous(), x2))  # (R, in)
+            offsets = [0]
+            for h_i in hs:
+                offsets.append(offsets[-1] + h_i.shape[1])
+            for i, (g, h_i, s) in enumerate(zip(gs, hs, ctx.scales, strict=True)):
+                grad_a = grad_b = None
+                if needs[4 + 2 * i]:
+                    grad_a = grad_a_all[offsets[i]:offsets[i + 1]].to(a_dtypes[i], copy=True)  # not a view
+                if needs[5 + 2 * i]:
+                    if native:
+                        grad_b = lowrank.reduce(g, h_i, s).T.contiguous().to(b_dtypes[i])  # (out_i, r_i)
+                    else:
+                        grad_b = mm(h_i.T.contiguous(), g).mul_(s).T.contiguous().to(b_dtypes[i])
+                grad_pairs += [grad_a, grad_b]
+        return (grad_x, None, None, None, *grad_pairs)
+
+
+def shared_input_lora(x: torch.Tensor, scales: tuple[float, ...], products: tuple[Products, ...],
+                      dtype: torch.dtype, pairs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The outputs of :class:`_SharedInputLoRA` (one per product) for layers reading x."""
+    return _SharedInputLoRA.apply(x, scales, products, dtype, *pairs)

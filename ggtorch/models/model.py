@@ -259,6 +259,31 @@ def _bias(config: ModelConfig, kind: str, *shape: int) -> nn.Parameter | None:
     return nn.Parameter(torch.zeros(shape)) if kind in config.biases else None
 
 
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Whether a forward hook would see a call of ``module`` or of a module inside it.
+
+    torch offers no public query, so this reads its registries: each module's own, and the
+    global ones of ``register_module_forward_hook``."""
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+def shared_input(layers: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tuple(layer(x) for layer in layers)`` for layers that read the same x (q, k and v; gate and up).
+
+    A layer type that computes such a group in one go (LoRALinear: its rank-r products read x once for
+    all of them) has a static ``forward_shared(layers, x)`` returning the outputs, or None when it cannot
+    this time; layers of other types, or watched by forward hooks, are called one by one."""
+    kind = type(layers[0])
+    together = getattr(kind, "forward_shared", None)
+    if together is not None and all(type(m) is kind and not has_forward_hooks(m) for m in layers):
+        outputs = together(layers, x)
+        if outputs is not None:
+            return outputs
+    return tuple(layer(x) for layer in layers)
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rope (models/attention.py: flash, or products for
     short training sequences on CPU; explicit scores under soft-capping)."""
@@ -298,8 +323,8 @@ class Attention(nn.Module):
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if hasattr(self, "qkv"):
             return _with_bias(self.qkv(x), self.qkv_bias).split(self.widths, dim=-1)
-        return (_with_bias(self.q(x), self.q_bias), _with_bias(self.k(x), self.k_bias),
-                _with_bias(self.v(x), self.v_bias))
+        q, k, v = shared_input((self.q, self.k, self.v), x)
+        return _with_bias(q, self.q_bias), _with_bias(k, self.k_bias), _with_bias(v, self.v_bias)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                 start_pos: int = 0, attn_mask: torch.Tensor | None = None,
@@ -397,7 +422,8 @@ class MLP(nn.Module):
         if self.fused:
             gate, up = self.up(x).chunk(2, dim=-1)
         else:
-            gate, up = _with_bias(self.gate(x), self.gate_bias), _with_bias(self.up(x), self.up_bias)
+            gate, up = shared_input((self.gate, self.up), x)
+            gate, up = _with_bias(gate, self.gate_bias), _with_bias(up, self.up_bias)
         hidden = gelu(gate) * up if self.gelu else swiglu(gate, up)
         return _with_bias(self.down(hidden), self.down_bias)
 

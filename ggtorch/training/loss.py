@@ -17,11 +17,11 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
-from torch.nn.modules import module as nn_module
 from torch.utils.checkpoint import checkpoint
 
 from ggtorch.data import IGNORE_INDEX
 from ggtorch.lora import LoRALinear, frozen_float_weight
+from ggtorch.models.model import has_forward_hooks
 from ggtorch.ops import fused
 from ggtorch.ops.matmul import add_mm_, mm, mm_t, uses_onednn
 from ggtorch.quant import dequantize
@@ -352,16 +352,6 @@ def _weight_slabs(output: torch.nn.Module, x: torch.Tensor
     return weight.shape[0], lambda v0, v1: weight[v0:v1], lambda ids: weight.index_select(0, ids)
 
 
-def _has_forward_hooks(module: torch.nn.Module) -> bool:
-    """Whether a forward hook would see a call of ``module`` or of a module inside it.
-
-    torch offers no public query, so this reads its registries: each module's own, and the
-    global ones of ``register_module_forward_hook``."""
-    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
-
-
 def output_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
                          reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
     """``cross_entropy(output(hidden), targets)`` without materializing the (N, V) logits.
@@ -374,7 +364,7 @@ def output_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets:
     x = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     slabs = parts = None
-    if not _has_forward_hooks(output):  # a hook expects to see the module's call and its logits
+    if not has_forward_hooks(output):  # a hook expects to see the module's call and its logits
         slabs = _weight_slabs(output, x)
         parts = None if slabs is not None else _output_parts(output, x)
     if slabs is not None:

@@ -31,7 +31,7 @@ from ggtorch.lora import (
     unmerge_lora,
 )
 from ggtorch.models.loader import load_llama
-from ggtorch.models.model import RMSNorm
+from ggtorch.models.model import RMSNorm, shared_input
 from ggtorch.quant.modules import QuantEmbedding, QuantLinear
 from ggtorch.rng import MT19937, libstdcpp_normal
 from tests.llama_models import RandomLlamaShape
@@ -462,6 +462,113 @@ def test_lora_product_under_bf16_autocast_computes_as_autocast_does(base_kind: s
         assert got.dtype == torch.float32
         assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.detach().abs().max()))
+
+
+SHARED_WIDTHS = (640, 320, 160)
+"""Output widths of a shared-input group's layers (q, k and v of grouped-query attention), each over (out, 576)."""
+
+
+def _shared_group(base_kind: str, seed: int) -> tuple[tuple[LoRALinear, ...], torch.Generator]:
+    """Three LoRALinear over one input width, ranks 4, 2 and 8, scales 2, 1.5 and 0.5, random A and B."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = []
+    for width, rank, alpha in zip(SHARED_WIDTHS, (4, 2, 8), (8.0, 3.0, 4.0), strict=True):
+        m = LoRALinear(_lora_bases(width, PRODUCT_SHAPE[1])[base_kind], rank=rank, alpha=alpha)
+        with torch.no_grad():
+            m.lora_a.copy_(torch.randn(m.lora_a.shape, generator=gen) / PRODUCT_SHAPE[1] ** 0.5)
+            m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=gen))
+        layers.append(m)
+    return tuple(layers), gen
+
+
+@pytest.mark.parametrize("base_kind", ["Linear", "Q4_0", "Q4_0 chunked"])
+@pytest.mark.parametrize("x_grad", [True, False])
+@pytest.mark.parametrize("rank_r_kernel", ["lowrank", "torch", "onednn"])
+def test_shared_input_lora_against_the_formula_in_float64(base_kind: str, x_grad: bool, rank_r_kernel: str,
+                                                          monkeypatch) -> None:
+    """Layers reading one x (q, k, v) as one node: each output x W_i^T + s_i (x A_i^T) B_i^T and every gradient
+    against autograd in float64; the rank-r products over the stacked A once per pass of x (one projection
+    forward, one reduce for all A's gradients, one expand of x's gradient)."""
+    calls = _rank_r_products(rank_r_kernel, monkeypatch)
+    layers, gen = _shared_group(base_kind, seed=6)
+    x = torch.randn(3, 50, PRODUCT_SHAPE[1], generator=gen).requires_grad_(x_grad)
+    grads = [torch.randn(3, 50, width, generator=gen) for width in SHARED_WIDTHS]
+    ys = shared_input(layers, x)
+    assert {type(y.grad_fn).__name__ for y in ys} == {"_SharedInputLoRABackward"}
+    torch.autograd.backward(ys, grads)
+    if rank_r_kernel == "lowrank":  # forward: 1 project, 3 expands; backward: 3 projects, [1 expand], 1 + 3 reduces
+        assert sorted(calls) == sorted(["project"] * 4 + ["expand_"] * (3 + x_grad) + ["reduce"] * 4), calls
+
+    x64 = x.detach().double().requires_grad_()
+    for m, y, grad in zip(layers, ys, grads, strict=True):
+        w = (m.base.dequantized_weight() if isinstance(m.base, QuantLinear) else m.base.weight).double()
+        a, b = (p.detach().double().requires_grad_() for p in (m.lora_a, m.lora_b))
+        y64 = x64 @ w.T + m.scale * (x64 @ a.T) @ b.T
+        y64.backward(grad.double())
+        for got, want in ((y.detach(), y64.detach()), (m.lora_a.grad, a.grad), (m.lora_b.grad, b.grad)):
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        assert m.lora_a.grad.is_contiguous() and m.lora_b.grad.is_contiguous()
+        assert m.lora_a.grad._base is None  # its own tensor, not a view of the stacked gradient
+    if x_grad:
+        torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5 * float(x64.grad.abs().max()))
+    else:
+        assert x.grad is None
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_shared_input_lora_computes_as_its_layers_one_by_one(autocast: bool) -> None:
+    """The same outputs as each layer's own one-node product, bit for bit (the C loops compute each rank's
+    column alone, in the same order), and the same gradients up to the order of their sums; under bf16
+    autocast the input gradient is summed in f32 and its LoRA part is not rounded to bf16 first."""
+    from ggtorch.ops import lowrank
+
+    if not lowrank.available():
+        pytest.skip("no C compiler to build ggtorch/ops/lowrank.c")
+    layers, gen = _shared_group("Q4_0", seed=7)
+    x0 = torch.randn(2, 40, PRODUCT_SHAPE[1], generator=gen)
+    grads = [torch.randn(2, 40, width, generator=gen) for width in SHARED_WIDTHS]
+    results = []
+    for together in (True, False):
+        x = x0.clone().requires_grad_()
+        for m in layers:
+            m.lora_a.grad = m.lora_b.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            ys = shared_input(layers, x) if together else tuple(m(x) for m in layers)
+        torch.autograd.backward(ys, [g.to(ys[0].dtype) for g in grads])
+        results.append(([y.detach() for y in ys], [x.grad] + [p.grad for m in layers for p in (m.lora_a, m.lora_b)]))
+    (ys, got), (ys_ref, want) = results
+    assert all(torch.equal(y, r) for y, r in zip(ys, ys_ref, strict=True))
+    tol = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-5, "atol": 1e-5}
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=tol["rtol"], atol=tol["atol"] * float(w.abs().max()))
+
+
+def test_shared_input_calls_layers_one_by_one_where_one_node_does_not_apply() -> None:
+    """A forward hook sees its layer's call; other layer types, a merged layer or dropout in training leave the
+    group to the layers' own forwards; the outputs are the same either way."""
+    layers, gen = _shared_group("Linear", seed=8)
+    x = torch.randn(2, 5, PRODUCT_SHAPE[1], generator=gen)
+    want = [m(x) for m in layers]
+    seen = []
+    handle = layers[1].register_forward_hook(lambda module, args, out: seen.append(module))
+    got = shared_input(layers, x)
+    handle.remove()
+    assert seen == [layers[1]]
+    assert [type(y.grad_fn).__name__ for y in got] == ["_LoRAProductBackward"] * 3
+    mixed = (layers[0], layers[1].base)
+    got_mixed = shared_input(mixed, x)
+    torch.testing.assert_close(got_mixed[1], layers[1].base(x))
+    layers[2].merge()
+    assert shared_input(layers, x)[0].grad_fn.__class__.__name__ == "_LoRAProductBackward"
+    layers[2].unmerge()
+    layers[0].dropout = nn.Dropout(0.5)
+    assert shared_input(layers, x)[1].grad_fn.__class__.__name__ == "_LoRAProductBackward"
+    layers[0].eval()
+    together = shared_input(layers, x)
+    assert type(together[0].grad_fn).__name__ == "_SharedInputLoRABackward"
+    for y, w in zip(together, want, strict=True):
+        torch.testing.assert_close(y, w, rtol=1e-6, atol=1e-6 * float(w.detach().abs().max()))
 
 
 def test_lora_keeps_two_nodes_where_the_base_trains_or_dropout_is_on() -> None:
