@@ -173,8 +173,8 @@ def marked(timer: OpTimer, kind: str, fn: Callable[..., Any], label: str = "outs
     return call
 
 
-FUSED_C = {**dict.fromkeys(("_native_rms_norm", "_native_rms_norm_backward", "_native_swiglu",
-                             "_native_swiglu_backward", "_native_rope"), "elementwise and reductions"),
+FUSED_C = {**dict.fromkeys(("_native_rms_norm", "_native_rms_norm_backward", "_native_glu",
+                             "_native_glu_backward", "_native_rope"), "elementwise and reductions"),
            "softmax_slab_": "softmax, exp, max"}
 """ggtorch.ops.fused's calls into fused.c, each with its kind."""
 
@@ -183,7 +183,7 @@ FUSED_C = {**dict.fromkeys(("_native_rms_norm", "_native_rms_norm_backward", "_n
 def marking(timer: OpTimer) -> Iterator[None]:
     """Inside, every dequantization the training path makes counts as dequantization, every low-rank product
     of ggtorch.ops.lowrank (C loops: no aten op) as a low-rank product, with its multiply-adds, and fused.c's
-    RMSNorm, SwiGLU and rope (C loops too) as elementwise work, its slabs of the loss's softmax as softmax."""
+    RMSNorm, SwiGLU (GeGLU) and rope (C loops too) as elementwise work, its slabs of the loss's softmax as softmax."""
     from ggtorch.ops import fused, lowrank
 
     def rank_r(x: torch.Tensor, small: torch.Tensor, *rest: Any) -> float:  # (N, K) and (r, K) or (N, r)

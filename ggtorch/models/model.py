@@ -22,14 +22,13 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ggtorch.models.attention import attention
 from ggtorch.models.config import ModelConfig
 from ggtorch.ops import fused
 from ggtorch.ops.experts import Experts
-from ggtorch.ops.fused import recompute_outputs, rms_norm, swiglu
+from ggtorch.ops.fused import geglu, recompute_outputs, rms_norm, swiglu
 from ggtorch.ops.matmul import Linear
 
 
@@ -424,7 +423,7 @@ class MLP(nn.Module):
         else:
             gate, up = shared_input((self.gate, self.up), x)
             gate, up = _with_bias(gate, self.gate_bias), _with_bias(up, self.up_bias)
-        hidden = gelu(gate) * up if self.gelu else swiglu(gate, up)
+        hidden = geglu(gate, up) if self.gelu else swiglu(gate, up)
         return _with_bias(self.down(hidden), self.down_bias)
 
 
@@ -537,16 +536,6 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit
     for gpt-oss; no key carries them. Past a clamp the gradient is zero, as for torch.clamp."""
     x = gate.clamp(max=limit)
     return x * torch.sigmoid(x * alpha) * (up.clamp(-limit, limit) + 1)
-
-
-def gelu(x: torch.Tensor) -> torch.Tensor:
-    """GELU's tanh approximation, the formula ggml writes (ggml_gelu_f32) and gemma was trained with.
-
-    ggml's CPU backend reads it from a table indexed by the input rounded to fp16 (GGML_GELU_FP16),
-    its GPU backends compute the formula; ggtorch computes the formula on every device, so training
-    sees its smooth gradient (tests/models check the table's few-1e-3 difference on CPU).
-    """
-    return F.gelu(x, approximate="tanh")
 
 
 class Block(nn.Module):

@@ -1,5 +1,5 @@
-/* RMSNorm, SwiGLU and rope of a training step on CPU, forward and backward, in f32 or bf16, one pass each, and
- * the online softmax of the loss over a vocabulary's slabs (SOFTMAX_SLAB).
+/* RMSNorm, SwiGLU (and GeGLU) and rope of a training step on CPU, forward and backward, in f32 or bf16, one pass
+ * each, and the online softmax of the loss over a vocabulary's slabs (SOFTMAX_SLAB).
  *
  * Written in torch ops, SwiGLU's forward is a silu and a multiply and its backward four passes over
  * (tokens, n_ff) tensors; RMSNorm's forward five passes and its backward eight; rope on bf16 widens to
@@ -82,28 +82,39 @@ static inline v16 vexp(v16 x) {
         }                                                                                                   \
     }
 
+/* act(g) = g * sigmoid(z(g)): silu z = g; GELU's tanh approximation 0.5 g (1 + tanh(u)) = g sigmoid(2u) with
+ * u = sqrt(2/pi) (g + 0.044715 g^3), the formula ggml writes (ggml_gelu_f32) and torch's gelu(approximate="tanh")
+ * computes; `gelu` is a constant of each caller below, so its branches fold away. */
+#define GELU_2C 1.5957691216057308f /* 2 sqrt(2/pi) */
+static inline v16 act_arg(v16 g, int gelu) { return gelu ? GELU_2C * (g + 0.044715f * (g * g * g)) : g; }
+
+static inline v16 act_slope(v16 g, int gelu) { /* dz/dg */
+    return gelu ? GELU_2C * (1.f + 0.134145f * (g * g)) : splat(1.f);
+}
+
 #define KERNELS(T, SUFFIX, LD, ST)                                                                          \
-    /* out = silu(g) * u = g / (1 + e^-g) * u */                                                            \
-    static void swiglu_##SUFFIX(const T *g, const T *u, T *out, int64_t n, int threads) {                   \
+    /* out = act(g) * u = g / (1 + e^-z) * u */                                                             \
+    static inline __attribute__((always_inline)) void glu_##SUFFIX(const T *g, const T *u, T *out,          \
+                                                                   int64_t n, int gelu, int threads) {      \
         FOR_VECTORS(n, threads, {                                                                           \
             v16 gv, uv;                                                                                     \
             LOAD_PART(T, LD, gv, g, i, m);                                                                  \
             LOAD_PART(T, LD, uv, u, i, m);                                                                  \
-            STORE_PART(T, ST, out, i, m, gv / (1.f + vexp(-gv)) * uv);                                      \
+            STORE_PART(T, ST, out, i, m, gv / (1.f + vexp(-act_arg(gv, gelu))) * uv);                       \
         })                                                                                                  \
     }                                                                                                       \
                                                                                                             \
-    /* with s = sigmoid(g): grad_g = grad * u * s * (1 + g * (1 - s)) (silu's derivative, as torch's        \
-       silu_backward writes it), grad_u = grad * g * s; either output may be NULL (not wanted) */           \
-    static void swiglu_backward_##SUFFIX(const T *g, const T *u, const T *grad, T *grad_g, T *grad_u,       \
-                                         int64_t n, int threads) {                                          \
+    /* with s = sigmoid(z): grad_g = grad * u * s * (1 + g * (1 - s) * dz/dg) (silu's derivative as torch's  \
+       silu_backward writes it; GELU's the same), grad_u = grad * g * s; either output may be NULL */       \
+    static inline __attribute__((always_inline)) void glu_backward_##SUFFIX(                                \
+        const T *g, const T *u, const T *grad, T *grad_g, T *grad_u, int64_t n, int gelu, int threads) {    \
         FOR_VECTORS(n, threads, {                                                                           \
             v16 gv, uv, dv;                                                                                 \
             LOAD_PART(T, LD, gv, g, i, m);                                                                  \
             LOAD_PART(T, LD, uv, u, i, m);                                                                  \
             LOAD_PART(T, LD, dv, grad, i, m);                                                               \
-            const v16 s = 1.f / (1.f + vexp(-gv));                                                          \
-            if (grad_g) STORE_PART(T, ST, grad_g, i, m, dv * uv * (s * (1.f + gv * (1.f - s))));            \
+            const v16 s = 1.f / (1.f + vexp(-act_arg(gv, gelu)));                                           \
+            if (grad_g) STORE_PART(T, ST, grad_g, i, m, dv * uv * (s * (1.f + gv * (1.f - s) * act_slope(gv, gelu)))); \
             if (grad_u) STORE_PART(T, ST, grad_u, i, m, dv * (gv * s));                                     \
         })                                                                                                  \
     }                                                                                                       \
@@ -301,17 +312,20 @@ ROPE(float, f32, ld_f32, st_f32)
 ROPE(uint16_t, bf16, ld_bf16, st_bf16)
 #endif
 
-/* out = silu(g) * u over n elements, f32 or bf16 (`bf16` not 0). */
-void ggtorch_swiglu(const void *g, const void *u, void *out, int64_t n, int bf16, int threads) {
-    if (bf16) swiglu_bf16(g, u, out, n, threads);
-    else swiglu_f32(g, u, out, n, threads);
+/* out = act(g) * u over n elements, f32 or bf16 (`bf16` not 0): silu (SwiGLU), or with `gelu` GELU's tanh
+ * approximation (GeGLU). */
+void ggtorch_glu(const void *g, const void *u, void *out, int64_t n, int gelu, int bf16, int threads) {
+    if (bf16) gelu ? glu_bf16(g, u, out, n, 1, threads) : glu_bf16(g, u, out, n, 0, threads);
+    else gelu ? glu_f32(g, u, out, n, 1, threads) : glu_f32(g, u, out, n, 0, threads);
 }
 
-/* The gradients of silu(g) * u for the output's gradient `grad`; grad_g or grad_u may be NULL. */
-void ggtorch_swiglu_backward(const void *g, const void *u, const void *grad, void *grad_g, void *grad_u, int64_t n,
-                             int bf16, int threads) {
-    if (bf16) swiglu_backward_bf16(g, u, grad, grad_g, grad_u, n, threads);
-    else swiglu_backward_f32(g, u, grad, grad_g, grad_u, n, threads);
+/* The gradients of act(g) * u for the output's gradient `grad`; grad_g or grad_u may be NULL. */
+void ggtorch_glu_backward(const void *g, const void *u, const void *grad, void *grad_g, void *grad_u, int64_t n,
+                          int gelu, int bf16, int threads) {
+    if (bf16) gelu ? glu_backward_bf16(g, u, grad, grad_g, grad_u, n, 1, threads)
+                   : glu_backward_bf16(g, u, grad, grad_g, grad_u, n, 0, threads);
+    else gelu ? glu_backward_f32(g, u, grad, grad_g, grad_u, n, 1, threads)
+              : glu_backward_f32(g, u, grad, grad_g, grad_u, n, 0, threads);
 }
 
 /* RMSNorm of rows × C values x (f32 or bf16) with f32 gain w: out in x's dtype, rstd (rows) f32. */

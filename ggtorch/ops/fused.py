@@ -1,5 +1,5 @@
-"""RMSNorm and SwiGLU as autograd Functions that keep less for backward than their op-by-op form, and
-rope; on CPU all three in C, as is the loss's online softmax (:func:`softmax_slab_`).
+"""RMSNorm and SwiGLU (GeGLU) as autograd Functions that keep less for backward than their op-by-op form,
+and rope; on CPU all three in C, as is the loss's online softmax (:func:`softmax_slab_`).
 
 Written op by op, ``silu(g) * u`` keeps three (tokens, n_ff) tensors alive until backward
 (g, silu(g), u) and RMSNorm keeps its input and the normalized copy; every intermediate is
@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from ggtorch.ops import clib
 
 NATIVE = True
-"""Run RMSNorm, SwiGLU and rope on CPU in ``fused.c`` where :func:`_native` takes their operands; False keeps torch's
-ops."""
+"""Run RMSNorm, SwiGLU, GeGLU, rope and the loss's softmax on CPU in ``fused.c`` where their operands allow it
+(:func:`_native`, :func:`rope_takes`, :func:`softmax_slab_takes`); False keeps torch's ops."""
 
 SOURCE = Path(__file__).with_name("fused.c")
 FLAGS = ("-O3", "-fno-math-errno")
@@ -46,8 +46,8 @@ FLAGS = ("-O3", "-fno-math-errno")
 def _library() -> ctypes.CDLL | None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     return clib.load_declared(SOURCE, FLAGS, {
-        "ggtorch_swiglu": (None, [p, p, p, i64, i32, i32]),
-        "ggtorch_swiglu_backward": (None, [p, p, p, p, p, i64, i32, i32]),
+        "ggtorch_glu": (None, [p, p, p, i64, i32, i32, i32]),
+        "ggtorch_glu_backward": (None, [p, p, p, p, p, i64, i32, i32, i32]),
         "ggtorch_rms_norm": (None, [p, p, p, p, i64, i64, f32, i32, i32]),
         "ggtorch_rms_norm_backward": (None, [p, p, p, p, p, i64, i64, i32, i32]),
         "ggtorch_rope": (ctypes.c_int, [p, p, p, p, i64, i64, i64, i64, i32, i32, f32, i32, i32]),  # -1: not taken
@@ -113,7 +113,7 @@ def _unpack(packed: Any) -> torch.Tensor:
 
 @contextmanager
 def recompute_outputs() -> Iterator[None]:
-    """Within: tensors saved for backward that are rms_norm / swiglu outputs are recomputed in
+    """Within: tensors saved for backward that are rms_norm / swiglu / geglu outputs are recomputed in
     backward instead of kept. (Inside torch.utils.checkpoint regions checkpointing's own hooks
     apply instead.)"""
     _registries.append({})
@@ -193,57 +193,75 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, weight, eps)
 
 
-class _SwiGLU(torch.autograd.Function):
-    """``silu(gate) * up``; backward recomputes silu(gate) instead of keeping it."""
+class _GLU(torch.autograd.Function):
+    """``act(gate) * up``, act silu (SwiGLU) or with ``gelu`` GELU's tanh approximation (GeGLU); backward
+    recomputes act(gate) instead of keeping it."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(gate, up)
-        out = _swiglu(gate, up)
-        _remember(out, _swiglu, gate, up)
+        ctx.gelu = gelu
+        out = _glu(gate, up, gelu)
+        _remember(out, _glu, gate, up, gelu)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         gate, up = ctx.saved_tensors
         grad = grad.contiguous()
+        need_gate, need_up = ctx.needs_input_grad[:2]
         if _native(gate, up, grad):
-            return _native_swiglu_backward(gate, up, grad, *ctx.needs_input_grad)
-        # silu's own backward kernel, grad·sig·(1 + g·(1 - sig)) in one pass, where the formula
-        # written out takes a sigmoid and eight more passes over (tokens, n_ff) tensors
-        grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
-        grad_up = F.silu(gate).mul_(grad) if ctx.needs_input_grad[1] else None
-        return grad_gate, grad_up
+            return (*_native_glu_backward(gate, up, grad, ctx.gelu, need_gate, need_up), None)
+        # the activation's own backward kernel, one pass, where the formula written out takes several
+        if ctx.gelu:
+            grad_gate = torch.ops.aten.gelu_backward(grad * up, gate, approximate="tanh") if need_gate else None
+        else:
+            grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if need_gate else None
+        grad_up = _activation(gate, ctx.gelu).mul_(grad) if need_up else None
+        return grad_gate, grad_up, None
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _activation(gate: torch.Tensor, gelu: bool) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+
+
+def _glu(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tensor:
     if _native(gate, up):
-        return _native_swiglu(gate, up)
-    return F.silu(gate).mul_(up)
+        return _native_glu(gate, up, gelu)
+    return _activation(gate, gelu).mul_(up)
 
 
-def _native_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """fused.c's ``silu(gate) * up``."""
+def _native_glu(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """fused.c's ``act(gate) * up``."""
     out = torch.empty_like(gate)
-    _library().ggtorch_swiglu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(),
-                              gate.dtype == torch.bfloat16, torch.get_num_threads())
+    _library().ggtorch_glu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), gelu,
+                           gate.dtype == torch.bfloat16, torch.get_num_threads())
     return out
 
 
-def _native_swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor, need_gate: bool,
-                            need_up: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """fused.c's gradients of ``silu(gate) * up`` (None where not needed) for a contiguous ``grad``."""
+def _native_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor, gelu: bool, need_gate: bool,
+                         need_up: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """fused.c's gradients of ``act(gate) * up`` (None where not needed) for a contiguous ``grad``."""
     grad_gate = torch.empty_like(gate) if need_gate else None
     grad_up = torch.empty_like(up) if need_up else None
-    _library().ggtorch_swiglu_backward(gate.data_ptr(), up.data_ptr(), grad.data_ptr(), _ptr(grad_gate),
-                                       _ptr(grad_up), gate.numel(), gate.dtype == torch.bfloat16,
-                                       torch.get_num_threads())
+    _library().ggtorch_glu_backward(gate.data_ptr(), up.data_ptr(), grad.data_ptr(), _ptr(grad_gate), _ptr(grad_up),
+                                    gate.numel(), gelu, gate.dtype == torch.bfloat16, torch.get_num_threads())
     return grad_gate, grad_up
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``, the SwiGLU of llama's feed-forward."""
-    return _SwiGLU.apply(gate, up)
+    return _GLU.apply(gate, up, False)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate) * up``, the GeGLU of gemma's feed-forward, with GELU's tanh approximation: the formula ggml
+    writes (ggml_gelu_f32) and gemma was trained with.
+
+    ggml's CPU backend reads GELU from a table indexed by the input rounded to fp16 (GGML_GELU_FP16), its GPU
+    backends compute the formula; ggtorch computes the formula on every device, so training sees its smooth
+    gradient (tests/models check the table's few-1e-3 difference on CPU)."""
+    return _GLU.apply(gate, up, True)
 
 
 ROPE_MAX_D = 1024
