@@ -14,7 +14,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ggtorch.errors import Unsupported
-from ggtorch.lora.product import _expert_products, _frozen_products, _LoRAProduct, shared_input_lora
+from ggtorch.lora.product import Products, _expert_products, _frozen_products, _LoRAProduct, shared_input_lora
 from ggtorch.models.model import RMSNorm
 from ggtorch.ops.experts import Experts, grouped
 from ggtorch.quant.autograd import compute_dtype
@@ -103,8 +103,8 @@ class LoRALinear(_LoRA):
         if self.merged:
             return self.base(x)
         dtype = compute_dtype(x)
-        products = None if self.training and self.dropout_p > 0 else _frozen_products(self.base, dtype)
-        if products is not None and (dtype == self.lora_a.dtype or torch.is_autocast_enabled(x.device.type)):
+        products = self._one_node_products(x, dtype)
+        if products is not None:
             return _LoRAProduct.apply(x, self.lora_a, self.lora_b, self.scale, products, dtype)
         y = self.base(x)
         x = self.dropout(x)
@@ -120,17 +120,22 @@ class LoRALinear(_LoRA):
         input gradient summed there (ggtorch.lora.product._SharedInputLoRA); None when one of them does not
         take the one-node product (merged, dropout, a base whose weight trains), and they run one by one."""
         dtype = compute_dtype(x)
-        autocast = torch.is_autocast_enabled(x.device.type)
-        products = []
-        for layer in layers:
-            if layer.merged or (layer.training and layer.dropout_p > 0):
-                return None
-            p = _frozen_products(layer.base, dtype)
-            if p is None or not (dtype == layer.lora_a.dtype or autocast):
-                return None
-            products.append(p)
+        products = [layer._one_node_products(x, dtype) for layer in layers]
+        if any(p is None for p in products):
+            return None
         pairs = [t for layer in layers for t in (layer.lora_a, layer.lora_b)]
         return shared_input_lora(x, tuple(float(layer.scale) for layer in layers), tuple(products), dtype, pairs)
+
+    def _one_node_products(self, x: torch.Tensor, dtype: torch.dtype) -> Products | None:
+        """The frozen base's products when this layer's forward on x is the one-node product in ``dtype``; None
+        when it is not: merged, dropout in training, a base that trains, or a half-precision base without
+        autocast (whose delta stays in f32)."""
+        if self.merged or (self.training and self.dropout_p > 0):
+            return None
+        products = _frozen_products(self.base, dtype)
+        if products is None or not (dtype == self.lora_a.dtype or torch.is_autocast_enabled(x.device.type)):
+            return None
+        return products
 
     @property
     def dropout_p(self) -> float:

@@ -1,5 +1,5 @@
-"""RMSNorm and SwiGLU (GeGLU) as autograd Functions that keep less for backward than their op-by-op form,
-and rope; on CPU all three in C, as is the loss's online softmax (:func:`softmax_slab_`).
+"""RMSNorm and the gated units (SwiGLU, GeGLU) as autograd Functions that keep less for backward than their
+op-by-op form, and rope; on CPU each in C, as is the loss's online softmax (:func:`softmax_slab_`).
 
 Written op by op, ``silu(g) * u`` keeps three (tokens, n_ff) tensors alive until backward
 (g, silu(g), u) and RMSNorm keeps its input and the normalized copy; every intermediate is
@@ -12,8 +12,8 @@ layer keeps its input for its own gradient. Inside :func:`recompute_outputs` tho
 a recipe instead (the Function's own saved inputs, which live anyway) and the output is
 recomputed, bit-identically, when backward needs it, so it never stays resident.
 
-On CPU, for contiguous f32 or bf16 tensors, both run in ``fused.c`` (built on first use by
-:mod:`ggtorch.ops.clib`), as does rope (:func:`rope`, which models.model's apply_rope takes where it
+On CPU, for contiguous f32 or bf16 tensors, the norm and the gated units run in ``fused.c`` (built on first
+use by :mod:`ggtorch.ops.clib`), as does rope (:func:`rope`, which models.model's apply_rope takes where it
 can): one pass over their inputs each way instead of one per op, computing in f32 and rounding bf16
 results once. Elsewhere (other devices or dtypes, no compiler, ``NATIVE = False``) torch's ops run.
 """
