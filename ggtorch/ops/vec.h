@@ -1,8 +1,8 @@
 /* What ggtorch's C loops share: 16-wide f32 vectors (GCC/Clang vector extensions, compiled to AVX-512, AVX2,
  * NEON or scalar code, whatever the target has), their loads and stores in f32 and bf16, and the scalar
  * conversions. bf16 is widened exactly on load and rounded to nearest even on store, NaN kept quiet, as
- * torch's f32 -> bf16 conversion rounds; the size of a loop's team. Included by ops/lowrank.c, ops/fused.c and quant/native.c; ops/clib.py
- * hashes it into each library's cache key. */
+ * torch's f32 -> bf16 conversion rounds; the size of a loop's team. Included by ops/lowrank.c, ops/fused.c
+ * and quant/native.c; ops/clib.py hashes it into each library's cache key. */
 #ifndef GGTORCH_VEC_H
 #define GGTORCH_VEC_H
 
@@ -27,48 +27,40 @@ static inline void st_f32(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
 #if (defined(__clang__) || __GNUC__ >= 12) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define GGTORCH_SHUFFLES 1 /* __builtin_shufflevector is there */
-/* bf16 <-> f32 as 16-bit lane shuffles: a bf16 is the high half of its f32 (one permute each way) */
+#endif
+
+/* bf16 -> f32: a bf16 is the high half of its f32, put there by one 16-bit lane shuffle (or, without shuffles, a
+ * widening conversion and a shift) */
 static inline v16 ld_bf16(const uint16_t *p) {
     u16x16 h;
     memcpy(&h, p, sizeof h);
+#ifdef GGTORCH_SHUFFLES
     const u16x32 w = __builtin_shufflevector(h, (u16x16){0}, 16, 0, 16, 1, 16, 2, 16, 3, 16, 4, 16, 5, 16, 6, 16, 7,
                                              16, 8, 16, 9, 16, 10, 16, 11, 16, 12, 16, 13, 16, 14, 16, 15);
+#else
+    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+#endif
     v16 v;
     memcpy(&v, &w, sizeof v);
     return v;
 }
 
+/* f32 -> bf16: the high halves of the rounded bits (NaN made quiet), taken by one lane shuffle (or, without
+ * shuffles, a shift and a narrowing conversion) */
 static inline void st_bf16(uint16_t *p, v16 v) {
     u32x16 b;
     memcpy(&b, &v, sizeof b);
     const u32x16 nan = (u32x16)(v != v);
     const u32x16 r = ((b | 0x00400000u) & nan) | ((b + 0x7fffu + ((b >> 16) & 1u)) & ~nan);
+#ifdef GGTORCH_SHUFFLES
     u16x32 w;
     memcpy(&w, &r, sizeof w);
     const u16x16 h = __builtin_shufflevector(w, w, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    memcpy(p, &h, sizeof h);
-}
-
-#else /* without __builtin_shufflevector: widen and narrow by conversions and shifts */
-static inline v16 ld_bf16(const uint16_t *p) {
-    u16x16 h;
-    memcpy(&h, p, sizeof h);
-    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-    v16 v;
-    memcpy(&v, &w, sizeof v);
-    return v;
-}
-
-static inline void st_bf16(uint16_t *p, v16 v) {
-    u32x16 b;
-    memcpy(&b, &v, sizeof b);
-    const u32x16 rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-    const u32x16 nan = (u32x16)((b & 0x7fffffffu) > 0x7f800000u);
-    const u32x16 out = (rounded & ~nan) | (((b >> 16) | 0x40u) & nan);
-    const u16x16 h = __builtin_convertvector(out, u16x16);
-    memcpy(p, &h, sizeof h);
-}
+#else
+    const u16x16 h = __builtin_convertvector(r >> 16, u16x16);
 #endif
+    memcpy(p, &h, sizeof h);
+}
 
 static inline float f32_of_f32(const float *p) { return *p; }
 
