@@ -347,7 +347,10 @@ def softmax_slab_(logits: torch.Tensor, targets: torch.Tensor, v0: int, run_max:
         if t.shape != (rows,) or t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"softmax_slab_: a row tensor of shape {tuple(t.shape)} and {t.dtype}, "
                              f"expected ({rows},) {dtype}, contiguous, on the CPU")
-    return bool(_library().ggtorch_softmax_slab(
+    moved = _library().ggtorch_softmax_slab(
         logits.data_ptr(), rows, width, logits.stride(0), targets.data_ptr(), v0, run_max.data_ptr(),
         run_sum.data_ptr(), picked.data_ptr(), rescale.data_ptr(), SOFTMAX_HEADROOM,
-        logits.dtype == torch.bfloat16, torch.get_num_threads()))
+        logits.dtype == torch.bfloat16, torch.get_num_threads())
+    for t in (logits, run_max, run_sum, picked, rescale):
+        clib.written(t)
+    return bool(moved)

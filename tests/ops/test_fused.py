@@ -397,3 +397,17 @@ def test_softmax_slab_refuses_a_row_tensor_of_the_wrong_kind() -> None:
                             rows.clone())
     assert not fused.softmax_slab_takes(torch.zeros(4, 8, dtype=torch.float16))
     assert not fused.softmax_slab_takes(torch.zeros(8, 4).T)
+
+
+def test_softmax_slab_counts_as_an_in_place_change() -> None:
+    """A graph that saved the logits must see them overwritten, as after ``exp_``; the running rows are
+    recorded as changed too."""
+    if fused._library() is None:
+        pytest.skip("no C compiler")
+    saved = torch.randn(4, 40, requires_grad=True).exp()  # exp keeps its output for its backward
+    rows = [torch.full((4,), -torch.inf), torch.zeros(4), torch.zeros(4), torch.empty(4)]
+    before = [t._version for t in (saved, *rows)]
+    fused.softmax_slab_(saved.detach(), torch.zeros(4, dtype=torch.int64), 0, *rows)
+    assert [t._version for t in (saved, *rows)] == [b + 1 for b in before]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
