@@ -178,13 +178,18 @@ FUSED_C = {**dict.fromkeys(("_native_rms_norm", "_native_rms_norm_backward", "_n
            "softmax_slab_": "softmax, exp, max"}
 """ggtorch.ops.fused's calls into fused.c, each with its kind."""
 
+ATTENTION_C_PRODUCTS = {"forward": 2, "backward": 5}
+"""attention.c's calls (ggtorch.ops.attention's Function), with the products over a causal triangle each makes
+(backward computes the scores again)."""
+
 
 @contextmanager
 def marking(timer: OpTimer) -> Iterator[None]:
     """Inside, every dequantization the training path makes counts as dequantization, every low-rank product
     of ggtorch.ops.lowrank (C loops: no aten op) as a low-rank product, with its multiply-adds, and fused.c's
-    RMSNorm, SwiGLU (GeGLU) and rope (C loops too) as elementwise work, its slabs of the loss's softmax as softmax."""
-    from ggtorch.ops import fused, lowrank
+    RMSNorm, SwiGLU (GeGLU) and rope (C loops too) as elementwise work, its slabs of the loss's softmax as softmax,
+    attention.c's as attention products (the multiply-adds of the causal triangle's products)."""
+    from ggtorch.ops import attention, fused, lowrank
 
     def rank_r(x: torch.Tensor, small: torch.Tensor, *rest: Any) -> float:  # (N, K) and (r, K) or (N, r)
         return 2.0 * x.shape[0] * x.shape[1] * min(small.shape)
@@ -196,9 +201,18 @@ def marking(timer: OpTimer) -> Iterator[None]:
     for name, fn in saved.items():
         setattr(lowrank, name, marked(timer, "low-rank products", fn, f"lowrank.{name} (C loops)",
                                       expand if name == "expand_" else rank_r))
+    def triangle(products: int, ctx: Any, t: torch.Tensor, *rest: Any) -> float:  # t: q or grad_out (B, H, T, D)
+        B, H, T, D = t.shape
+        return products * 2.0 * B * H * D * T * (T + 1) / 2
+
     saved_fused = {name: getattr(fused, name) for name in FUSED_C}
     for name, fn in saved_fused.items():
         setattr(fused, name, marked(timer, FUSED_C[name], fn, f"fused.{name.lstrip('_')} (C loops)"))
+    saved_attention = {name: getattr(attention._Attention, name) for name in ATTENTION_C_PRODUCTS}
+    for name, fn in saved_attention.items():
+        setattr(attention._Attention, name, staticmethod(marked(timer, "attention products", fn,
+                                                                f"attention.{name} (C loops)",
+                                                                partial(triangle, ATTENTION_C_PRODUCTS[name]))))
     try:
         with wrapping_dequantization(partial(marked, timer, "dequantization")):
             yield
@@ -207,6 +221,8 @@ def marking(timer: OpTimer) -> Iterator[None]:
             setattr(lowrank, name, fn)
         for name, fn in saved_fused.items():
             setattr(fused, name, fn)
+        for name, fn in saved_attention.items():
+            setattr(attention._Attention, name, staticmethod(fn))
 
 
 @dataclass

@@ -1,5 +1,7 @@
-"""Causal self-attention for training: batched matrix products on CPU for short sequences
-(:func:`products_max_tokens`), ``F.scaled_dot_product_attention`` everywhere else (gpt-oss's sinks included).
+"""Causal self-attention for training: on CPU for short sequences (:func:`products_max_tokens`) the scores
+written out a block of queries at a time against only the keys it may see, in C for f32
+(:mod:`ggtorch.ops.attention`, where it takes the call) or as batched matrix products;
+``F.scaled_dot_product_attention`` everywhere else (gpt-oss's sinks included).
 
 torch's CPU flash attention walks the sequence in small blocks; at training lengths that is
 slower than writing the score matrix out and running plain batched products. The products go a
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from ggtorch.ops import attention as native
 
 PRODUCTS_MAX_TOKENS: dict[torch.dtype, int] = {torch.float32: 512, torch.bfloat16: 512}
 """Longest sequence, by dtype, whose training attention on CPU runs as batched products: there they
@@ -52,6 +56,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     if sinks is not None:
         return _attention_with_sinks(q, k, v, scale, causal, mask, sinks)
     if _as_products(q, k, v, causal, mask):
+        if native.takes(q, k, v, mask):
+            return native.attention(q, k, v, scale, None if causal or _is_causal(mask, q.shape[2]) else mask)
         return _ProductAttention.apply(q, k, v, mask, scale)
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal,
                                           scale=scale, enable_gqa=q.shape[1] != k.shape[1])
@@ -85,6 +91,13 @@ def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     out = F.scaled_dot_product_attention(widened(q, sink_column), keys, values, attn_mask=mask, scale=scale,
                                          enable_gqa=H != Hkv)
     return out[..., :D]
+
+
+def _is_causal(mask: torch.Tensor, T: int) -> bool:
+    """Whether a boolean mask of a T-token self-attention is the causal one (a sliding window longer than the
+    sequence is), so that a kernel may skip the masked triangle."""
+    causal = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
+    return mask.shape[-2:] == (T, T) and bool((mask == causal).all())
 
 
 def products_max_tokens(dtype: torch.dtype) -> int:

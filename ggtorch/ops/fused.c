@@ -17,35 +17,6 @@
 #define CHUNK 2048 /* elements per task of the elementwise loops: a multiple of L */
 #define MIN_PARALLEL 16384 /* below this many elements a call runs on the caller's thread */
 
-static inline v16 splat(float f) { return (v16){0} + f; }
-
-static inline v16 select(i32x16 mask, v16 a, v16 b) { /* mask ? a : b, lane by lane */
-    return (v16)(((i32x16)a & mask) | ((i32x16)b & ~mask));
-}
-
-/* e^x, lane by lane: Cephes' expf (n = round(x / ln 2), e^r on |r| <= ln 2 / 2 as a degree-7 polynomial,
- * times 2^n through the exponent bits), within 2 ulp of e^x for x in [-87, 88]; x is clamped to that range
- * (the exact result then is below 2^-125 or above 2^126, and silu or the sigmoid of such an x differs
- * from the one of the range's end by less than one f32 step of either). NaN stays NaN. */
-static inline v16 vexp(v16 x) {
-    const v16 lo = splat(-87.f), hi = splat(88.f);
-    x = select((i32x16)(x < lo), lo, x);
-    x = select((i32x16)(x > hi), hi, x);
-    const v16 magic = splat(12582912.f); /* 1.5 * 2^23: adding it rounds to an integer in the low bits */
-    const v16 t = x * 1.44269504088896341f + magic;
-    const v16 n = t - magic;
-    const v16 r = x - n * 0.693359375f - n * -2.12194440e-4f;
-    v16 p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const v16 e = p * (r * r) + r + 1.f;
-    const i32x16 bits = ((i32x16)t - (i32x16)magic + 127) << 23;
-    return e * (v16)bits;
-}
-
 /* The elements [i, i + m) (m <= L) of a vector: whole vectors straight from memory, a tail through a
  * zeroed buffer, so the tail runs the same vector code as the rest. */
 #define LOAD_PART(T, LD, dst, src, i, m)                                                                    \
@@ -181,8 +152,6 @@ KERNELS(uint16_t, bf16, ld_bf16, st_bf16)
 
 static const i32x16 LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
-/* e^x, and 0 where x < -87 (where vexp clamps; e^x is below f32's normals there) */
-static inline v16 vexp_or_0(v16 x) { return select((i32x16)(x < splat(-87.f)), splat(0.f), vexp(x)); }
 
 /* One slab of the loss's online softmax (ggtorch/training/loss.py): for each of `rows` rows of `width` logits
  * (row stride ld), the target's logit is added to picked[i] when the slab holds it (targets[i] - v0 in
@@ -205,8 +174,8 @@ static inline v16 vexp_or_0(v16 x) { return select((i32x16)(x < splat(-87.f)), s
                 const int64_t m = width - k < L ? width - k : L;                                            \
                 v16 v;                                                                                      \
                 LOAD_PART(T, LD, v, xi, k, m);                                                              \
-                if (m < L) v = select(LANES < (int)m, v, splat(-__builtin_inff()));                         \
-                top = select((i32x16)(v > top), v, top);                                                    \
+                if (m < L) v = vselect(LANES < (int)m, v, splat(-__builtin_inff()));                         \
+                top = vselect((i32x16)(v > top), v, top);                                                    \
             }                                                                                               \
             float slab_max = top[0];                                                                        \
             for (int l = 1; l < L; ++l) slab_max = top[l] > slab_max ? top[l] : slab_max;                   \
@@ -224,7 +193,7 @@ static inline v16 vexp_or_0(v16 x) { return select((i32x16)(x < splat(-87.f)), s
                 v16 v;                                                                                      \
                 LOAD_PART(T, LD, v, xi, k, m);                                                              \
                 v16 e = vexp_or_0(v - ref);                                                                 \
-                if (m < L) e = select(LANES < (int)m, e, splat(0.f));                                       \
+                if (m < L) e = vselect(LANES < (int)m, e, splat(0.f));                                       \
                 sum += e;                                                                                   \
                 STORE_PART(T, ST, xi, k, m, e);                                                             \
             }                                                                                               \

@@ -1,8 +1,9 @@
 /* What ggtorch's C loops share: 16-wide f32 vectors (GCC/Clang vector extensions, compiled to AVX-512, AVX2,
  * NEON or scalar code, whatever the target has), their loads and stores in f32 and bf16, and the scalar
  * conversions. bf16 is widened exactly on load and rounded to nearest even on store, NaN kept quiet, as
- * torch's f32 -> bf16 conversion rounds; the size of a loop's team. Included by ops/lowrank.c, ops/fused.c
- * and quant/native.c; ops/clib.py hashes it into each library's cache key. */
+ * torch's f32 -> bf16 conversion rounds; a lane-wise select and e^x; the size of a loop's team. Included by
+ * ops/lowrank.c, ops/fused.c, ops/attention.c and quant/native.c; ops/clib.py hashes it into each library's
+ * cache key. */
 #ifndef GGTORCH_VEC_H
 #define GGTORCH_VEC_H
 
@@ -81,6 +82,39 @@ static inline uint16_t bf16_of(float f) {
 static inline void set_f32(float *p, float f) { *p = f; }
 
 static inline void set_bf16(uint16_t *p, float f) { *p = bf16_of(f); }
+
+/* f in every lane: a broadcast (0 + f would cost an add, which -0 keeps the compiler from dropping) */
+static inline v16 splat(float f) { return (v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; }
+
+static inline v16 vselect(i32x16 mask, v16 a, v16 b) { /* mask ? a : b, lane by lane */
+    return (v16)(((i32x16)a & mask) | ((i32x16)b & ~mask));
+}
+
+/* e^x, lane by lane: Cephes' expf (n = round(x / ln 2), e^r on |r| <= ln 2 / 2 as a degree-7 polynomial,
+ * times 2^n through the exponent bits), within 2 ulp of e^x for x in [-87, 88]; x is clamped to that range
+ * (the exact result then is below 2^-125 or above 2^126, and silu or the sigmoid of such an x differs
+ * from the one of the range's end by less than one f32 step of either). NaN stays NaN. */
+static inline v16 vexp(v16 x) {
+    const v16 lo = splat(-87.f), hi = splat(88.f);
+    x = vselect((i32x16)(x < lo), lo, x);
+    x = vselect((i32x16)(x > hi), hi, x);
+    const v16 magic = splat(12582912.f); /* 1.5 * 2^23: adding it rounds to an integer in the low bits */
+    const v16 t = x * 1.44269504088896341f + magic;
+    const v16 n = t - magic;
+    const v16 r = x - n * 0.693359375f - n * -2.12194440e-4f;
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const v16 e = p * (r * r) + r + 1.f;
+    const i32x16 bits = ((i32x16)t - (i32x16)magic + 127) << 23;
+    return e * (v16)bits;
+}
+
+/* e^x, and 0 where x < -87 (where vexp clamps; e^x is below f32's normals there) */
+static inline v16 vexp_or_0(v16 x) { return vselect((i32x16)(x < splat(-87.f)), splat(0.f), vexp(x)); }
 
 /* Threads for a parallel loop over `units` tasks: 1 below `min_work` (waking the team costs more than the work),
  * else torch's count, at most one per task. */

@@ -1,8 +1,8 @@
-"""Training attention as batched products against torch's own scaled_dot_product_attention in
-float64: outputs and gradients of q, k, v, causal, packed and non-causal masks, grouped-query heads,
-one block of queries and several (the last one partial); and the dispatch: products only where
-PRODUCTS_MAX_TOKENS allows and a backward follows. gpt-oss's sinks through SDPA against the softmax
-with sinks written out."""
+"""Training attention as batched products (and, for f32, through attention.c: every test runs both ways) against
+torch's own scaled_dot_product_attention in float64: outputs and gradients of q, k, v, causal, packed and
+non-causal masks, grouped-query heads, one block of queries and several (the last one partial); and the dispatch:
+the written-out paths only where PRODUCTS_MAX_TOKENS allows and a backward follows. gpt-oss's sinks through SDPA
+against the softmax with sinks written out."""
 
 from __future__ import annotations
 
@@ -17,8 +17,26 @@ from ggtorch.models.attention import (
     _key_ends,
     attention,
 )
+from ggtorch.ops import attention as native
 
 SCALE = 0.125
+WRITTEN_OUT = ("_ProductAttentionBackward", "_AttentionBackward")
+"""The training paths' backward nodes: the batched products' and attention.c's."""
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["products", "c"])
+def in_c(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Each test with attention.c off, and on where it is built."""
+    if request.param and native._library() is None:
+        pytest.skip("no C compiler to build attention.c")
+    monkeypatch.setattr(native, "NATIVE", request.param)
+    return request.param
+
+
+def _written_out_node(dtype: torch.dtype, D: int, in_c: bool) -> str:
+    """The backward node a training call on the written-out paths gets."""
+    return "_AttentionBackward" if in_c and dtype == torch.float32 and D % native.HEAD_MULTIPLE == 0 else \
+        "_ProductAttentionBackward"
 
 
 def _qkv(B: int, H: int, Hkv: int, T: int, q_scale: float = 4.0, seed: int = 0, D: int = 64) -> list[torch.Tensor]:
@@ -61,7 +79,7 @@ def _reference(tensors: list[torch.Tensor], grad_out: torch.Tensor, mask: torch.
 @pytest.mark.parametrize("masking", ["causal", "packed", "bidirectional"])
 @pytest.mark.parametrize("T", [64, 2 * BLOCK_ROWS + 44], ids=["one-block", "three-blocks"])
 def test_products_match_sdpa_in_float64(dtype: torch.dtype, heads: tuple[int, int], masking: str, T: int, D: int,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+                                        monkeypatch: pytest.MonkeyPatch, in_c: bool) -> None:
     """f32: to f32 rounding. bf16: no further from float64 than torch's flash kernel in bf16 (the
     path it replaces), times 1.25. A bidirectional mask lets a block's queries see keys past its
     end, which the blocks must then include. Narrow f32 heads take the transposed products.
@@ -74,7 +92,7 @@ def test_products_match_sdpa_in_float64(dtype: torch.dtype, heads: tuple[int, in
     want = _reference(tensors, grad_out, mask)
     got, node = _run(lambda q, k, v: attention(q, k, v, scale=SCALE, causal=mask is None, mask=mask),
                      tensors, dtype, grad_out)
-    assert node == "_ProductAttentionBackward"
+    assert node == _written_out_node(dtype, D, in_c)
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a - b).norm() / b.norm())
@@ -117,7 +135,7 @@ def test_the_products_path_and_flash_give_the_same_training_step_result() -> Non
         finally:
             PRODUCTS_MAX_TOKENS[torch.float32] = old
         results.append(got)
-        assert (node == "_ProductAttentionBackward") == (limit == T), node
+        assert (node in WRITTEN_OUT) == (limit == T), node
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -130,7 +148,7 @@ def test_the_length_limit_depends_on_dtype_only(dtype: torch.dtype, D: int) -> N
     for T, products in ((limit, True), (limit + 1, False)):
         q, k, v = (t.to(dtype).requires_grad_() for t in _qkv(1, 2, 1, T, D=D))
         y = attention(q, k, v, scale=SCALE, causal=True)
-        assert (type(y.grad_fn).__name__ == "_ProductAttentionBackward") == products, (T, D)
+        assert (type(y.grad_fn).__name__ in WRITTEN_OUT) == products, (T, D)
 
 
 def test_inference_and_cache_calls_keep_flash() -> None:
@@ -140,7 +158,7 @@ def test_inference_and_cache_calls_keep_flash() -> None:
     torch.testing.assert_close(y, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE))
     q.requires_grad_()
     y = attention(q[:, :, -4:], k, v, scale=SCALE, causal=False)  # 4 new queries over 16 cached keys
-    assert type(y.grad_fn).__name__ != "_ProductAttentionBackward"
+    assert type(y.grad_fn).__name__ not in WRITTEN_OUT
 
 
 def _sinks_formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
@@ -197,3 +215,17 @@ def test_under_bf16_autocast_scores_and_softmax_stay_f32(masking: str) -> None:
         autocast, _ = _run(products, tensors, torch.bfloat16, grad_out)
     assert node == "_ProductAttentionBackward"
     assert all(torch.equal(a, b) for a, b in zip(plain, autocast, strict=True))
+
+
+def test_a_mask_that_is_the_causal_one_takes_the_causal_path() -> None:
+    """gemma's sliding window over a sequence shorter than the window is the causal mask: given as a mask, the
+    call computes what the causal call computes, bit for bit (attention.c then skips the masked triangle)."""
+    T = BLOCK_ROWS + 40
+    tensors = _qkv(2, 4, 2, T)
+    grad_out = torch.randn(2, 4, T, 64, generator=torch.Generator().manual_seed(4))
+    window = torch.arange(T)[:, None] - torch.arange(T)[None, :] < 2 * T
+    mask = torch.ones(T, T, dtype=torch.bool).tril() & window
+    causal, _ = _run(lambda q, k, v: attention(q, k, v, scale=SCALE, causal=True), tensors, torch.float32, grad_out)
+    masked, _ = _run(lambda q, k, v: attention(q, k, v, scale=SCALE, causal=False, mask=mask), tensors,
+                     torch.float32, grad_out)
+    assert all(torch.equal(a, b) for a, b in zip(causal, masked, strict=True))

@@ -1,0 +1,330 @@
+/* Causal or masked self-attention of an f32 training step on CPU, forward and backward.
+ *
+ * Written in torch ops (models/attention.py's products path), attention is batched products with passes
+ * between them: the scores are written out, then scaled and masked, softmaxed, and in backward combined
+ * with their gradient, a pass over them each, and the products want their operands in (batch·head, tokens,
+ * head) layout, a copy of q, k, v and of the gradients each way. Here a task takes one query head of one
+ * sequence, copies the rows it reads (keys and values also transposed, once per task), and runs every
+ * product as 8-row tiles of register-blocked multiply-adds (tile), each tile of queries against only the keys
+ * it may see, so a causal mask costs the diagonal tiles' upper halves and no more; a tile's softmax runs on
+ * its scores while they are in cache. Forward keeps each row's log-sum-exp; backward computes the scores
+ * and probabilities again from it, as flash attention does, so nothing of size tokens² outlives a task.
+ *
+ * q, out and grad_q are (B, H, T, D), k, v and their gradients (B, Hkv, T, D), each given by its strides in
+ * elements (sequence, head, token) with D contiguous; query head h reads key and value head h / (H / Hkv).
+ * `allowed` (NULL for causal) is a (B or 1, T, T) byte mask, nonzero where query i may see key j, its
+ * sequence stride 0 when every sequence shares it. A row that may see no key gets probabilities 0 (output 0),
+ * as torch's scaled_dot_product_attention gives it. Every output element is computed by one thread in a fixed
+ * order, so results do not depend on the number of threads. Built and loaded by ggtorch/ops/attention.py.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "vec.h"
+
+#define MR 8      /* rows of a product tile */
+#define BLOCK 64  /* query rows per pass of a backward task over its head */
+#define KEYS 32   /* key columns are padded to a multiple of this (two vectors) */
+#define MAX_HEAD 256 /* widest head (attention.py's MAX_HEAD) */
+#define MAX_KEYS 512 /* longest sequence (attention.py's MAX_TOKENS) */
+#define MIN_PARALLEL_FLOP 2000000 /* below this much work a call runs on the caller's thread */
+
+static inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* C[r][n] (+)= sum over k in [k0, k1) of A[r·sam + k·sak] · B[k·ldb + n], for rows r < mr (mr <= MR) and
+ * columns n < N (a multiple of L), all f32: per k, the rows' A elements broadcast and a row of B read two
+ * vectors at a time into MR x 2 accumulators held in registers. Rows past mr compute on whatever A holds
+ * there (its buffers have MR rows more) and are not stored. `add` keeps C's values, else C is overwritten.
+ * Inlined into gemm_q, gemm_p and gemm_t, whose constant strides address A from one pointer. */
+static inline __attribute__((always_inline)) void tile(int mr, int64_t N, int64_t k0, int64_t k1, const float *A,
+                                                       int64_t sam, int64_t sak, const float *B, int64_t ldb,
+                                                       float *C, int64_t ldc, int add) {
+    int64_t n0 = 0;
+    for (; n0 + 2 * L <= N; n0 += 2 * L) {
+        v16 c0[MR], c1[MR];
+        for (int r = 0; r < MR; ++r) {
+            c0[r] = add && r < mr ? ld_f32(C + r * ldc + n0) : splat(0.f);
+            c1[r] = add && r < mr ? ld_f32(C + r * ldc + n0 + L) : splat(0.f);
+        }
+        for (int64_t k = k0; k < k1; ++k) {
+            const float *ak = A + k * sak, *bk = B + k * ldb + n0;
+            const v16 b0 = ld_f32(bk), b1 = ld_f32(bk + L);
+            for (int r = 0; r < MR; ++r) {
+                const v16 av = splat(ak[r * sam]);
+                c0[r] += av * b0;
+                c1[r] += av * b1;
+            }
+        }
+        for (int r = 0; r < mr; ++r) {
+            st_f32(C + r * ldc + n0, c0[r]);
+            st_f32(C + r * ldc + n0 + L, c1[r]);
+        }
+    }
+    if (n0 < N) { /* one vector left */
+        v16 c0[MR];
+        for (int r = 0; r < MR; ++r) c0[r] = add && r < mr ? ld_f32(C + r * ldc + n0) : splat(0.f);
+        for (int64_t k = k0; k < k1; ++k) {
+            const float *ak = A + k * sak;
+            const v16 b0 = ld_f32(B + k * ldb + n0);
+            for (int r = 0; r < MR; ++r) c0[r] += splat(ak[r * sam]) * b0;
+        }
+        for (int r = 0; r < mr; ++r) st_f32(C + r * ldc + n0, c0[r]);
+    }
+}
+
+#define QLD (MAX_HEAD + L)  /* row stride of the f32 copies of q and of out's gradient */
+#define PLD (MAX_KEYS + L)  /* row stride of the scores, probabilities and their gradients */
+
+/* A: rows of q or of out's gradient (stride QLD) */
+static void gemm_q(int mr, int64_t N, int64_t k0, int64_t k1, const float *A, const float *B, int64_t ldb, float *C,
+                   int64_t ldc) {
+    tile(mr, N, k0, k1, A, QLD, 1, B, ldb, C, ldc, 0);
+}
+
+/* A: rows of probabilities or score gradients (stride PLD) */
+static void gemm_p(int mr, int64_t N, int64_t k0, int64_t k1, const float *A, const float *B, int64_t ldb, float *C,
+                   int64_t ldc) {
+    tile(mr, N, k0, k1, A, PLD, 1, B, ldb, C, ldc, 0);
+}
+
+/* A transposed: A[r][k] = At[k·PLD + r], columns of probabilities or score gradients; C accumulates */
+static void gemm_t(int mr, int64_t N, int64_t k0, int64_t k1, const float *At, const float *B, int64_t ldb, float *C,
+                   int64_t ldc) {
+    tile(mr, N, k0, k1, At, 1, PLD, B, ldb, C, ldc, 1);
+}
+
+/* One past the last key query i may see (0: none) */
+static inline int64_t key_end(const uint8_t *allowed, int64_t T, int64_t i) {
+    if (!allowed) return i + 1;
+    const uint8_t *row = allowed + i * T;
+    int64_t j = T;
+    while (j > 0 && !row[j - 1]) --j;
+    return j;
+}
+
+/* Scores of row i (s, `width` columns computed) to probabilities: scaled, masked, softmaxed over its keys
+ * [0, end); columns [end, width) set to 0. Returns the row's log-sum-exp (-inf for a row that sees nothing).
+ * With lse given (backward), p = e^(s·scale - lse) instead of a fresh softmax. */
+static float softmax_row(float *s, int64_t width, int64_t end, const uint8_t *allowed_row, float scale,
+                         const float *lse) {
+    for (int64_t j = 0; j < end; j += L) {
+        v16 x = ld_f32(s + j) * scale;
+        if (allowed_row) {
+            i32x16 ok;
+            for (int l = 0; l < L; ++l) ok[l] = j + l < end && allowed_row[j + l] ? -1 : 0;
+            x = vselect(ok, x, splat(-INFINITY));
+        } else if (j + L > end) {
+            i32x16 ok;
+            for (int l = 0; l < L; ++l) ok[l] = j + l < end ? -1 : 0;
+            x = vselect(ok, x, splat(-INFINITY));
+        }
+        st_f32(s + j, x);
+    }
+    float m;
+    if (lse) {
+        m = *lse;
+    } else {
+        m = -INFINITY;
+        for (int64_t j = 0; j < end; ++j) m = s[j] > m ? s[j] : m;
+    }
+    if (m == -INFINITY) { /* no key: probabilities 0 */
+        memset(s, 0, width * sizeof(float));
+        return -INFINITY;
+    }
+    v16 sum = splat(0.f);
+    for (int64_t j = 0; j < end; j += L) {
+        const v16 e = vexp_or_0(ld_f32(s + j) - m); /* masked and padded lanes: e^-inf = 0 */
+        st_f32(s + j, e);
+        sum += e;
+    }
+    for (int64_t j = round_up(end, L); j < width; j += L) st_f32(s + j, splat(0.f));
+    if (lse) return m;
+    float total = 0.f;
+    for (int l = 0; l < L; ++l) total += sum[l];
+    const float inv = 1.f / total;
+    for (int64_t j = 0; j < end; j += L) st_f32(s + j, ld_f32(s + j) * inv);
+    return m + logf(total);
+}
+
+typedef struct { int64_t s, h, t; } strides; /* a tensor's sequence, head and token strides */
+
+/* rows [0, n) of a (tokens, D) matrix with token stride `ts`, copied `ld` apart */
+static void rows(const float *src, int64_t ts, int64_t n, int64_t D, float *dst, int64_t ld) {
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < D; d += L) st_f32(dst + i * ld + d, ld_f32(src + i * ts + d));
+}
+
+/* the same rows transposed: dst[d][i] for i < n, zero up to the padded width w */
+static void cols(const float *src, int64_t ts, int64_t n, int64_t D, int64_t w, float *dst) {
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < D; ++d) dst[d * w + i] = src[i * ts + d];
+    for (int64_t d = 0; d < D; ++d)
+        for (int64_t i = n; i < w; ++i) dst[d * w + i] = 0.f;
+}
+
+/* rows of D back into a (tokens, D) matrix with token stride ts */
+static void store(const float *src, int64_t n, int64_t D, float *dst, int64_t ts) {
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < D; d += L) st_f32(dst + i * ts + d, ld_f32(src + i * D + d));
+}
+
+/* each key/value head's gradients: the parts of its query heads summed in order */
+static void reduce_parts(float *part, float *gk, float *gv, int64_t B, int64_t H, int64_t Hkv, int64_t Tn, int64_t D,
+                         strides gks, strides gvs, int threads) {
+    const int64_t kv_heads = B * Hkv, G = H / Hkv;
+    const int nt = team(threads, kv_heads * Tn * D * G, MIN_PARALLEL_FLOP / 16, kv_heads);
+    (void)nt;
+    PARALLEL_FOR
+    for (int64_t task = 0; task < kv_heads; ++task) {
+        const int64_t b = task / Hkv, kvh = task % Hkv;
+        float *dk = part + (b * H + kvh * G) * 2 * Tn * D, *dv = dk + Tn * D;
+        for (int64_t g = 1; g < G; ++g) {
+            const float *pk = part + (b * H + kvh * G + g) * 2 * Tn * D, *pv = pk + Tn * D;
+            for (int64_t e = 0; e < Tn * D; e += L) {
+                st_f32(dk + e, ld_f32(dk + e) + ld_f32(pk + e));
+                st_f32(dv + e, ld_f32(dv + e) + ld_f32(pv + e));
+            }
+        }
+        store(dk, Tn, D, gk + b * gks.s + kvh * gks.h, gks.t);
+        store(dv, Tn, D, gv + b * gvs.s + kvh * gvs.h, gvs.t);
+    }
+}
+
+/* ggtorch_attention: a task per query head of a sequence, its queries 8 at a time */
+static void forward(const float *q, const float *k, const float *v, float *out, float *lse, int64_t B, int64_t H,
+                    int64_t Hkv, int64_t Tn, int64_t D, strides qs, strides ks, strides vs, strides os,
+                    const uint8_t *allowed, int64_t mask_s, float scale, int threads) {
+    const int64_t tasks = B * H, G = H / Hkv;
+    const int nt = team(threads, 2 * B * H * Tn * Tn * D, MIN_PARALLEL_FLOP, tasks);
+    (void)nt;
+    PARALLEL_FOR
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t b = task / H, h = task % H, kvh = h / G;
+        const uint8_t *mask = allowed ? allowed + b * mask_s : NULL;
+        int64_t kend = 0;
+        for (int64_t i = 0; i < Tn; ++i) kend = max64(kend, key_end(mask, Tn, i));
+        const int64_t w = round_up(max64(kend, 1), KEYS);
+        float *buf = calloc(D * w + kend * D + MR * QLD + MR * PLD + MR * D, sizeof(float));
+        float *kt = buf, *vr = kt + D * w, *qr = vr + kend * D, *s = qr + MR * QLD, *o = s + MR * PLD;
+        cols(k + b * ks.s + kvh * ks.h, ks.t, kend, D, w, kt);
+        rows(v + b * vs.s + kvh * vs.h, vs.t, kend, D, vr, D);
+        for (int64_t t0 = 0; t0 < Tn; t0 += MR) {
+            const int mr = (int)min64(MR, Tn - t0);
+            int64_t ends[MR], tend = 0;
+            for (int r = 0; r < mr; ++r) tend = max64(tend, ends[r] = key_end(mask, Tn, t0 + r));
+            const int64_t tw = round_up(max64(tend, 1), KEYS);
+            rows(q + b * qs.s + h * qs.h + t0 * qs.t, qs.t, mr, D, qr, QLD);
+            gemm_q(mr, tw, 0, D, qr, kt, w, s, PLD);
+            for (int r = 0; r < mr; ++r)
+                lse[(b * H + h) * Tn + t0 + r] = softmax_row(s + r * PLD, tw, ends[r],
+                                                             mask ? mask + (t0 + r) * Tn : NULL, scale, NULL);
+            gemm_p(mr, D, 0, tend, s, vr, D, o, D);
+            store(o, mr, D, out + b * os.s + h * os.h + t0 * os.t, os.t);
+        }
+        free(buf);
+    }
+}
+
+/* ggtorch_attention_backward: a task per query head of a sequence, its queries BLOCK at a time; the head's key
+ * and value gradients go to its part, summed over the heads that share them afterwards (reduce_parts) */
+static void backward(const float *q, const float *k, const float *v, const float *out, const float *gout,
+                     const float *lse, float *gq, float *gk, float *gv, int64_t B, int64_t H, int64_t Hkv, int64_t Tn,
+                     int64_t D, strides qs, strides ks, strides vs, strides os, strides gos, strides gqs,
+                     strides gks, strides gvs, const uint8_t *allowed, int64_t mask_s, float scale, int threads) {
+    const int64_t tasks = B * H, G = H / Hkv;
+    float *part = malloc(sizeof(float) * 2 * B * H * Tn * D); /* each query head's dK, dV */
+    const int nt = team(threads, 4 * B * H * Tn * Tn * D, MIN_PARALLEL_FLOP, tasks);
+    (void)nt;
+    PARALLEL_FOR
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t b = task / H, h = task % H, kvh = h / G;
+        const uint8_t *mask = allowed ? allowed + b * mask_s : NULL;
+        int64_t kend = 0;
+        for (int64_t i = 0; i < Tn; ++i) kend = max64(kend, key_end(mask, Tn, i));
+        const int64_t w = round_up(max64(kend, 1), KEYS);
+        float *dk = part + (b * H + h) * 2 * Tn * D, *dv = dk + Tn * D;
+        memset(dk, 0, sizeof(float) * 2 * Tn * D);
+        float *buf = calloc(2 * D * w + 2 * kend * D + 2 * BLOCK * QLD + BLOCK * D + 2 * BLOCK * PLD,
+                            sizeof(float));
+        float *kt = buf, *vt = kt + D * w, *kr = vt + D * w, *vr = kr + kend * D, *qr = vr + kend * D;
+        float *gr = qr + BLOCK * QLD, *dq = gr + BLOCK * QLD, *p = dq + BLOCK * D, *ds = p + BLOCK * PLD;
+        cols(k + b * ks.s + kvh * ks.h, ks.t, kend, D, w, kt);
+        cols(v + b * vs.s + kvh * vs.h, vs.t, kend, D, w, vt);
+        rows(k + b * ks.s + kvh * ks.h, ks.t, kend, D, kr, D);
+        rows(v + b * vs.s + kvh * vs.h, vs.t, kend, D, vr, D);
+        for (int64_t r0 = 0; r0 < Tn; r0 += BLOCK) {
+            const int64_t r1 = min64(r0 + BLOCK, Tn), n = r1 - r0;
+            int64_t ends[BLOCK], bend = 0;
+            for (int64_t i = r0; i < r1; ++i) bend = max64(bend, ends[i - r0] = key_end(mask, Tn, i));
+            const int64_t bw = round_up(max64(bend, 1), KEYS);
+            rows(q + b * qs.s + h * qs.h + r0 * qs.t, qs.t, n, D, qr, QLD);
+            rows(gout + b * gos.s + h * gos.h + r0 * gos.t, gos.t, n, D, gr, QLD);
+            for (int64_t t0 = r0; t0 < r1; t0 += MR) {
+                const int mr = (int)min64(MR, r1 - t0);
+                int64_t tend = 0;
+                for (int r = 0; r < mr; ++r) tend = max64(tend, ends[t0 - r0 + r]);
+                const int64_t tw = round_up(max64(tend, 1), KEYS);
+                float *pt = p + (t0 - r0) * PLD, *dst = ds + (t0 - r0) * PLD;
+                gemm_q(mr, tw, 0, D, qr + (t0 - r0) * QLD, kt, w, pt, PLD);
+                gemm_q(mr, tw, 0, D, gr + (t0 - r0) * QLD, vt, w, dst, PLD);
+                for (int r = 0; r < mr; ++r) {
+                    const int64_t i = t0 + r;
+                    float *pr = pt + r * PLD, *dr = dst + r * PLD;
+                    softmax_row(pr, tw, ends[i - r0], mask ? mask + i * Tn : NULL, scale,
+                                lse + (b * H + h) * Tn + i);
+                    /* rowdot = sum_d dO·O = sum_j p_j dp_j; dS = p (dp - rowdot) scale */
+                    const float *orow = out + b * os.s + h * os.h + i * os.t;
+                    const float *grow = gr + (i - r0) * QLD;
+                    v16 acc = splat(0.f);
+                    for (int64_t d = 0; d < D; d += L) acc += ld_f32(grow + d) * ld_f32(orow + d);
+                    float rowdot = 0.f;
+                    for (int l = 0; l < L; ++l) rowdot += acc[l];
+                    for (int64_t j = 0; j < tw; j += L)
+                        st_f32(dr + j, ld_f32(pr + j) * (ld_f32(dr + j) - rowdot) * scale);
+                    for (int64_t j = tw; j < bw; j += L) {
+                        st_f32(pr + j, splat(0.f));
+                        st_f32(dr + j, splat(0.f));
+                    }
+                }
+                gemm_p(mr, D, 0, tend, dst, kr, D, dq + (t0 - r0) * D, D);
+            }
+            store(dq, n, D, gq + b * gqs.s + h * gqs.h + r0 * gqs.t, gqs.t);
+            /* dK[j] += sum_i dS[i][j] q_i, dV[j] += sum_i p[i][j] dO_i over this block's rows */
+            for (int64_t j0 = 0; j0 < bend; j0 += MR) {
+                const int mr = (int)min64(MR, bend - j0);
+                const int64_t i0 = allowed ? 0 : max64(0, j0 - r0); /* causal: rows before j0 see none */
+                gemm_t(mr, D, i0, n, ds + j0, qr, QLD, dk + j0 * D, D);
+                gemm_t(mr, D, i0, n, p + j0, gr, QLD, dv + j0 * D, D);
+            }
+        }
+        free(buf);
+    }
+    reduce_parts(part, gk, gv, B, H, Hkv, Tn, D, gks, gvs, threads);
+    free(part);
+}
+
+static strides strides_of(const int64_t *s) { return (strides){s[0], s[1], s[2]}; }
+
+/* softmax(q k^T · scale, masked) v into out, each row's log-sum-exp into lse (B, H, T); `st` holds the
+ * strides of q, k, v, out (3 each). */
+void ggtorch_attention(const float *q, const float *k, const float *v, float *out, float *lse, int64_t B, int64_t H,
+                       int64_t Hkv, int64_t T, int64_t D, const int64_t *st, const uint8_t *allowed, int64_t mask_s,
+                       float scale, int threads) {
+    forward(q, k, v, out, lse, B, H, Hkv, T, D, strides_of(st), strides_of(st + 3), strides_of(st + 6),
+            strides_of(st + 9), allowed, mask_s, scale, threads);
+}
+
+/* The gradients of q, k and v from out's gradient; `st` holds the strides of q, k, v, out, grad_out, grad_q,
+ * grad_k, grad_v (3 each). */
+void ggtorch_attention_backward(const float *q, const float *k, const float *v, const float *out, const float *gout,
+                                const float *lse, float *gq, float *gk, float *gv, int64_t B, int64_t H, int64_t Hkv,
+                                int64_t T, int64_t D, const int64_t *st, const uint8_t *allowed, int64_t mask_s,
+                                float scale, int threads) {
+    backward(q, k, v, out, gout, lse, gq, gk, gv, B, H, Hkv, T, D, strides_of(st), strides_of(st + 3),
+             strides_of(st + 6), strides_of(st + 9), strides_of(st + 12), strides_of(st + 15), strides_of(st + 18),
+             strides_of(st + 21), allowed, mask_s, scale, threads);
+}

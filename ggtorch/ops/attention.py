@@ -1,0 +1,121 @@
+"""Causal or masked self-attention of f32 training on CPU in C (``attention.c``, built on first use by
+:mod:`ggtorch.ops.clib`), as an autograd Function.
+
+Written in torch ops (models.attention's products path), a step's attention copies q, k, v and the
+gradients into (batch·head, tokens, head) layout and writes out the scores, which it scales, masks,
+softmaxes and combines with their gradient in passes of their own between the batched products. Here each
+task reads its rows where they are (any strides, the head contiguous), keeps its scores in cache from the
+products to the softmax, and skips the masked triangle 8 queries at a time; the output and the gradients
+are written into (batch, tokens, heads, head) buffers, so the model's transpose back to (batch, tokens,
+channels) is a view. Backward recomputes the probabilities from each row's saved log-sum-exp, as flash
+attention does, so nothing of size tokens² is kept between forward and backward.
+
+f32 only: under bf16 the products path's batched products run on the CPU's bf16 instructions, at twice the
+f32 rate this kernel's multiply-adds have.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from ggtorch.ops import clib
+
+NATIVE = True
+"""Take :func:`attention` where :func:`takes` allows it; False keeps the callers' torch code."""
+
+SOURCE = Path(__file__).with_name("attention.c")
+FLAGS = ("-O3", "-fno-math-errno")
+"""Compiler flags besides those :func:`ggtorch.ops.clib.load` adds: the exponential's helpers inlined, no errno."""
+
+HEAD_MULTIPLE = 16
+"""The kernels read a head in whole 16-wide vectors: its size must be a multiple of this."""
+
+MAX_HEAD = 256
+MAX_TOKENS = 512
+"""The widest head and the longest sequence the kernels' buffers take (attention.c's MAX_HEAD, MAX_KEYS)."""
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    return clib.load_declared(SOURCE, FLAGS, {
+        "ggtorch_attention": (None, [p, p, p, p, p, i64, i64, i64, i64, i64, p, p, i64, f32, i32]),
+        "ggtorch_attention_backward": (None, [p, p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, p, p, i64, f32,
+                                              i32]),
+    })
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether :func:`attention` computes this call: f32 self-attention on CPU (as many keys as queries, at most
+    :data:`MAX_TOKENS`), each head contiguous, a multiple of 16 and at most :data:`MAX_HEAD` wide, a boolean
+    mask shared by the heads or none (causal), and the library built."""
+    D, T = q.shape[-1], q.shape[2]
+    return (NATIVE and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
+            and T == k.shape[2] <= MAX_TOKENS and D % HEAD_MULTIPLE == 0 and D <= MAX_HEAD
+            and all(t.stride(-1) == 1 for t in (q, k, v))
+            and (mask is None or (mask.dtype == torch.bool and _mask_rows(mask, q) is not None))
+            and _library() is not None)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T · scale, masked) v for q (B, H, T, D), k and v (B, Hkv, T, D): causal when ``mask`` is
+    None, else ``mask`` (broadcastable to (B, 1, T, T)) True where a query may see a key. A query that may see
+    no key gets 0. Requires :func:`takes`."""
+    return _Attention.apply(q, k, v, mask, scale)
+
+
+def _mask_rows(mask: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """``mask`` as (B or 1, T, T) bytes and its sequence stride (0 when shared); None when it varies by head."""
+    B, _, T, _ = q.shape
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
+    if m.dim() != 4 or m.shape[1] != 1 or m.shape[0] not in (1, B):
+        return None
+    m = m[:, 0].expand(m.shape[0], T, T).contiguous().view(torch.uint8)
+    return m, (T * T if m.shape[0] > 1 else 0)
+
+
+def _strides(*tensors: torch.Tensor) -> torch.Tensor:
+    """Each (B, heads, T, D) tensor's sequence, head and token strides, in elements, for the C calls."""
+    return torch.tensor([s for t in tensors for s in t.stride()[:3]], dtype=torch.int64)
+
+
+def _heads_last(B: int, H: int, T: int, D: int, like: torch.Tensor) -> torch.Tensor:
+    """A (B, H, T, D) tensor stored as (B, T, H, D): ``transpose(1, 2).reshape(B, T, H·D)`` is then a view."""
+    return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        B, H, T, D = q.shape
+        Hkv = k.shape[1]
+        out = _heads_last(B, H, T, D, q)
+        lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+        rows, mask_stride = _mask_rows(mask, q) if mask is not None else (None, 0)
+        strides = _strides(q, k, v, out)
+        _library().ggtorch_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H,
+                                     Hkv, T, D, strides.data_ptr(), None if rows is None else rows.data_ptr(),
+                                     mask_stride, scale, torch.get_num_threads())
+        ctx.save_for_backward(q, k, v, out, lse, rows)
+        ctx.scale, ctx.mask_stride = scale, mask_stride
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        q, k, v, out, lse, rows = ctx.saved_tensors
+        B, H, T, D = q.shape
+        Hkv = k.shape[1]
+        g = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+        grad_q, grad_k, grad_v = _heads_last(B, H, T, D, q), _heads_last(B, Hkv, T, D, k), _heads_last(B, Hkv, T, D, v)
+        strides = _strides(q, k, v, out, g, grad_q, grad_k, grad_v)
+        _library().ggtorch_attention_backward(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), g.data_ptr(), lse.data_ptr(), grad_q.data_ptr(),
+            grad_k.data_ptr(), grad_v.data_ptr(), B, H, Hkv, T, D, strides.data_ptr(),
+            None if rows is None else rows.data_ptr(), ctx.mask_stride, ctx.scale, torch.get_num_threads())
+        return grad_q, grad_k, grad_v, None, None
