@@ -1,6 +1,7 @@
 """Causal self-attention for training: on CPU for short sequences (:func:`products_max_tokens`) the scores
-written out a block of queries at a time against only the keys it may see, in C for f32
-(:mod:`ggtorch.ops.attention`, where it takes the call) or as batched matrix products;
+written out a block of queries at a time against only the keys it may see, in C
+(:mod:`ggtorch.ops.attention`, where it takes the call: f32, and bf16 on CPUs with bf16 dot products) or as
+batched matrix products;
 ``F.scaled_dot_product_attention`` everywhere else (gpt-oss's sinks included).
 
 torch's CPU flash attention walks the sequence in small blocks; at training lengths that is

@@ -128,8 +128,13 @@ static float softmax_row(float *s, int64_t width, int64_t end, const uint8_t *al
     if (lse) {
         m = *lse;
     } else {
+        v16 top = splat(-INFINITY); /* masked and padded lanes hold -inf */
+        for (int64_t j = 0; j < end; j += L) {
+            const v16 x = ld_f32(s + j);
+            top = vselect((i32x16)(x > top), x, top);
+        }
         m = -INFINITY;
-        for (int64_t j = 0; j < end; ++j) m = s[j] > m ? s[j] : m;
+        for (int l = 0; l < L; ++l) m = top[l] > m ? top[l] : m;
     }
     if (m == -INFINITY) { /* no key: probabilities 0 */
         memset(s, 0, width * sizeof(float));
@@ -158,12 +163,44 @@ static void rows(const float *src, int64_t ts, int64_t n, int64_t D, float *dst,
         for (int64_t d = 0; d < D; d += L) st_f32(dst + i * ld + d, ld_f32(src + i * ts + d));
 }
 
-/* the same rows transposed: dst[d][i] for i < n, zero up to the padded width w */
+#ifdef GGTORCH_SHUFFLES
+/* rows x[0..15] (16 x 16) transposed in registers: four rounds, each swapping one bit of the row index with the
+ * same bit of the column index between row pairs (i, i + b) */
+#define SWAP_BITS(b, ...)                                                                                    \
+    for (int i = 0; i < L; ++i)                                                                             \
+        if (!(i & (b))) {                                                                                   \
+            const v16 lo = __builtin_shufflevector(x[i], x[i + (b)], __VA_ARGS__);                          \
+            x[i + (b)] = __builtin_shufflevector(x[i], x[i + (b)], HI_##b);                                 \
+            x[i] = lo;                                                                                      \
+        }
+#define HI_8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define HI_4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define HI_2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define HI_1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+static inline void transpose16(v16 x[L]) {
+    SWAP_BITS(8, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+    SWAP_BITS(4, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+    SWAP_BITS(2, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+    SWAP_BITS(1, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+}
+#endif
+
+/* the same rows transposed: dst[d][i] for i < n, zero up to the padded width w (a multiple of L) */
 static void cols(const float *src, int64_t ts, int64_t n, int64_t D, int64_t w, float *dst) {
+#ifdef GGTORCH_SHUFFLES
+    for (int64_t i0 = 0; i0 < w; i0 += L)
+        for (int64_t d0 = 0; d0 < D; d0 += L) {
+            v16 x[L];
+            for (int r = 0; r < L; ++r) x[r] = i0 + r < n ? ld_f32(src + (i0 + r) * ts + d0) : splat(0.f);
+            transpose16(x);
+            for (int c = 0; c < L; ++c) st_f32(dst + (d0 + c) * w + i0, x[c]);
+        }
+#else
     for (int64_t i = 0; i < n; ++i)
         for (int64_t d = 0; d < D; ++d) dst[d * w + i] = src[i * ts + d];
     for (int64_t d = 0; d < D; ++d)
         for (int64_t i = n; i < w; ++i) dst[d * w + i] = 0.f;
+#endif
 }
 
 /* rows of D back into a (tokens, D) matrix with token stride ts */
@@ -208,10 +245,10 @@ static void forward(const float *q, const float *k, const float *v, float *out, 
         int64_t kend = 0;
         for (int64_t i = 0; i < Tn; ++i) kend = max64(kend, key_end(mask, Tn, i));
         const int64_t w = round_up(max64(kend, 1), KEYS);
-        float *buf = calloc(D * w + kend * D + MR * QLD + MR * PLD + MR * D, sizeof(float));
-        float *kt = buf, *vr = kt + D * w, *qr = vr + kend * D, *s = qr + MR * QLD, *o = s + MR * PLD;
+        float *buf = malloc(sizeof(float) * (D * w + MR * QLD + MR * PLD + MR * D));
+        float *kt = buf, *qr = kt + D * w, *s = qr + MR * QLD, *o = s + MR * PLD;
+        const float *vh = v + b * vs.s + kvh * vs.h; /* the values' rows, read where they are */
         cols(k + b * ks.s + kvh * ks.h, ks.t, kend, D, w, kt);
-        rows(v + b * vs.s + kvh * vs.h, vs.t, kend, D, vr, D);
         for (int64_t t0 = 0; t0 < Tn; t0 += MR) {
             const int mr = (int)min64(MR, Tn - t0);
             int64_t ends[MR], tend = 0;
@@ -222,7 +259,7 @@ static void forward(const float *q, const float *k, const float *v, float *out, 
             for (int r = 0; r < mr; ++r)
                 lse[(b * H + h) * Tn + t0 + r] = softmax_row(s + r * PLD, tw, ends[r],
                                                              mask ? mask + (t0 + r) * Tn : NULL, scale, NULL);
-            gemm_p(mr, D, 0, tend, s, vr, D, o, D);
+            gemm_p(mr, D, 0, tend, s, vh, vs.t, o, D);
             store(o, mr, D, out + b * os.s + h * os.h + t0 * os.t, os.t);
         }
         free(buf);
@@ -248,14 +285,12 @@ static void backward(const float *q, const float *k, const float *v, const float
         const int64_t w = round_up(max64(kend, 1), KEYS);
         float *dk = part + (b * H + h) * 2 * Tn * D, *dv = dk + Tn * D;
         memset(dk, 0, sizeof(float) * 2 * Tn * D);
-        float *buf = calloc(2 * D * w + 2 * kend * D + 2 * BLOCK * QLD + BLOCK * D + 2 * BLOCK * PLD,
-                            sizeof(float));
-        float *kt = buf, *vt = kt + D * w, *kr = vt + D * w, *vr = kr + kend * D, *qr = vr + kend * D;
+        float *buf = malloc(sizeof(float) * (2 * D * w + 2 * BLOCK * QLD + BLOCK * D + 2 * BLOCK * PLD));
+        float *kt = buf, *vt = kt + D * w, *qr = vt + D * w;
+        const float *kh = k + b * ks.s + kvh * ks.h; /* the keys' rows, read where they are */
         float *gr = qr + BLOCK * QLD, *dq = gr + BLOCK * QLD, *p = dq + BLOCK * D, *ds = p + BLOCK * PLD;
         cols(k + b * ks.s + kvh * ks.h, ks.t, kend, D, w, kt);
         cols(v + b * vs.s + kvh * vs.h, vs.t, kend, D, w, vt);
-        rows(k + b * ks.s + kvh * ks.h, ks.t, kend, D, kr, D);
-        rows(v + b * vs.s + kvh * vs.h, vs.t, kend, D, vr, D);
         for (int64_t r0 = 0; r0 < Tn; r0 += BLOCK) {
             const int64_t r1 = min64(r0 + BLOCK, Tn), n = r1 - r0;
             int64_t ends[BLOCK], bend = 0;
@@ -290,7 +325,7 @@ static void backward(const float *q, const float *k, const float *v, const float
                         st_f32(dr + j, splat(0.f));
                     }
                 }
-                gemm_p(mr, D, 0, tend, dst, kr, D, dq + (t0 - r0) * D, D);
+                gemm_p(mr, D, 0, tend, dst, kh, ks.t, dq + (t0 - r0) * D, D);
             }
             store(dq, n, D, gq + b * gqs.s + h * gqs.h + r0 * gqs.t, gqs.t);
             /* dK[j] += sum_i dS[i][j] q_i, dV[j] += sum_i p[i][j] dO_i over this block's rows */
@@ -307,23 +342,284 @@ static void backward(const float *q, const float *k, const float *v, const float
     free(part);
 }
 
+#if defined(__AVX512BF16__) && defined(GGTORCH_SHUFFLES)
+/* bf16 in and out: the products on the CPU's bf16 dot products (vdpbf16ps: two bf16 products a lane, summed in
+ * f32), at twice the f32 multiply-adds' rate. A product's operands are read as pairs along its sum: an A
+ * element is the 32-bit pair (A[r][k], A[r][k+1]), adjacent in rows whose sum runs along them (q, the
+ * probabilities), and a row of B holds, lane by lane, the pair (B[k][n], B[k+1][n]): two rows of B interleaved
+ * (pair_rows), or, where the sum runs along B's columns (k for the scores), its rows transposed as 32-bit pairs
+ * (cols). Scores, softmax and their gradient stay f32; the probabilities and the score gradients are rounded
+ * to bf16 for the products that take them, as torch's flash kernel does. */
+#include <immintrin.h>
+
+#define HALF_QLD (QLD / 2) /* the row strides above, in pairs */
+#define HALF_PLD (PLD / 2)
+
+typedef uint16_t u16x16v __attribute__((vector_size(32)));
+typedef uint16_t u16x32v __attribute__((vector_size(64)));
+
+/* C[r][n] (+)= sum over pairs p in [p0, p1) of A[r·sam + p·sak] · B[p·ldb + n] (pair by pair), as tile */
+static inline __attribute__((always_inline)) void tile_bf16(int mr, int64_t N, int64_t p0, int64_t p1,
+                                                            const uint32_t *A, int64_t sam, int64_t sak,
+                                                            const uint32_t *B, int64_t ldb, float *C, int64_t ldc,
+                                                            int add) {
+    for (int64_t n0 = 0; n0 < N; n0 += 2 * L) {
+        const int two = n0 + 2 * L <= N;
+        __m512 c0[MR], c1[MR];
+        for (int r = 0; r < MR; ++r) {
+            c0[r] = add && r < mr ? _mm512_loadu_ps(C + r * ldc + n0) : _mm512_setzero_ps();
+            c1[r] = add && r < mr && two ? _mm512_loadu_ps(C + r * ldc + n0 + L) : _mm512_setzero_ps();
+        }
+        for (int64_t p = p0; p < p1; ++p) {
+            const uint32_t *ap = A + p * sak;
+            const __m512bh b0 = (__m512bh)_mm512_loadu_si512(B + p * ldb + n0);
+            const __m512bh b1 = two ? (__m512bh)_mm512_loadu_si512(B + p * ldb + n0 + L) : b0;
+            for (int r = 0; r < MR; ++r) {
+                const __m512bh av = (__m512bh)_mm512_set1_epi32((int)ap[r * sam]);
+                c0[r] = _mm512_dpbf16_ps(c0[r], av, b0);
+                c1[r] = _mm512_dpbf16_ps(c1[r], av, b1);
+            }
+        }
+        for (int r = 0; r < mr; ++r) {
+            _mm512_storeu_ps(C + r * ldc + n0, c0[r]);
+            if (two) _mm512_storeu_ps(C + r * ldc + n0 + L, c1[r]);
+        }
+    }
+}
+
+static void bgemm_q(int mr, int64_t N, int64_t p0, int64_t p1, const uint32_t *A, const uint32_t *B, int64_t ldb,
+                    float *C, int64_t ldc) {
+    tile_bf16(mr, N, p0, p1, A, HALF_QLD, 1, B, ldb, C, ldc, 0);
+}
+
+static void bgemm_p(int mr, int64_t N, int64_t p0, int64_t p1, const uint32_t *A, const uint32_t *B, int64_t ldb,
+                    float *C, int64_t ldc) {
+    tile_bf16(mr, N, p0, p1, A, HALF_PLD, 1, B, ldb, C, ldc, 0);
+}
+
+static void bgemm_t(int mr, int64_t N, int64_t p0, int64_t p1, const uint32_t *At, const uint32_t *B, int64_t ldb,
+                    float *C, int64_t ldc) {
+    tile_bf16(mr, N, p0, p1, At, 1, PLD, B, ldb, C, ldc, 1);
+}
+
+/* rows [0, n) of a (tokens, D) bf16 matrix with token stride ts, copied ld apart */
+static void rows16(const uint16_t *src, int64_t ts, int64_t n, int64_t D, uint16_t *dst, int64_t ld) {
+    for (int64_t i = 0; i < n; ++i) memcpy(dst + i * ld, src + i * ts, D * sizeof(uint16_t));
+}
+
+/* rows 2p and 2p + 1 of a bf16 matrix (n rows of D, stride ts) interleaved into dst[p][d] = (x[2p][d], x[2p+1][d]),
+ * ld pairs apart; the row after an odd n taken as zeros */
+static void pair_rows(const uint16_t *src, int64_t ts, int64_t n, int64_t D, uint32_t *dst, int64_t ld) {
+    for (int64_t p = 0; p < (n + 1) / 2; ++p)
+        for (int64_t d = 0; d < D; d += L) {
+            u16x16v a, b = {0};
+            memcpy(&a, src + 2 * p * ts + d, sizeof a);
+            if (2 * p + 1 < n) memcpy(&b, src + (2 * p + 1) * ts + d, sizeof b);
+            const u16x32v x = __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+            memcpy(dst + p * ld + d, &x, sizeof x);
+        }
+}
+
+/* an f32 row rounded to bf16 */
+static void round_row(const float *src, int64_t n, uint16_t *dst) {
+    for (int64_t j = 0; j < n; j += L) st_bf16(dst + j, ld_f32(src + j));
+}
+
+static void store16(const float *src, int64_t n, int64_t D, uint16_t *dst, int64_t ts) {
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < D; d += L) st_bf16(dst + i * ts + d, ld_f32(src + i * D + d));
+}
+
+static void forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, float *lse,
+                         int64_t B, int64_t H, int64_t Hkv, int64_t Tn, int64_t D, strides qs, strides ks, strides vs,
+                         strides os, const uint8_t *allowed, int64_t mask_s, float scale, int threads) {
+    const int64_t tasks = B * H, G = H / Hkv;
+    const int nt = team(threads, 2 * B * H * Tn * Tn * D, MIN_PARALLEL_FLOP, tasks);
+    (void)nt;
+    PARALLEL_FOR
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t b = task / H, h = task % H, kvh = h / G;
+        const uint8_t *mask = allowed ? allowed + b * mask_s : NULL;
+        int64_t kend = 0;
+        for (int64_t i = 0; i < Tn; ++i) kend = max64(kend, key_end(mask, Tn, i));
+        const int64_t w = round_up(max64(kend, 1), KEYS), half = (kend + 1) / 2;
+        /* pairs: the keys' columns (D/2 x w), the values' rows (half x D); bf16: q's rows, probabilities */
+        uint32_t *kp = malloc(sizeof(uint32_t) * (D / 2 * w + half * D + MR * HALF_QLD + MR * HALF_PLD));
+        uint32_t *v2 = kp + D / 2 * w, *qr = v2 + half * D, *p16 = qr + MR * HALF_QLD;
+        float *s = malloc(sizeof(float) * (MR * PLD + MR * D)), *o = s + MR * PLD;
+        cols((const float *)(k + b * ks.s + kvh * ks.h), ks.t / 2, kend, D / 2, w, (float *)kp);
+        pair_rows(v + b * vs.s + kvh * vs.h, vs.t, kend, D, v2, D);
+        for (int64_t t0 = 0; t0 < Tn; t0 += MR) {
+            const int mr = (int)min64(MR, Tn - t0);
+            int64_t ends[MR], tend = 0;
+            for (int r = 0; r < mr; ++r) tend = max64(tend, ends[r] = key_end(mask, Tn, t0 + r));
+            const int64_t tw = round_up(max64(tend, 1), KEYS);
+            rows16(q + b * qs.s + h * qs.h + t0 * qs.t, qs.t, mr, D, (uint16_t *)qr, QLD);
+            bgemm_q(mr, tw, 0, D / 2, qr, kp, w, s, PLD);
+            for (int r = 0; r < mr; ++r) {
+                lse[(b * H + h) * Tn + t0 + r] = softmax_row(s + r * PLD, tw, ends[r],
+                                                             mask ? mask + (t0 + r) * Tn : NULL, scale, NULL);
+                round_row(s + r * PLD, tw, (uint16_t *)p16 + r * PLD);
+            }
+            bgemm_p(mr, D, 0, (tend + 1) / 2, p16, v2, D, o, D);
+            store16(o, mr, D, out + b * os.s + h * os.h + t0 * os.t, os.t);
+        }
+        free(kp);
+        free(s);
+    }
+}
+
+static void reduce_parts_bf16(float *part, uint16_t *gk, uint16_t *gv, int64_t B, int64_t H, int64_t Hkv, int64_t Tn,
+                              int64_t D, strides gks, strides gvs, int threads) {
+    const int64_t kv_heads = B * Hkv, G = H / Hkv;
+    const int nt = team(threads, kv_heads * Tn * D * G, MIN_PARALLEL_FLOP / 16, kv_heads);
+    (void)nt;
+    PARALLEL_FOR
+    for (int64_t task = 0; task < kv_heads; ++task) {
+        const int64_t b = task / Hkv, kvh = task % Hkv;
+        float *dk = part + (b * H + kvh * G) * 2 * Tn * D, *dv = dk + Tn * D;
+        for (int64_t g = 1; g < G; ++g) {
+            const float *pk = part + (b * H + kvh * G + g) * 2 * Tn * D, *pv = pk + Tn * D;
+            for (int64_t e = 0; e < Tn * D; e += L) {
+                st_f32(dk + e, ld_f32(dk + e) + ld_f32(pk + e));
+                st_f32(dv + e, ld_f32(dv + e) + ld_f32(pv + e));
+            }
+        }
+        store16(dk, Tn, D, gk + b * gks.s + kvh * gks.h, gks.t);
+        store16(dv, Tn, D, gv + b * gvs.s + kvh * gvs.h, gvs.t);
+    }
+}
+
+static void backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
+                          const uint16_t *gout, const float *lse, uint16_t *gq, uint16_t *gk, uint16_t *gv, int64_t B,
+                          int64_t H, int64_t Hkv, int64_t Tn, int64_t D, strides qs, strides ks, strides vs,
+                          strides os, strides gos, strides gqs, strides gks, strides gvs, const uint8_t *allowed,
+                          int64_t mask_s, float scale, int threads) {
+    const int64_t tasks = B * H, G = H / Hkv;
+    float *part = malloc(sizeof(float) * 2 * B * H * Tn * D);
+    const int nt = team(threads, 4 * B * H * Tn * Tn * D, MIN_PARALLEL_FLOP, tasks);
+    (void)nt;
+    PARALLEL_FOR
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t b = task / H, h = task % H, kvh = h / G;
+        const uint8_t *mask = allowed ? allowed + b * mask_s : NULL;
+        int64_t kend = 0;
+        for (int64_t i = 0; i < Tn; ++i) kend = max64(kend, key_end(mask, Tn, i));
+        const int64_t w = round_up(max64(kend, 1), KEYS), half = (kend + 1) / 2;
+        float *dk = part + (b * H + h) * 2 * Tn * D, *dv = dk + Tn * D;
+        memset(dk, 0, sizeof(float) * 2 * Tn * D);
+        /* pairs: keys' and values' columns, keys' rows; q's and dO's rows (bf16) and row pairs; P, dS in bf16 and
+         * as row pairs */
+        uint32_t *kp = malloc(sizeof(uint32_t) * (D * w + half * D + 2 * BLOCK * HALF_QLD + BLOCK * D
+                                                  + 2 * BLOCK * HALF_PLD + BLOCK * PLD));
+        uint32_t *vp = kp + D / 2 * w, *k2 = vp + D / 2 * w, *qr = k2 + half * D, *gr = qr + BLOCK * HALF_QLD;
+        uint32_t *q2 = gr + BLOCK * HALF_QLD, *g2 = q2 + BLOCK / 2 * D, *p16 = g2 + BLOCK / 2 * D;
+        uint32_t *ds16 = p16 + BLOCK * HALF_PLD, *p2 = ds16 + BLOCK * HALF_PLD, *ds2 = p2 + BLOCK / 2 * PLD;
+        float *p = malloc(sizeof(float) * (2 * BLOCK * PLD + BLOCK * D)), *ds = p + BLOCK * PLD, *dq = ds + BLOCK * PLD;
+        const uint16_t *kh = k + b * ks.s + kvh * ks.h, *vh = v + b * vs.s + kvh * vs.h;
+        cols((const float *)kh, ks.t / 2, kend, D / 2, w, (float *)kp);
+        cols((const float *)vh, vs.t / 2, kend, D / 2, w, (float *)vp);
+        pair_rows(kh, ks.t, kend, D, k2, D);
+        for (int64_t r0 = 0; r0 < Tn; r0 += BLOCK) {
+            const int64_t r1 = min64(r0 + BLOCK, Tn), n = r1 - r0;
+            int64_t ends[BLOCK], bend = 0;
+            for (int64_t i = r0; i < r1; ++i) bend = max64(bend, ends[i - r0] = key_end(mask, Tn, i));
+            const int64_t bw = round_up(max64(bend, 1), KEYS);
+            const uint16_t *qb = q + b * qs.s + h * qs.h + r0 * qs.t, *gb = gout + b * gos.s + h * gos.h + r0 * gos.t;
+            rows16(qb, qs.t, n, D, (uint16_t *)qr, QLD);
+            rows16(gb, gos.t, n, D, (uint16_t *)gr, QLD);
+            pair_rows(qb, qs.t, n, D, q2, D);
+            pair_rows(gb, gos.t, n, D, g2, D);
+            for (int64_t t0 = r0; t0 < r1; t0 += MR) {
+                const int mr = (int)min64(MR, r1 - t0);
+                int64_t tend = 0;
+                for (int r = 0; r < mr; ++r) tend = max64(tend, ends[t0 - r0 + r]);
+                const int64_t tw = round_up(max64(tend, 1), KEYS);
+                float *pt = p + (t0 - r0) * PLD, *dst = ds + (t0 - r0) * PLD;
+                bgemm_q(mr, tw, 0, D / 2, qr + (t0 - r0) * HALF_QLD, kp, w, pt, PLD);
+                bgemm_q(mr, tw, 0, D / 2, gr + (t0 - r0) * HALF_QLD, vp, w, dst, PLD);
+                for (int r = 0; r < mr; ++r) {
+                    const int64_t i = t0 + r;
+                    float *pr = pt + r * PLD, *dr = dst + r * PLD;
+                    softmax_row(pr, tw, ends[i - r0], mask ? mask + i * Tn : NULL, scale, lse + (b * H + h) * Tn + i);
+                    const uint16_t *orow = out + b * os.s + h * os.h + i * os.t, *grow = gb + (i - r0) * gos.t;
+                    v16 acc = splat(0.f);
+                    for (int64_t d = 0; d < D; d += L) acc += ld_bf16(grow + d) * ld_bf16(orow + d);
+                    float rowdot = 0.f;
+                    for (int l = 0; l < L; ++l) rowdot += acc[l];
+                    for (int64_t j = 0; j < tw; j += L)
+                        st_f32(dr + j, ld_f32(pr + j) * (ld_f32(dr + j) - rowdot) * scale);
+                    for (int64_t j = tw; j < bw; j += L) {
+                        st_f32(pr + j, splat(0.f));
+                        st_f32(dr + j, splat(0.f));
+                    }
+                    round_row(pr, bw, (uint16_t *)p16 + (i - r0) * PLD);
+                    round_row(dr, bw, (uint16_t *)ds16 + (i - r0) * PLD);
+                }
+                bgemm_p(mr, D, 0, (tend + 1) / 2, ds16 + (t0 - r0) * HALF_PLD, k2, D, dq + (t0 - r0) * D, D);
+            }
+            store16(dq, n, D, gq + b * gqs.s + h * gqs.h + r0 * gqs.t, gqs.t);
+            pair_rows((const uint16_t *)p16, PLD, n, bw, p2, PLD);
+            pair_rows((const uint16_t *)ds16, PLD, n, bw, ds2, PLD);
+            for (int64_t j0 = 0; j0 < bend; j0 += MR) {
+                const int mr = (int)min64(MR, bend - j0);
+                const int64_t i0 = allowed ? 0 : max64(0, j0 - r0); /* even: causal rows before j0 see none */
+                bgemm_t(mr, D, i0 / 2, (n + 1) / 2, ds2 + j0, q2, D, dk + j0 * D, D);
+                bgemm_t(mr, D, i0 / 2, (n + 1) / 2, p2 + j0, g2, D, dv + j0 * D, D);
+            }
+        }
+        free(kp);
+        free(p);
+    }
+    reduce_parts_bf16(part, gk, gv, B, H, Hkv, Tn, D, gks, gvs, threads);
+    free(part);
+}
+#endif
+
+/* Whether the library computes bf16 attention (the compiler targets the CPU's bf16 dot products) */
+int ggtorch_attention_bf16(void) {
+#if defined(__AVX512BF16__) && defined(GGTORCH_SHUFFLES)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 static strides strides_of(const int64_t *s) { return (strides){s[0], s[1], s[2]}; }
 
 /* softmax(q k^T · scale, masked) v into out, each row's log-sum-exp into lse (B, H, T); `st` holds the
  * strides of q, k, v, out (3 each). */
-void ggtorch_attention(const float *q, const float *k, const float *v, float *out, float *lse, int64_t B, int64_t H,
+void ggtorch_attention(const void *q, const void *k, const void *v, void *out, float *lse, int64_t B, int64_t H,
                        int64_t Hkv, int64_t T, int64_t D, const int64_t *st, const uint8_t *allowed, int64_t mask_s,
-                       float scale, int threads) {
+                       float scale, int bf16, int threads) {
+#if defined(__AVX512BF16__) && defined(GGTORCH_SHUFFLES)
+    if (bf16) {
+        forward_bf16(q, k, v, out, lse, B, H, Hkv, T, D, strides_of(st), strides_of(st + 3), strides_of(st + 6),
+                     strides_of(st + 9), allowed, mask_s, scale, threads);
+        return;
+    }
+#endif
+    (void)bf16;
     forward(q, k, v, out, lse, B, H, Hkv, T, D, strides_of(st), strides_of(st + 3), strides_of(st + 6),
             strides_of(st + 9), allowed, mask_s, scale, threads);
 }
 
 /* The gradients of q, k and v from out's gradient; `st` holds the strides of q, k, v, out, grad_out, grad_q,
  * grad_k, grad_v (3 each). */
-void ggtorch_attention_backward(const float *q, const float *k, const float *v, const float *out, const float *gout,
-                                const float *lse, float *gq, float *gk, float *gv, int64_t B, int64_t H, int64_t Hkv,
+void ggtorch_attention_backward(const void *q, const void *k, const void *v, const void *out, const void *gout,
+                                const float *lse, void *gq, void *gk, void *gv, int64_t B, int64_t H, int64_t Hkv,
                                 int64_t T, int64_t D, const int64_t *st, const uint8_t *allowed, int64_t mask_s,
-                                float scale, int threads) {
+                                float scale, int bf16, int threads) {
+#if defined(__AVX512BF16__) && defined(GGTORCH_SHUFFLES)
+    if (bf16) {
+        backward_bf16(q, k, v, out, gout, lse, gq, gk, gv, B, H, Hkv, T, D, strides_of(st), strides_of(st + 3),
+                      strides_of(st + 6), strides_of(st + 9), strides_of(st + 12), strides_of(st + 15),
+                      strides_of(st + 18), strides_of(st + 21), allowed, mask_s, scale, threads);
+        return;
+    }
+#endif
+    (void)bf16;
     backward(q, k, v, out, gout, lse, gq, gk, gv, B, H, Hkv, T, D, strides_of(st), strides_of(st + 3),
              strides_of(st + 6), strides_of(st + 9), strides_of(st + 12), strides_of(st + 15), strides_of(st + 18),
              strides_of(st + 21), allowed, mask_s, scale, threads);

@@ -1,17 +1,17 @@
-"""Causal or masked self-attention of f32 training on CPU in C (``attention.c``, built on first use by
-:mod:`ggtorch.ops.clib`), as an autograd Function.
+"""Causal or masked self-attention of training on CPU in C (``attention.c``, built on first use by
+:mod:`ggtorch.ops.clib`), as an autograd Function: f32, and bf16 where the CPU has bf16 dot products
+(AVX512-BF16).
 
 Written in torch ops (models.attention's products path), a step's attention copies q, k, v and the
 gradients into (batch·head, tokens, head) layout and writes out the scores, which it scales, masks,
-softmaxes and combines with their gradient in passes of their own between the batched products. Here each
-task reads its rows where they are (any strides, the head contiguous), keeps its scores in cache from the
-products to the softmax, and skips the masked triangle 8 queries at a time; the output and the gradients
+softmaxes, casts and combines with their gradient in passes of their own between the batched products. Here
+each task reads its rows where they are (any strides, the head contiguous), keeps its scores in cache from
+the products to the softmax, and skips the masked triangle 8 queries at a time; the output and the gradients
 are written into (batch, tokens, heads, head) buffers, so the model's transpose back to (batch, tokens,
 channels) is a view. Backward recomputes the probabilities from each row's saved log-sum-exp, as flash
-attention does, so nothing of size tokens² is kept between forward and backward.
-
-f32 only: under bf16 the products path's batched products run on the CPU's bf16 instructions, at twice the
-f32 rate this kernel's multiply-adds have.
+attention does, so nothing of size tokens² is kept between forward and backward. Scores, softmax and their
+gradient are f32; in bf16 the probabilities and score gradients are rounded to bf16 for the products that
+take them, as torch's flash kernel rounds them.
 """
 
 from __future__ import annotations
@@ -43,22 +43,35 @@ MAX_TOKENS = 512
 def _library() -> ctypes.CDLL | None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     return clib.load_declared(SOURCE, FLAGS, {
-        "ggtorch_attention": (None, [p, p, p, p, p, i64, i64, i64, i64, i64, p, p, i64, f32, i32]),
+        "ggtorch_attention": (None, [p, p, p, p, p, i64, i64, i64, i64, i64, p, p, i64, f32, i32, i32]),
         "ggtorch_attention_backward": (None, [p, p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, p, p, i64, f32,
-                                              i32]),
+                                              i32, i32]),
+        "ggtorch_attention_bf16": (i32, []),
     })
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether :func:`attention` computes this call: f32 self-attention on CPU (as many keys as queries, at most
-    :data:`MAX_TOKENS`), each head contiguous, a multiple of 16 and at most :data:`MAX_HEAD` wide, a boolean
-    mask shared by the heads or none (causal), and the library built."""
+    """Whether :func:`attention` computes this call: self-attention on CPU (as many keys as queries, at most
+    :data:`MAX_TOKENS`) in a dtype it takes (:func:`dtype_taken`), each head contiguous, a multiple of 16 and
+    at most :data:`MAX_HEAD` wide (bf16: k and v with even strides, read as pairs), a boolean mask shared by
+    the heads or none (causal)."""
     D, T = q.shape[-1], q.shape[2]
-    return (NATIVE and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
+    return (NATIVE and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and dtype_taken(q.dtype)
             and T == k.shape[2] <= MAX_TOKENS and D % HEAD_MULTIPLE == 0 and D <= MAX_HEAD
+            and (q.dtype == torch.float32 or all(s % 2 == 0 for t in (k, v) for s in t.stride()[:3]))
             and all(t.stride(-1) == 1 for t in (q, k, v))
-            and (mask is None or (mask.dtype == torch.bool and _mask_rows(mask, q) is not None))
-            and _library() is not None)
+            and (mask is None or (mask.dtype == torch.bool and _mask_rows(mask, q) is not None)))
+
+
+@functools.cache
+def _bf16_built() -> bool:
+    lib = _library()
+    return lib is not None and bool(lib.ggtorch_attention_bf16())
+
+
+def dtype_taken(dtype: torch.dtype) -> bool:
+    """f32 wherever the library is built; bf16 where it was built for the CPU's bf16 dot products (AVX512-BF16)."""
+    return _library() is not None and (dtype == torch.float32 or (dtype == torch.bfloat16 and _bf16_built()))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -101,7 +114,8 @@ class _Attention(torch.autograd.Function):
         strides = _strides(q, k, v, out)
         _library().ggtorch_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H,
                                      Hkv, T, D, strides.data_ptr(), None if rows is None else rows.data_ptr(),
-                                     mask_stride, scale, torch.get_num_threads())
+                                     mask_stride, scale, q.dtype == torch.bfloat16,
+                                     torch.get_num_threads())
         ctx.save_for_backward(q, k, v, out, lse, rows)
         ctx.scale, ctx.mask_stride = scale, mask_stride
         return out
@@ -111,11 +125,14 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, rows = ctx.saved_tensors
         B, H, T, D = q.shape
         Hkv = k.shape[1]
-        g = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+        g = grad_out.to(q.dtype)
+        if g.stride(-1) != 1 or any(s % 2 for s in g.stride()[:3]):
+            g = g.contiguous()
         grad_q, grad_k, grad_v = _heads_last(B, H, T, D, q), _heads_last(B, Hkv, T, D, k), _heads_last(B, Hkv, T, D, v)
         strides = _strides(q, k, v, out, g, grad_q, grad_k, grad_v)
         _library().ggtorch_attention_backward(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), g.data_ptr(), lse.data_ptr(), grad_q.data_ptr(),
             grad_k.data_ptr(), grad_v.data_ptr(), B, H, Hkv, T, D, strides.data_ptr(),
-            None if rows is None else rows.data_ptr(), ctx.mask_stride, ctx.scale, torch.get_num_threads())
+            None if rows is None else rows.data_ptr(), ctx.mask_stride, ctx.scale, q.dtype == torch.bfloat16,
+            torch.get_num_threads())
         return grad_q, grad_k, grad_v, None, None
