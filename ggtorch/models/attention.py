@@ -1,7 +1,6 @@
 """Causal self-attention for training: on CPU for short sequences (:func:`products_max_tokens`) the scores
-written out a block of queries at a time against only the keys it may see, in C
-(:mod:`ggtorch.ops.attention`, where it takes the call: f32, and bf16 on CPUs with bf16 dot products) or as
-batched matrix products;
+written out a block of queries at a time against only the keys it may see, in C (:mod:`ggtorch.ops.attention`,
+where it takes the call: f32, and bf16 on CPUs with bf16 dot products) or as batched matrix products;
 ``F.scaled_dot_product_attention`` everywhere else (gpt-oss's sinks included).
 
 torch's CPU flash attention walks the sequence in small blocks; at training lengths that is
@@ -29,9 +28,9 @@ import torch.nn.functional as F
 from ggtorch.ops import attention as native
 
 PRODUCTS_MAX_TOKENS: dict[torch.dtype, int] = {torch.float32: 512, torch.bfloat16: 512}
-"""Longest sequence, by dtype, whose training attention on CPU runs as batched products: there they
-beat flash at every head width from 8 to 256 columns; past it the saved probabilities' memory
-outgrows the gain (:func:`saved_keys_per_query`)."""
+"""Longest sequence, by dtype, whose training attention on CPU is written out (in C or as batched products):
+up to it both beat flash at every head width they take; past it the batched products' saved probabilities
+outgrow the gain (:func:`saved_keys_per_query`), and attention.c's buffers end there (its MAX_TOKENS)."""
 
 SINK_COLUMNS = 8
 """Columns added to each query and key head to carry gpt-oss's sinks (:func:`_attention_with_sinks`): the first

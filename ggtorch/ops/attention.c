@@ -1,14 +1,16 @@
-/* Causal or masked self-attention of an f32 training step on CPU, forward and backward.
+/* Causal or masked self-attention of a training step on CPU, forward and backward: f32, and bf16 where the
+ * compiler targets the CPU's bf16 dot products (the bf16 section below).
  *
  * Written in torch ops (models/attention.py's products path), attention is batched products with passes
  * between them: the scores are written out, then scaled and masked, softmaxed, and in backward combined
  * with their gradient, a pass over them each, and the products want their operands in (batch·head, tokens,
  * head) layout, a copy of q, k, v and of the gradients each way. Here a task takes one query head of one
- * sequence, copies the rows it reads (keys and values also transposed, once per task), and runs every
- * product as 8-row tiles of register-blocked multiply-adds (tile), each tile of queries against only the keys
- * it may see, so a causal mask costs the diagonal tiles' upper halves and no more; a tile's softmax runs on
- * its scores while they are in cache. Forward keeps each row's log-sum-exp; backward computes the scores
- * and probabilities again from it, as flash attention does, so nothing of size tokens² outlives a task.
+ * sequence, copies the query rows it reads (and their output gradients) a tile or block at a time,
+ * transposes the keys (and values) once, reads the other rows where they are, and runs every product as
+ * 8-row tiles of register-blocked multiply-adds (tile), each tile of queries against only the keys it may
+ * see, so a causal mask costs the diagonal tiles' upper halves and no more; a tile's softmax runs on its
+ * scores while they are in cache. Forward keeps each row's log-sum-exp; backward computes the scores and
+ * probabilities again from it, as flash attention does, so nothing of size tokens² outlives a task.
  *
  * q, out and grad_q are (B, H, T, D), k, v and their gradients (B, Hkv, T, D), each given by its strides in
  * elements (sequence, head, token) with D contiguous; query head h reads key and value head h / (H / Hkv).

@@ -152,7 +152,6 @@ KERNELS(uint16_t, bf16, ld_bf16, st_bf16)
 
 static const i32x16 LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
-
 /* One slab of the loss's online softmax (ggtorch/training/loss.py): for each of `rows` rows of `width` logits
  * (row stride ld), the target's logit is added to picked[i] when the slab holds it (targets[i] - v0 in
  * [0, width)), then every logit l is overwritten by e = e^(l - m), summed into run_sum[i]. The row's reference
@@ -174,8 +173,8 @@ static const i32x16 LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 1
                 const int64_t m = width - k < L ? width - k : L;                                            \
                 v16 v;                                                                                      \
                 LOAD_PART(T, LD, v, xi, k, m);                                                              \
-                if (m < L) v = vselect(LANES < (int)m, v, splat(-__builtin_inff()));                         \
-                top = vselect((i32x16)(v > top), v, top);                                                    \
+                if (m < L) v = vselect(LANES < (int)m, v, splat(-__builtin_inff()));                        \
+                top = vselect((i32x16)(v > top), v, top);                                                   \
             }                                                                                               \
             float slab_max = top[0];                                                                        \
             for (int l = 1; l < L; ++l) slab_max = top[l] > slab_max ? top[l] : slab_max;                   \
@@ -193,7 +192,7 @@ static const i32x16 LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 1
                 v16 v;                                                                                      \
                 LOAD_PART(T, LD, v, xi, k, m);                                                              \
                 v16 e = vexp_or_0(v - ref);                                                                 \
-                if (m < L) e = vselect(LANES < (int)m, e, splat(0.f));                                       \
+                if (m < L) e = vselect(LANES < (int)m, e, splat(0.f));                                      \
                 sum += e;                                                                                   \
                 STORE_PART(T, ST, xi, k, m, e);                                                             \
             }                                                                                               \
