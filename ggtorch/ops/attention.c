@@ -108,6 +108,29 @@ static inline int64_t key_end(const uint8_t *allowed, int64_t T, int64_t i) {
     return j;
 }
 
+/* A row's score gradients from its probabilities p and their gradients dp (over dp): p (dp - rowdot) scale on
+ * its computed columns [0, tw), where rowdot = sum_j p_j dp_j = dO·O; p and dS 0 on [tw, bw) */
+static void score_gradient(float *p, float *dp, int64_t tw, int64_t bw, float rowdot, float scale) {
+    for (int64_t j = 0; j < tw; j += L) st_f32(dp + j, ld_f32(p + j) * (ld_f32(dp + j) - rowdot) * scale);
+    for (int64_t j = tw; j < bw; j += L) {
+        st_f32(p + j, splat(0.f));
+        st_f32(dp + j, splat(0.f));
+    }
+}
+
+static inline float lane_sum(v16 v) {
+    float sum = 0.f;
+    for (int l = 0; l < L; ++l) sum += v[l];
+    return sum;
+}
+
+/* One past the last key any query may see */
+static int64_t keys_seen(const uint8_t *allowed, int64_t T) {
+    int64_t end = 0;
+    for (int64_t i = 0; i < T; ++i) end = max64(end, key_end(allowed, T, i));
+    return end;
+}
+
 /* Scores of row i (s, `width` columns computed) to probabilities: scaled, masked, softmaxed over its keys
  * [0, end); columns [end, width) set to 0. Returns the row's log-sum-exp (-inf for a row that sees nothing).
  * With lse given (backward), p = e^(s·scale - lse) instead of a fresh softmax. */
@@ -211,9 +234,15 @@ static void store(const float *src, int64_t n, int64_t D, float *dst, int64_t ts
         for (int64_t d = 0; d < D; d += L) st_f32(dst + i * ts + d, ld_f32(src + i * D + d));
 }
 
-/* each key/value head's gradients: the parts of its query heads summed in order */
-static void reduce_parts(float *part, float *gk, float *gv, int64_t B, int64_t H, int64_t Hkv, int64_t Tn, int64_t D,
-                         strides gks, strides gvs, int threads) {
+/* the same, rounded to bf16 */
+static void store16(const float *src, int64_t n, int64_t D, uint16_t *dst, int64_t ts) {
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < D; d += L) st_bf16(dst + i * ts + d, ld_f32(src + i * D + d));
+}
+
+/* each key/value head's gradients: the parts of its query heads summed in order, stored in f32 or bf16 */
+static void reduce_parts(float *part, void *gk, void *gv, int bf16, int64_t B, int64_t H, int64_t Hkv, int64_t Tn,
+                         int64_t D, strides gks, strides gvs, int threads) {
     const int64_t kv_heads = B * Hkv, G = H / Hkv;
     const int nt = team(threads, kv_heads * Tn * D * G, MIN_PARALLEL_FLOP / 16, kv_heads);
     (void)nt;
@@ -228,8 +257,14 @@ static void reduce_parts(float *part, float *gk, float *gv, int64_t B, int64_t H
                 st_f32(dv + e, ld_f32(dv + e) + ld_f32(pv + e));
             }
         }
-        store(dk, Tn, D, gk + b * gks.s + kvh * gks.h, gks.t);
-        store(dv, Tn, D, gv + b * gvs.s + kvh * gvs.h, gvs.t);
+        const int64_t k0 = b * gks.s + kvh * gks.h, v0 = b * gvs.s + kvh * gvs.h;
+        if (bf16) {
+            store16(dk, Tn, D, (uint16_t *)gk + k0, gks.t);
+            store16(dv, Tn, D, (uint16_t *)gv + v0, gvs.t);
+        } else {
+            store(dk, Tn, D, (float *)gk + k0, gks.t);
+            store(dv, Tn, D, (float *)gv + v0, gvs.t);
+        }
     }
 }
 
@@ -244,8 +279,7 @@ static void forward(const float *q, const float *k, const float *v, float *out, 
     for (int64_t task = 0; task < tasks; ++task) {
         const int64_t b = task / H, h = task % H, kvh = h / G;
         const uint8_t *mask = allowed ? allowed + b * mask_s : NULL;
-        int64_t kend = 0;
-        for (int64_t i = 0; i < Tn; ++i) kend = max64(kend, key_end(mask, Tn, i));
+        const int64_t kend = keys_seen(mask, Tn);
         const int64_t w = round_up(max64(kend, 1), KEYS);
         float *buf = malloc(sizeof(float) * (D * w + MR * QLD + MR * PLD + MR * D));
         float *kt = buf, *qr = kt + D * w, *s = qr + MR * QLD, *o = s + MR * PLD;
@@ -282,8 +316,7 @@ static void backward(const float *q, const float *k, const float *v, const float
     for (int64_t task = 0; task < tasks; ++task) {
         const int64_t b = task / H, h = task % H, kvh = h / G;
         const uint8_t *mask = allowed ? allowed + b * mask_s : NULL;
-        int64_t kend = 0;
-        for (int64_t i = 0; i < Tn; ++i) kend = max64(kend, key_end(mask, Tn, i));
+        const int64_t kend = keys_seen(mask, Tn);
         const int64_t w = round_up(max64(kend, 1), KEYS);
         float *dk = part + (b * H + h) * 2 * Tn * D, *dv = dk + Tn * D;
         memset(dk, 0, sizeof(float) * 2 * Tn * D);
@@ -313,19 +346,11 @@ static void backward(const float *q, const float *k, const float *v, const float
                     float *pr = pt + r * PLD, *dr = dst + r * PLD;
                     softmax_row(pr, tw, ends[i - r0], mask ? mask + i * Tn : NULL, scale,
                                 lse + (b * H + h) * Tn + i);
-                    /* rowdot = sum_d dO·O = sum_j p_j dp_j; dS = p (dp - rowdot) scale */
                     const float *orow = out + b * os.s + h * os.h + i * os.t;
                     const float *grow = gr + (i - r0) * QLD;
                     v16 acc = splat(0.f);
                     for (int64_t d = 0; d < D; d += L) acc += ld_f32(grow + d) * ld_f32(orow + d);
-                    float rowdot = 0.f;
-                    for (int l = 0; l < L; ++l) rowdot += acc[l];
-                    for (int64_t j = 0; j < tw; j += L)
-                        st_f32(dr + j, ld_f32(pr + j) * (ld_f32(dr + j) - rowdot) * scale);
-                    for (int64_t j = tw; j < bw; j += L) {
-                        st_f32(pr + j, splat(0.f));
-                        st_f32(dr + j, splat(0.f));
-                    }
+                    score_gradient(pr, dr, tw, bw, lane_sum(acc), scale);
                 }
                 gemm_p(mr, D, 0, tend, dst, kh, ks.t, dq + (t0 - r0) * D, D);
             }
@@ -340,7 +365,7 @@ static void backward(const float *q, const float *k, const float *v, const float
         }
         free(buf);
     }
-    reduce_parts(part, gk, gv, B, H, Hkv, Tn, D, gks, gvs, threads);
+    reduce_parts(part, gk, gv, 0, B, H, Hkv, Tn, D, gks, gvs, threads);
     free(part);
 }
 
@@ -428,11 +453,6 @@ static void round_row(const float *src, int64_t n, uint16_t *dst) {
     for (int64_t j = 0; j < n; j += L) st_bf16(dst + j, ld_f32(src + j));
 }
 
-static void store16(const float *src, int64_t n, int64_t D, uint16_t *dst, int64_t ts) {
-    for (int64_t i = 0; i < n; ++i)
-        for (int64_t d = 0; d < D; d += L) st_bf16(dst + i * ts + d, ld_f32(src + i * D + d));
-}
-
 static void forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, float *lse,
                          int64_t B, int64_t H, int64_t Hkv, int64_t Tn, int64_t D, strides qs, strides ks, strides vs,
                          strides os, const uint8_t *allowed, int64_t mask_s, float scale, int threads) {
@@ -443,8 +463,7 @@ static void forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
     for (int64_t task = 0; task < tasks; ++task) {
         const int64_t b = task / H, h = task % H, kvh = h / G;
         const uint8_t *mask = allowed ? allowed + b * mask_s : NULL;
-        int64_t kend = 0;
-        for (int64_t i = 0; i < Tn; ++i) kend = max64(kend, key_end(mask, Tn, i));
+        const int64_t kend = keys_seen(mask, Tn);
         const int64_t w = round_up(max64(kend, 1), KEYS), half = (kend + 1) / 2;
         /* pairs: the keys' columns (D/2 x w), the values' rows (half x D); bf16: q's rows, probabilities */
         uint32_t *kp = malloc(sizeof(uint32_t) * (D / 2 * w + half * D + MR * HALF_QLD + MR * HALF_PLD));
@@ -472,27 +491,6 @@ static void forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
     }
 }
 
-static void reduce_parts_bf16(float *part, uint16_t *gk, uint16_t *gv, int64_t B, int64_t H, int64_t Hkv, int64_t Tn,
-                              int64_t D, strides gks, strides gvs, int threads) {
-    const int64_t kv_heads = B * Hkv, G = H / Hkv;
-    const int nt = team(threads, kv_heads * Tn * D * G, MIN_PARALLEL_FLOP / 16, kv_heads);
-    (void)nt;
-    PARALLEL_FOR
-    for (int64_t task = 0; task < kv_heads; ++task) {
-        const int64_t b = task / Hkv, kvh = task % Hkv;
-        float *dk = part + (b * H + kvh * G) * 2 * Tn * D, *dv = dk + Tn * D;
-        for (int64_t g = 1; g < G; ++g) {
-            const float *pk = part + (b * H + kvh * G + g) * 2 * Tn * D, *pv = pk + Tn * D;
-            for (int64_t e = 0; e < Tn * D; e += L) {
-                st_f32(dk + e, ld_f32(dk + e) + ld_f32(pk + e));
-                st_f32(dv + e, ld_f32(dv + e) + ld_f32(pv + e));
-            }
-        }
-        store16(dk, Tn, D, gk + b * gks.s + kvh * gks.h, gks.t);
-        store16(dv, Tn, D, gv + b * gvs.s + kvh * gvs.h, gvs.t);
-    }
-}
-
 static void backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
                           const uint16_t *gout, const float *lse, uint16_t *gq, uint16_t *gk, uint16_t *gv, int64_t B,
                           int64_t H, int64_t Hkv, int64_t Tn, int64_t D, strides qs, strides ks, strides vs,
@@ -506,8 +504,7 @@ static void backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
     for (int64_t task = 0; task < tasks; ++task) {
         const int64_t b = task / H, h = task % H, kvh = h / G;
         const uint8_t *mask = allowed ? allowed + b * mask_s : NULL;
-        int64_t kend = 0;
-        for (int64_t i = 0; i < Tn; ++i) kend = max64(kend, key_end(mask, Tn, i));
+        const int64_t kend = keys_seen(mask, Tn);
         const int64_t w = round_up(max64(kend, 1), KEYS), half = (kend + 1) / 2;
         float *dk = part + (b * H + h) * 2 * Tn * D, *dv = dk + Tn * D;
         memset(dk, 0, sizeof(float) * 2 * Tn * D);
@@ -548,14 +545,7 @@ static void backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                     const uint16_t *orow = out + b * os.s + h * os.h + i * os.t, *grow = gb + (i - r0) * gos.t;
                     v16 acc = splat(0.f);
                     for (int64_t d = 0; d < D; d += L) acc += ld_bf16(grow + d) * ld_bf16(orow + d);
-                    float rowdot = 0.f;
-                    for (int l = 0; l < L; ++l) rowdot += acc[l];
-                    for (int64_t j = 0; j < tw; j += L)
-                        st_f32(dr + j, ld_f32(pr + j) * (ld_f32(dr + j) - rowdot) * scale);
-                    for (int64_t j = tw; j < bw; j += L) {
-                        st_f32(pr + j, splat(0.f));
-                        st_f32(dr + j, splat(0.f));
-                    }
+                    score_gradient(pr, dr, tw, bw, lane_sum(acc), scale);
                     round_row(pr, bw, (uint16_t *)p16 + (i - r0) * PLD);
                     round_row(dr, bw, (uint16_t *)ds16 + (i - r0) * PLD);
                 }
@@ -574,7 +564,7 @@ static void backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
         free(kp);
         free(p);
     }
-    reduce_parts_bf16(part, gk, gv, B, H, Hkv, Tn, D, gks, gvs, threads);
+    reduce_parts(part, gk, gv, 1, B, H, Hkv, Tn, D, gks, gvs, threads);
     free(part);
 }
 #endif
