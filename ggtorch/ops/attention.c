@@ -40,7 +40,7 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 /* C[r][n] (+)= sum over k in [k0, k1) of A[r·sam + k·sak] · B[k·ldb + n], for rows r < mr (mr <= MR) and
  * columns n < N (a multiple of L), all f32: per k, the rows' A elements broadcast and a row of B read two
  * vectors at a time into MR x 2 accumulators held in registers. Rows past mr compute on whatever A holds
- * there (its buffers have MR rows more) and are not stored. `add` keeps C's values, else C is overwritten.
+ * there (its buffers hold whole tiles) and are not stored. `add` keeps C's values, else C is overwritten.
  * Inlined into gemm_q, gemm_p and gemm_t, whose constant strides address A from one pointer. */
 static inline __attribute__((always_inline)) void tile(int mr, int64_t N, int64_t k0, int64_t k1, const float *A,
                                                        int64_t sam, int64_t sak, const float *B, int64_t ldb,
@@ -269,10 +269,11 @@ static void reduce_parts(float *part, void *gk, void *gv, int bf16, int64_t B, i
 }
 
 /* ggtorch_attention: a task per query head of a sequence, its queries 8 at a time */
-static void forward(const float *q, const float *k, const float *v, float *out, float *lse, int64_t B, int64_t H,
-                    int64_t Hkv, int64_t Tn, int64_t D, strides qs, strides ks, strides vs, strides os,
-                    const uint8_t *allowed, int64_t mask_s, float scale, int threads) {
+static int forward(const float *q, const float *k, const float *v, float *out, float *lse, int64_t B, int64_t H,
+                   int64_t Hkv, int64_t Tn, int64_t D, strides qs, strides ks, strides vs, strides os,
+                   const uint8_t *allowed, int64_t mask_s, float scale, int threads) {
     const int64_t tasks = B * H, G = H / Hkv;
+    int failed = 0;
     const int nt = team(threads, 2 * B * H * Tn * Tn * D, MIN_PARALLEL_FLOP, tasks);
     (void)nt;
     PARALLEL_FOR
@@ -282,6 +283,10 @@ static void forward(const float *q, const float *k, const float *v, float *out, 
         const int64_t kend = keys_seen(mask, Tn);
         const int64_t w = round_up(max64(kend, 1), KEYS);
         float *buf = malloc(sizeof(float) * (D * w + MR * QLD + MR * PLD + MR * D));
+        if (!buf) {
+            failed = 1;
+            continue;
+        }
         float *kt = buf, *qr = kt + D * w, *s = qr + MR * QLD, *o = s + MR * PLD;
         const float *vh = v + b * vs.s + kvh * vs.h; /* the values' rows, read where they are */
         cols(k + b * ks.s + kvh * ks.h, ks.t, kend, D, w, kt);
@@ -300,16 +305,17 @@ static void forward(const float *q, const float *k, const float *v, float *out, 
         }
         free(buf);
     }
+    return failed;
 }
 
 /* ggtorch_attention_backward: a task per query head of a sequence, its queries BLOCK at a time; the head's key
  * and value gradients go to its part, summed over the heads that share them afterwards (reduce_parts) */
-static void backward(const float *q, const float *k, const float *v, const float *out, const float *gout,
-                     const float *lse, float *gq, float *gk, float *gv, int64_t B, int64_t H, int64_t Hkv, int64_t Tn,
-                     int64_t D, strides qs, strides ks, strides vs, strides os, strides gos, strides gqs,
-                     strides gks, strides gvs, const uint8_t *allowed, int64_t mask_s, float scale, int threads) {
+static int backward(const float *q, const float *k, const float *v, const float *out, const float *gout,
+                    const float *lse, float *gq, float *gk, float *gv, float *part, int64_t B, int64_t H, int64_t Hkv,
+                    int64_t Tn, int64_t D, strides qs, strides ks, strides vs, strides os, strides gos, strides gqs,
+                    strides gks, strides gvs, const uint8_t *allowed, int64_t mask_s, float scale, int threads) {
     const int64_t tasks = B * H, G = H / Hkv;
-    float *part = malloc(sizeof(float) * 2 * B * H * Tn * D); /* each query head's dK, dV */
+    int failed = 0;
     const int nt = team(threads, 4 * B * H * Tn * Tn * D, MIN_PARALLEL_FLOP, tasks);
     (void)nt;
     PARALLEL_FOR
@@ -321,6 +327,10 @@ static void backward(const float *q, const float *k, const float *v, const float
         float *dk = part + (b * H + h) * 2 * Tn * D, *dv = dk + Tn * D;
         memset(dk, 0, sizeof(float) * 2 * Tn * D);
         float *buf = malloc(sizeof(float) * (2 * D * w + 2 * BLOCK * QLD + BLOCK * D + 2 * BLOCK * PLD));
+        if (!buf) {
+            failed = 1;
+            continue;
+        }
         float *kt = buf, *vt = kt + D * w, *qr = vt + D * w;
         const float *kh = k + b * ks.s + kvh * ks.h; /* the keys' rows, read where they are */
         float *gr = qr + BLOCK * QLD, *dq = gr + BLOCK * QLD, *p = dq + BLOCK * D, *ds = p + BLOCK * PLD;
@@ -365,8 +375,8 @@ static void backward(const float *q, const float *k, const float *v, const float
         }
         free(buf);
     }
-    reduce_parts(part, gk, gv, 0, B, H, Hkv, Tn, D, gks, gvs, threads);
-    free(part);
+    if (!failed) reduce_parts(part, gk, gv, 0, B, H, Hkv, Tn, D, gks, gvs, threads);
+    return failed;
 }
 
 #if defined(__AVX512BF16__) && defined(GGTORCH_SHUFFLES)
@@ -453,10 +463,11 @@ static void round_row(const float *src, int64_t n, uint16_t *dst) {
     for (int64_t j = 0; j < n; j += L) st_bf16(dst + j, ld_f32(src + j));
 }
 
-static void forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, float *lse,
-                         int64_t B, int64_t H, int64_t Hkv, int64_t Tn, int64_t D, strides qs, strides ks, strides vs,
-                         strides os, const uint8_t *allowed, int64_t mask_s, float scale, int threads) {
+static int forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, float *lse,
+                        int64_t B, int64_t H, int64_t Hkv, int64_t Tn, int64_t D, strides qs, strides ks, strides vs,
+                        strides os, const uint8_t *allowed, int64_t mask_s, float scale, int threads) {
     const int64_t tasks = B * H, G = H / Hkv;
+    int failed = 0;
     const int nt = team(threads, 2 * B * H * Tn * Tn * D, MIN_PARALLEL_FLOP, tasks);
     (void)nt;
     PARALLEL_FOR
@@ -469,6 +480,12 @@ static void forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
         uint32_t *kp = malloc(sizeof(uint32_t) * (D / 2 * w + half * D + MR * HALF_QLD + MR * HALF_PLD));
         uint32_t *v2 = kp + D / 2 * w, *qr = v2 + half * D, *p16 = qr + MR * HALF_QLD;
         float *s = malloc(sizeof(float) * (MR * PLD + MR * D)), *o = s + MR * PLD;
+        if (!kp || !s) {
+            free(kp);
+            free(s);
+            failed = 1;
+            continue;
+        }
         cols((const float *)(k + b * ks.s + kvh * ks.h), ks.t / 2, kend, D / 2, w, (float *)kp);
         pair_rows(v + b * vs.s + kvh * vs.h, vs.t, kend, D, v2, D);
         for (int64_t t0 = 0; t0 < Tn; t0 += MR) {
@@ -489,15 +506,16 @@ static void forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
         free(kp);
         free(s);
     }
+    return failed;
 }
 
-static void backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
-                          const uint16_t *gout, const float *lse, uint16_t *gq, uint16_t *gk, uint16_t *gv, int64_t B,
-                          int64_t H, int64_t Hkv, int64_t Tn, int64_t D, strides qs, strides ks, strides vs,
-                          strides os, strides gos, strides gqs, strides gks, strides gvs, const uint8_t *allowed,
-                          int64_t mask_s, float scale, int threads) {
+static int backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
+                         const uint16_t *gout, const float *lse, uint16_t *gq, uint16_t *gk, uint16_t *gv, float *part,
+                         int64_t B, int64_t H, int64_t Hkv, int64_t Tn, int64_t D, strides qs, strides ks, strides vs,
+                         strides os, strides gos, strides gqs, strides gks, strides gvs, const uint8_t *allowed,
+                         int64_t mask_s, float scale, int threads) {
     const int64_t tasks = B * H, G = H / Hkv;
-    float *part = malloc(sizeof(float) * 2 * B * H * Tn * D);
+    int failed = 0;
     const int nt = team(threads, 4 * B * H * Tn * Tn * D, MIN_PARALLEL_FLOP, tasks);
     (void)nt;
     PARALLEL_FOR
@@ -516,6 +534,12 @@ static void backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
         uint32_t *q2 = gr + BLOCK * HALF_QLD, *g2 = q2 + BLOCK / 2 * D, *p16 = g2 + BLOCK / 2 * D;
         uint32_t *ds16 = p16 + BLOCK * HALF_PLD, *p2 = ds16 + BLOCK * HALF_PLD, *ds2 = p2 + BLOCK / 2 * PLD;
         float *p = malloc(sizeof(float) * (2 * BLOCK * PLD + BLOCK * D)), *ds = p + BLOCK * PLD, *dq = ds + BLOCK * PLD;
+        if (!kp || !p) {
+            free(kp);
+            free(p);
+            failed = 1;
+            continue;
+        }
         const uint16_t *kh = k + b * ks.s + kvh * ks.h, *vh = v + b * vs.s + kvh * vs.h;
         cols((const float *)kh, ks.t / 2, kend, D / 2, w, (float *)kp);
         cols((const float *)vh, vs.t / 2, kend, D / 2, w, (float *)vp);
@@ -564,8 +588,8 @@ static void backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
         free(kp);
         free(p);
     }
-    reduce_parts(part, gk, gv, 1, B, H, Hkv, Tn, D, gks, gvs, threads);
-    free(part);
+    if (!failed) reduce_parts(part, gk, gv, 1, B, H, Hkv, Tn, D, gks, gvs, threads);
+    return failed;
 }
 #endif
 
@@ -581,38 +605,36 @@ int ggtorch_attention_bf16(void) {
 static strides strides_of(const int64_t *s) { return (strides){s[0], s[1], s[2]}; }
 
 /* softmax(q k^T · scale, masked) v into out, each row's log-sum-exp into lse (B, H, T); `st` holds the
- * strides of q, k, v, out (3 each). */
-void ggtorch_attention(const void *q, const void *k, const void *v, void *out, float *lse, int64_t B, int64_t H,
-                       int64_t Hkv, int64_t T, int64_t D, const int64_t *st, const uint8_t *allowed, int64_t mask_s,
-                       float scale, int bf16, int threads) {
+ * strides of q, k, v, out (3 each). Returns 0, or 1 when a task's buffers could not be allocated. */
+int ggtorch_attention(const void *q, const void *k, const void *v, void *out, float *lse, int64_t B, int64_t H,
+                      int64_t Hkv, int64_t T, int64_t D, const int64_t *st, const uint8_t *allowed, int64_t mask_s,
+                      float scale, int bf16, int threads) {
 #if defined(__AVX512BF16__) && defined(GGTORCH_SHUFFLES)
-    if (bf16) {
-        forward_bf16(q, k, v, out, lse, B, H, Hkv, T, D, strides_of(st), strides_of(st + 3), strides_of(st + 6),
-                     strides_of(st + 9), allowed, mask_s, scale, threads);
-        return;
-    }
+    if (bf16)
+        return forward_bf16(q, k, v, out, lse, B, H, Hkv, T, D, strides_of(st), strides_of(st + 3),
+                            strides_of(st + 6), strides_of(st + 9), allowed, mask_s, scale, threads);
 #endif
     (void)bf16;
-    forward(q, k, v, out, lse, B, H, Hkv, T, D, strides_of(st), strides_of(st + 3), strides_of(st + 6),
-            strides_of(st + 9), allowed, mask_s, scale, threads);
+    return forward(q, k, v, out, lse, B, H, Hkv, T, D, strides_of(st), strides_of(st + 3), strides_of(st + 6),
+                   strides_of(st + 9), allowed, mask_s, scale, threads);
 }
 
 /* The gradients of q, k and v from out's gradient; `st` holds the strides of q, k, v, out, grad_out, grad_q,
- * grad_k, grad_v (3 each). */
-void ggtorch_attention_backward(const void *q, const void *k, const void *v, const void *out, const void *gout,
-                                const float *lse, void *gq, void *gk, void *gv, int64_t B, int64_t H, int64_t Hkv,
-                                int64_t T, int64_t D, const int64_t *st, const uint8_t *allowed, int64_t mask_s,
-                                float scale, int bf16, int threads) {
+ * grad_k, grad_v (3 each), `part` room for 2·B·H·T·D floats (each query head's key and value gradients).
+ * Returns 0, or 1 when a task's buffers could not be allocated. */
+int ggtorch_attention_backward(const void *q, const void *k, const void *v, const void *out, const void *gout,
+                               const float *lse, void *gq, void *gk, void *gv, float *part, int64_t B, int64_t H,
+                               int64_t Hkv, int64_t T, int64_t D, const int64_t *st, const uint8_t *allowed,
+                               int64_t mask_s, float scale, int bf16, int threads) {
 #if defined(__AVX512BF16__) && defined(GGTORCH_SHUFFLES)
-    if (bf16) {
-        backward_bf16(q, k, v, out, gout, lse, gq, gk, gv, B, H, Hkv, T, D, strides_of(st), strides_of(st + 3),
-                      strides_of(st + 6), strides_of(st + 9), strides_of(st + 12), strides_of(st + 15),
-                      strides_of(st + 18), strides_of(st + 21), allowed, mask_s, scale, threads);
-        return;
-    }
+    if (bf16)
+        return backward_bf16(q, k, v, out, gout, lse, gq, gk, gv, part, B, H, Hkv, T, D, strides_of(st),
+                             strides_of(st + 3), strides_of(st + 6), strides_of(st + 9), strides_of(st + 12),
+                             strides_of(st + 15), strides_of(st + 18), strides_of(st + 21), allowed, mask_s, scale,
+                             threads);
 #endif
     (void)bf16;
-    backward(q, k, v, out, gout, lse, gq, gk, gv, B, H, Hkv, T, D, strides_of(st), strides_of(st + 3),
-             strides_of(st + 6), strides_of(st + 9), strides_of(st + 12), strides_of(st + 15), strides_of(st + 18),
-             strides_of(st + 21), allowed, mask_s, scale, threads);
+    return backward(q, k, v, out, gout, lse, gq, gk, gv, part, B, H, Hkv, T, D, strides_of(st), strides_of(st + 3),
+                    strides_of(st + 6), strides_of(st + 9), strides_of(st + 12), strides_of(st + 15),
+                    strides_of(st + 18), strides_of(st + 21), allowed, mask_s, scale, threads);
 }

@@ -43,9 +43,9 @@ MAX_TOKENS = 512
 def _library() -> ctypes.CDLL | None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     return clib.load_declared(SOURCE, FLAGS, {
-        "ggtorch_attention": (None, [p, p, p, p, p, i64, i64, i64, i64, i64, p, p, i64, f32, i32, i32]),
-        "ggtorch_attention_backward": (None, [p, p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, p, p, i64, f32,
-                                              i32, i32]),
+        "ggtorch_attention": (i32, [p, p, p, p, p, i64, i64, i64, i64, i64, p, p, i64, f32, i32, i32]),
+        "ggtorch_attention_backward": (i32, [p, p, p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, p, p, i64, f32,
+                                             i32, i32]),
         "ggtorch_attention_bf16": (i32, []),
     })
 
@@ -97,6 +97,13 @@ def _strides(*tensors: torch.Tensor) -> torch.Tensor:
     return torch.tensor([s for t in tensors for s in t.stride()[:3]], dtype=torch.int64)
 
 
+def _check(status: int) -> None:
+    """A C call's status: 1 when a task could not allocate its buffers (a few hundred KiB each)."""
+    if status:
+        raise MemoryError("out of memory for attention.c's buffers (a few hundred KiB per thread); free memory or "
+                          "set ggtorch.ops.attention.NATIVE = False")
+
+
 def _heads_last(B: int, H: int, T: int, D: int, like: torch.Tensor) -> torch.Tensor:
     """A (B, H, T, D) tensor stored as (B, T, H, D): ``transpose(1, 2).reshape(B, T, H·D)`` is then a view."""
     return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
@@ -112,10 +119,10 @@ class _Attention(torch.autograd.Function):
         lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
         rows, mask_stride = _mask_rows(mask, q) if mask is not None else (None, 0)
         strides = _strides(q, k, v, out)
-        _library().ggtorch_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H,
-                                     Hkv, T, D, strides.data_ptr(), None if rows is None else rows.data_ptr(),
-                                     mask_stride, scale, q.dtype == torch.bfloat16,
-                                     torch.get_num_threads())
+        _check(_library().ggtorch_attention(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H, Hkv, T, D,
+            strides.data_ptr(), None if rows is None else rows.data_ptr(), mask_stride, scale,
+            q.dtype == torch.bfloat16, torch.get_num_threads()))
         ctx.save_for_backward(q, k, v, out, lse, rows)
         ctx.scale, ctx.mask_stride = scale, mask_stride
         return out
@@ -130,9 +137,10 @@ class _Attention(torch.autograd.Function):
             g = g.contiguous()
         grad_q, grad_k, grad_v = _heads_last(B, H, T, D, q), _heads_last(B, Hkv, T, D, k), _heads_last(B, Hkv, T, D, v)
         strides = _strides(q, k, v, out, g, grad_q, grad_k, grad_v)
-        _library().ggtorch_attention_backward(
+        part = torch.empty(2 * B * H * T * D, dtype=torch.float32, device=q.device)  # each query head's dK, dV
+        _check(_library().ggtorch_attention_backward(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), g.data_ptr(), lse.data_ptr(), grad_q.data_ptr(),
-            grad_k.data_ptr(), grad_v.data_ptr(), B, H, Hkv, T, D, strides.data_ptr(),
+            grad_k.data_ptr(), grad_v.data_ptr(), part.data_ptr(), B, H, Hkv, T, D, strides.data_ptr(),
             None if rows is None else rows.data_ptr(), ctx.mask_stride, ctx.scale, q.dtype == torch.bfloat16,
-            torch.get_num_threads())
+            torch.get_num_threads()))
         return grad_q, grad_k, grad_v, None, None
