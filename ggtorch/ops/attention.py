@@ -5,8 +5,8 @@
 Written in torch ops (models.attention's products path), a step's attention copies q, k, v and the
 gradients into (batch·head, tokens, head) layout and writes out the scores, which it scales, masks,
 softmaxes, casts and combines with their gradient in passes of their own between the batched products. Here
-each task reads its rows where they are (any strides, the head contiguous), keeps its scores in cache from
-the products to the softmax, and skips the masked triangle 8 queries at a time; the output and the gradients
+each task reads q, k and v through their strides (the head contiguous), keeps its scores in cache from the
+products to the softmax, and skips the masked triangle 8 queries at a time; the output and the gradients
 are written into (batch, tokens, heads, head) buffers, so the model's transpose back to (batch, tokens,
 channels) is a view. Backward recomputes the probabilities from each row's saved log-sum-exp, as flash
 attention does, so nothing of size tokens² is kept between forward and backward. Scores, softmax and their
@@ -29,7 +29,7 @@ NATIVE = True
 
 SOURCE = Path(__file__).with_name("attention.c")
 FLAGS = ("-O3", "-fno-math-errno")
-"""Compiler flags besides those :func:`ggtorch.ops.clib.load` adds: the exponential's helpers inlined, no errno."""
+"""Compiler flags besides those :func:`ggtorch.ops.clib.load` adds (no errno for the log-sum-exp's logf)."""
 
 HEAD_MULTIPLE = 16
 """The kernels read a head in whole 16-wide vectors: its size must be a multiple of this."""
