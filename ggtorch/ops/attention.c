@@ -131,6 +131,22 @@ static int64_t keys_seen(const uint8_t *allowed, int64_t T) {
     return end;
 }
 
+/* What a task (one query head of one sequence) works on: its sequence b, query head h and key/value head kvh,
+ * its sequence's mask (NULL: causal), the keys any of its queries may see and their padded width */
+typedef struct {
+    int64_t b, h, kvh, kend, w;
+    const uint8_t *mask;
+} head_task;
+
+static head_task head_of(int64_t task, int64_t H, int64_t Hkv, int64_t Tn, const uint8_t *allowed, int64_t mask_s) {
+    head_task t = {.b = task / H, .h = task % H};
+    t.kvh = t.h / (H / Hkv);
+    t.mask = allowed ? allowed + t.b * mask_s : NULL;
+    t.kend = keys_seen(t.mask, Tn);
+    t.w = round_up(max64(t.kend, 1), KEYS);
+    return t;
+}
+
 /* Scores of row i (s, `width` columns computed) to probabilities: scaled, masked, softmaxed over its keys
  * [0, end); columns [end, width) set to 0. Returns the row's log-sum-exp (-inf for a row that sees nothing).
  * With lse given (backward), p = e^(s·scale - lse) instead of a fresh softmax. */
@@ -272,16 +288,15 @@ static void reduce_parts(float *part, void *gk, void *gv, int bf16, int64_t B, i
 static int forward(const float *q, const float *k, const float *v, float *out, float *lse, int64_t B, int64_t H,
                    int64_t Hkv, int64_t Tn, int64_t D, strides qs, strides ks, strides vs, strides os,
                    const uint8_t *allowed, int64_t mask_s, float scale, int threads) {
-    const int64_t tasks = B * H, G = H / Hkv;
+    const int64_t tasks = B * H;
     int failed = 0;
     const int nt = team(threads, 2 * B * H * Tn * Tn * D, MIN_PARALLEL_FLOP, tasks);
     (void)nt;
     PARALLEL_FOR
     for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t b = task / H, h = task % H, kvh = h / G;
-        const uint8_t *mask = allowed ? allowed + b * mask_s : NULL;
-        const int64_t kend = keys_seen(mask, Tn);
-        const int64_t w = round_up(max64(kend, 1), KEYS);
+        const head_task t = head_of(task, H, Hkv, Tn, allowed, mask_s);
+        const int64_t b = t.b, h = t.h, kvh = t.kvh, kend = t.kend, w = t.w;
+        const uint8_t *mask = t.mask;
         float *buf = malloc(sizeof(float) * (D * w + MR * QLD + MR * PLD + MR * D));
         if (!buf) {
             failed = 1;
@@ -314,16 +329,15 @@ static int backward(const float *q, const float *k, const float *v, const float 
                     const float *lse, float *gq, float *gk, float *gv, float *part, int64_t B, int64_t H, int64_t Hkv,
                     int64_t Tn, int64_t D, strides qs, strides ks, strides vs, strides os, strides gos, strides gqs,
                     strides gks, strides gvs, const uint8_t *allowed, int64_t mask_s, float scale, int threads) {
-    const int64_t tasks = B * H, G = H / Hkv;
+    const int64_t tasks = B * H;
     int failed = 0;
     const int nt = team(threads, 4 * B * H * Tn * Tn * D, MIN_PARALLEL_FLOP, tasks);
     (void)nt;
     PARALLEL_FOR
     for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t b = task / H, h = task % H, kvh = h / G;
-        const uint8_t *mask = allowed ? allowed + b * mask_s : NULL;
-        const int64_t kend = keys_seen(mask, Tn);
-        const int64_t w = round_up(max64(kend, 1), KEYS);
+        const head_task t = head_of(task, H, Hkv, Tn, allowed, mask_s);
+        const int64_t b = t.b, h = t.h, kvh = t.kvh, kend = t.kend, w = t.w;
+        const uint8_t *mask = t.mask;
         float *dk = part + (b * H + h) * 2 * Tn * D, *dv = dk + Tn * D;
         memset(dk, 0, sizeof(float) * 2 * Tn * D);
         float *buf = malloc(sizeof(float) * (2 * D * w + 2 * BLOCK * QLD + BLOCK * D + 2 * BLOCK * PLD));
@@ -466,16 +480,16 @@ static void round_row(const float *src, int64_t n, uint16_t *dst) {
 static int forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, float *lse,
                         int64_t B, int64_t H, int64_t Hkv, int64_t Tn, int64_t D, strides qs, strides ks, strides vs,
                         strides os, const uint8_t *allowed, int64_t mask_s, float scale, int threads) {
-    const int64_t tasks = B * H, G = H / Hkv;
+    const int64_t tasks = B * H;
     int failed = 0;
     const int nt = team(threads, 2 * B * H * Tn * Tn * D, MIN_PARALLEL_FLOP, tasks);
     (void)nt;
     PARALLEL_FOR
     for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t b = task / H, h = task % H, kvh = h / G;
-        const uint8_t *mask = allowed ? allowed + b * mask_s : NULL;
-        const int64_t kend = keys_seen(mask, Tn);
-        const int64_t w = round_up(max64(kend, 1), KEYS), half = (kend + 1) / 2;
+        const head_task t = head_of(task, H, Hkv, Tn, allowed, mask_s);
+        const int64_t b = t.b, h = t.h, kvh = t.kvh, kend = t.kend, w = t.w;
+        const uint8_t *mask = t.mask;
+        const int64_t half = (kend + 1) / 2;
         /* pairs: the keys' columns (D/2 x w), the values' rows (half x D); bf16: q's rows, probabilities */
         uint32_t *kp = malloc(sizeof(uint32_t) * (D / 2 * w + half * D + MR * HALF_QLD + MR * HALF_PLD));
         uint32_t *v2 = kp + D / 2 * w, *qr = v2 + half * D, *p16 = qr + MR * HALF_QLD;
@@ -514,16 +528,16 @@ static int backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
                          int64_t B, int64_t H, int64_t Hkv, int64_t Tn, int64_t D, strides qs, strides ks, strides vs,
                          strides os, strides gos, strides gqs, strides gks, strides gvs, const uint8_t *allowed,
                          int64_t mask_s, float scale, int threads) {
-    const int64_t tasks = B * H, G = H / Hkv;
+    const int64_t tasks = B * H;
     int failed = 0;
     const int nt = team(threads, 4 * B * H * Tn * Tn * D, MIN_PARALLEL_FLOP, tasks);
     (void)nt;
     PARALLEL_FOR
     for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t b = task / H, h = task % H, kvh = h / G;
-        const uint8_t *mask = allowed ? allowed + b * mask_s : NULL;
-        const int64_t kend = keys_seen(mask, Tn);
-        const int64_t w = round_up(max64(kend, 1), KEYS), half = (kend + 1) / 2;
+        const head_task t = head_of(task, H, Hkv, Tn, allowed, mask_s);
+        const int64_t b = t.b, h = t.h, kvh = t.kvh, kend = t.kend, w = t.w;
+        const uint8_t *mask = t.mask;
+        const int64_t half = (kend + 1) / 2;
         float *dk = part + (b * H + h) * 2 * Tn * D, *dv = dk + Tn * D;
         memset(dk, 0, sizeof(float) * 2 * Tn * D);
         /* pairs: keys' and values' columns, keys' rows; q's and dO's rows (bf16) and row pairs; P, dS in bf16 and

@@ -60,7 +60,7 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
             and T == k.shape[2] <= MAX_TOKENS and D % HEAD_MULTIPLE == 0 and D <= MAX_HEAD
             and (q.dtype == torch.float32 or all(s % 2 == 0 for t in (k, v) for s in t.stride()[:3]))
             and all(t.stride(-1) == 1 for t in (q, k, v))
-            and (mask is None or (mask.dtype == torch.bool and _mask_rows(mask, q) is not None)))
+            and (mask is None or (mask.dtype == torch.bool and _shared_by_heads(mask, q))))
 
 
 @functools.cache
@@ -82,12 +82,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return _Attention.apply(q, k, v, mask, scale)
 
 
-def _mask_rows(mask: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """``mask`` as (B or 1, T, T) bytes and its sequence stride (0 when shared); None when it varies by head."""
-    B, _, T, _ = q.shape
-    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
-    if m.dim() != 4 or m.shape[1] != 1 or m.shape[0] not in (1, B):
-        return None
+def _as_4d(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` with leading dimensions of 1 up to four (a view)."""
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
+
+
+def _shared_by_heads(mask: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether ``mask`` is (B or 1, 1, T, T) once broadcast: one mask for every head of a sequence."""
+    m = _as_4d(mask)
+    return m.dim() == 4 and m.shape[1] == 1 and m.shape[0] in (1, q.shape[0])
+
+
+def _mask_rows(mask: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A mask :func:`_shared_by_heads` as (B or 1, T, T) bytes and its sequence stride (0 when shared)."""
+    T = q.shape[2]
+    m = _as_4d(mask)
     m = m[:, 0].expand(m.shape[0], T, T).contiguous().view(torch.uint8)
     return m, (T * T if m.shape[0] > 1 else 0)
 
