@@ -27,6 +27,23 @@ tests/cli/test_under_load.py test the load-following default, in their own objec
 SHARED = Path(os.environ.get("GGTORCH_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 
 
+GROUPED_FIXTURES = {"family_model": "", "converted": "converted-"}
+"""Session fixtures that build one model per ``name`` parameter, and the prefix of that model's xdist group."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests of one preset or converted model run on one worker (pyproject's ``--dist loadgroup``): each
+    worker that met a model would otherwise write and quantize it itself, and read it again with gguf-py and
+    transformers (whose reader takes seconds over a 32k-token vocabulary), as every cache here is per process."""
+    for item in items:
+        name = getattr(item, "callspec", None) and item.callspec.params.get("name")
+        fixtures = getattr(item, "fixturenames", ())
+        prefix = next((p for f, p in GROUPED_FIXTURES.items() if f in fixtures), None)
+        if isinstance(name, str) and prefix is not None:
+            item.add_marker(pytest.mark.xdist_group(prefix + name))
+
+
 @pytest.fixture(autouse=True)
 def _alone_when_serial(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Under pytest-xdist (the suite runs on two workers), a test marked ``serial`` runs while no other

@@ -25,13 +25,7 @@ from tests.llama_models import llama_cpp_logits
 from tests.lora.test_adapter_file import ggtorch_logits, llama_cpp_with_adapter, trained_looking_model
 from tests.lora.test_families import EXPECTED_KINDS, kind_of
 from tests.models.test_experts import routing_margins
-from tests.models.test_families import (
-    GELU_TABLE_TOLERANCE,
-    float64_model,
-    hf_own_model,
-    load,
-    transformers_overrides,
-)
+from tests.models.test_families import GELU_TABLE_TOLERANCE, load, transformers_model
 from tests.models.test_model import TOLERANCE
 
 N_TOKENS = 24
@@ -124,28 +118,12 @@ PEFT_TOL = 1e-4
 """transformers, peft and ggtorch all compute in f32 with f32 adapters (and the GELU formula)."""
 
 
-@pytest.fixture(scope="module")
-def hf_model(family_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
-             ) -> Callable[[str], torch.nn.Module]:
-    """``hf_model(name)``: transformers' model from the F32 preset GGUF, with the config values its GGUF
-    loader drops put back (tests/models/test_families.py), loaded once per module."""
+@pytest.fixture(scope="session")
+def hf_model(family_model: Callable[..., Path]) -> Callable[[str], torch.nn.Module]:
+    """``hf_model(name)``: transformers' model of the F32 preset (tests/models/test_families.py's
+    transformers_model, loaded once per session)."""
     pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM
-
-    cache: dict[str, torch.nn.Module] = {}
-
-    def load_hf(name: str) -> torch.nn.Module:
-        if name not in cache:
-            path = family_model(name)
-            if name in ("mistral3", "smollm3", "granite", "gpt_oss"):  # transformers' GGUF loader reads none of them
-                cache[name] = hf_own_model(name, path, tmp_path_factory.mktemp(name))
-            else:
-                cache[name] = AutoModelForCausalLM.from_pretrained(
-                    str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                    **transformers_overrides(name, float64_model(path))).eval()
-        return cache[name]
-
-    return load_hf
+    return lambda name: transformers_model(name, family_model(name))
 
 
 def hf_logits(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:

@@ -436,30 +436,42 @@ def hf_gpt_oss(model: reference_forward.Model) -> torch.nn.Module:
     return hf.eval()
 
 
-def hf_own_model(name: str, path: Path, tmp: Path) -> torch.nn.Module:
-    """transformers' model of a preset whose GGUF its loader cannot read (mistral3, smollm3, granite, gpt-oss)."""
-    return hf_gpt_oss(float64_model(path)) if name == "gpt_oss" else hf_from_llama_underneath(path, tmp)
+OWN_MODEL = ("mistral3", "smollm3", "granite", "gpt_oss")
+"""Presets transformers' GGUF loader cannot read: their files go into transformers' own class of the family."""
 
 
-@pytest.mark.parametrize("name", ["mistral3", "smollm3", "granite", "gpt_oss"])
-def test_logits_equal_transformers_own_model_of_the_family(family_model: Callable[..., Path], tmp_path: Path,
-                                                           name: str) -> None:
+@functools.cache
+def transformers_model(name: str, path: Path) -> torch.nn.Module:
+    """transformers' model of preset ``name`` (written at ``path``), once per file: its GGUF loader's with the config
+    values it drops put back, or its own class of the family (:data:`OWN_MODEL`). Callers that change it (peft)
+    change a copy."""
+    if name == "gpt_oss":
+        return hf_gpt_oss(float64_model(path))
+    if name in OWN_MODEL:
+        tmp = path.parent / f"{path.stem}-as-llama"
+        tmp.mkdir(exist_ok=True)
+        return hf_from_llama_underneath(path, tmp)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                **transformers_overrides(name, float64_model(path))).eval()
+
+
+@pytest.mark.parametrize("name", OWN_MODEL)
+def test_logits_equal_transformers_own_model_of_the_family(family_model: Callable[..., Path], name: str) -> None:
     path = family_model(name)
     tokens = tokens_for(path)
     with torch.no_grad():
-        theirs = hf_own_model(name, path, tmp_path)(torch.tensor([tokens])).logits[0].numpy()
+        theirs = transformers_model(name, path)(torch.tensor([tokens])).logits[0].numpy()
     np.testing.assert_allclose(ggtorch_logits(path, tokens), theirs, rtol=0, atol=TOLERANCE["F32"])
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma2", "gemma3", "phi3", "llama3_rope_freqs",
                                   "mistral_headdim", "qwen3moe", "qwen2moe", "qwen3_yarn", "llama_yarn"])
 def test_logits_equal_transformers_on_the_same_gguf(family_model: Callable[..., Path], name: str) -> None:
-    from transformers import AutoModelForCausalLM
-
     path = family_model(name)
     tokens = tokens_for(path)
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                              **transformers_overrides(name, float64_model(path))).eval()
+    hf = transformers_model(name, path)
     with torch.no_grad():
         theirs = hf(torch.tensor([tokens])).logits[0].numpy()
     np.testing.assert_allclose(ggtorch_logits(path, tokens), theirs, rtol=0, atol=TOLERANCE["F32"])
