@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -35,13 +36,21 @@ GROUPED_FIXTURES = {"family_model": "", "converted": "converted-"}
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests of one preset or converted model run on one worker (pyproject's ``--dist loadgroup``): each
     worker that met a model would otherwise write and quantize it itself, and read it again with gguf-py and
-    transformers (whose reader takes seconds over a 32k-token vocabulary), as every cache here is per process."""
+    transformers (whose reader takes seconds over a 32k-token vocabulary), as every cache here is per process.
+
+    The order is the one pytest-xdist hands out (pyproject turns its own reordering off): the ``serial`` tests
+    first, while no long test holds the other worker (a serial test waits for the room to empty), then the
+    largest groups, so that no long group starts last."""
+    group: dict[pytest.Item, str] = {}
     for item in items:
         name = getattr(item, "callspec", None) and item.callspec.params.get("name")
         fixtures = getattr(item, "fixturenames", ())
         prefix = next((p for f, p in GROUPED_FIXTURES.items() if f in fixtures), None)
         if isinstance(name, str) and prefix is not None:
-            item.add_marker(pytest.mark.xdist_group(prefix + name))
+            group[item] = prefix + name
+            item.add_marker(pytest.mark.xdist_group(group[item]))
+    size = Counter(group.values())
+    items.sort(key=lambda item: (item.get_closest_marker("serial") is None, -size.get(group.get(item, ""), 1)))
 
 
 @pytest.fixture(autouse=True)
@@ -139,7 +148,7 @@ def family_model(tmp_path_factory: pytest.TempPathFactory, shared: Path) -> Call
 
     def make(name: str, ftype: str = "F32") -> Path:
         if (name, "F32") not in cache:
-            cache[name, "F32"] = write_preset(name, root, shared / "vocab")
+            cache[name, "F32"] = write_preset(name, root, shared)
         if (name, ftype) not in cache:
             cache[name, ftype] = quantize_with_llama_cpp(cache[name, "F32"], root / f"{name}-{ftype}.gguf", ftype)
         return cache[name, ftype]

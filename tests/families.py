@@ -96,23 +96,24 @@ class Shape:
 # name -> (GGUF architecture, vocabulary name, Shape)
 FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
     # Qwen2/2.5: q/k/v biases, NEOX rope, base 1e6; untied (7B style) and tied (0.5B-3B style). The tied one
-    # carries Qwen's own 151k vocabulary; the others a 32k one (gguf-py and transformers read 151k tokens slowly)
-    "qwen2": ("qwen2", "llama-spm", Shape(qkv_bias=True, rope_freq_base=1e6)),
+    # carries Qwen's own 151k vocabulary, phi3 Phi-3's and the MoE presets llama's 32k one (their router gains are
+    # set for its tokens); the others stories260K's 512 tokens (gguf-py and transformers read large ones slowly)
+    "qwen2": ("qwen2", "stories", Shape(qkv_bias=True, rope_freq_base=1e6)),
     "qwen2_tied": ("qwen2", "qwen2", Shape(qkv_bias=True, rope_freq_base=1e6, tied_output=True)),
     # Qwen3: q/k RMS norms per head, key_length (32) != n_embd / n_head (16), tied
-    "qwen3": ("qwen3", "llama-spm", Shape(head_dim=32, rope_freq_base=1e6, tied_output=True)),
+    "qwen3": ("qwen3", "stories", Shape(head_dim=32, rope_freq_base=1e6, tied_output=True)),
     # Gemma2: explicit small soft-caps so they matter, window 16 < 48 tokens, key_length != n_embd/n_head
-    "gemma2": ("gemma2", "llama-spm", Shape(n_layer=4, head_dim=32, n_ff=128, sliding_window=16,
+    "gemma2": ("gemma2", "stories", Shape(n_layer=4, head_dim=32, n_ff=128, sliding_window=16,
                                               attn_softcap=2.0, final_softcap=10.0)),
     # Gemma2 with every optional key absent: window 4096, caps 50/30, swa rope base = rope base
-    "gemma2_defaults": ("gemma2", "llama-spm", Shape(n_layer=2, head_dim=32, n_ff=128, rope_freq_base=None)),
+    "gemma2_defaults": ("gemma2", "stories", Shape(n_layer=2, head_dim=32, n_ff=128, rope_freq_base=None)),
     # Gemma3: 6 layers, default pattern (layers 0-4 local, 5 global), global rope 1e6 with linear
     # scaling 8, local rope base from the struct default 10000 (key absent), no final soft-cap
-    "gemma3": ("gemma3", "llama-spm", Shape(n_layer=6, head_dim=32, n_ff=128, sliding_window=16,
+    "gemma3": ("gemma3", "stories", Shape(n_layer=6, head_dim=32, n_ff=128, sliding_window=16,
                                               rope_freq_base=1e6, rope_scaling_linear=8.0, tied_output=True)),
     # Gemma3 with an explicit pattern 2 (layers 0, 2 local; 1, 3 global), explicit local base,
     # a final soft-cap key, an output.weight (optional for gemma3)
-    "gemma3_pattern": ("gemma3", "llama-spm", Shape(n_layer=4, head_dim=32, n_ff=128, sliding_window=16,
+    "gemma3_pattern": ("gemma3", "stories", Shape(n_layer=4, head_dim=32, n_ff=128, sliding_window=16,
                                                       swa_pattern=2, rope_freq_base=1e6, rope_freq_base_swa=5000.0,
                                                       final_softcap=10.0)),
     # Phi3: fused qkv (GQA), fused gate|up, partial rope (16 of 24 dims), LongRoPE factors;
@@ -125,14 +126,14 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
     # Phi3 with separate q/k/v and no rope factors (allowed by the loader), tied output
     "phi3_sep": ("phi3", "phi-3", Shape(n_embd=96, n_ff=128, n_head=4, n_head_kv=4, tied_output=True)),
     # Llama 3.x: rope_freqs, base 500000, BPE vocab; and the tied (3.2 1B/3B) variant
-    "llama3_rope_freqs": ("llama", "llama-spm", Shape(rope_freqs=True, rope_freq_base=500000.0, rms_eps=1e-5)),
-    "llama3_tied": ("llama", "llama-spm", Shape(rope_freqs=True, rope_freq_base=500000.0, rms_eps=1e-5,
+    "llama3_rope_freqs": ("llama", "stories", Shape(rope_freqs=True, rope_freq_base=500000.0, rms_eps=1e-5)),
+    "llama3_tied": ("llama", "stories", Shape(rope_freqs=True, rope_freq_base=500000.0, rms_eps=1e-5,
                                                 tied_output=True)),
     # YaRN (Qwen's 128k files: factor 4 over an original 32k). An original context of 64 puts the ramp on the
     # pairs that turn within 48 tokens, so the mix of scaled and unscaled angles moves the logits; NEOX and NORM
-    "qwen3_yarn": ("qwen3", "llama-spm", Shape(head_dim=32, rope_freq_base=1e6, tied_output=True,
+    "qwen3_yarn": ("qwen3", "stories", Shape(head_dim=32, rope_freq_base=1e6, tied_output=True,
                                                rope_scaling_yarn=4.0, n_ctx_orig=64)),
-    "llama_yarn": ("llama", "llama-spm", Shape(rope_scaling_yarn=2.0, n_ctx_orig=100, rms_eps=1e-5)),
+    "llama_yarn": ("llama", "stories", Shape(rope_scaling_yarn=2.0, n_ctx_orig=100, rms_eps=1e-5)),
     "qwen3moe": ("qwen3moe", "llama-spm", Shape(head_dim=32, n_ff=96, rope_freq_base=1e6, n_expert=8,
                                                 n_expert_used=2, n_ff_exp=64)),
     "qwen2moe": ("qwen2moe", "llama-spm", Shape(qkv_bias=True, rope_freq_base=1e6, n_ff=96, n_expert=6,
@@ -140,16 +141,16 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
     "llama_moe": ("llama", "llama-spm", Shape(n_ff=64, n_expert=4, n_expert_used=2, rms_eps=1e-5)),
     # Ministral 3 style mistral3: llama's block with YaRN (own betas, log multiplier 0.5 so the magnitude is not 1)
     # and Llama 4's attention temperature over an original context of 16, so it steps at positions 16 and 32
-    "mistral3": ("mistral3", "llama-spm", Shape(n_head=4, n_head_kv=1, head_dim=32, rope_freq_base=1e6, rms_eps=1e-5,
+    "mistral3": ("mistral3", "stories", Shape(n_head=4, n_head_kv=1, head_dim=32, rope_freq_base=1e6, rms_eps=1e-5,
                                                 rope_scaling_yarn=4.0, n_ctx_orig=16, extra_kv={
                                                     "mistral3.rope.scaling.yarn_beta_fast": 16.0,
                                                     "mistral3.rope.scaling.yarn_beta_slow": 2.0,
                                                     "mistral3.rope.scaling.yarn_log_multiplier": 0.5,
                                                     "mistral3.attention.temperature_scale": 0.1})),
     # SmolLM3: llama's block, tied, without rope in layer 3 (every fourth)
-    "smollm3": ("smollm3", "llama-spm", Shape(n_layer=4, n_ff=96, rope_freq_base=5e6, rms_eps=1e-6, tied_output=True)),
+    "smollm3": ("smollm3", "stories", Shape(n_layer=4, n_ff=96, rope_freq_base=5e6, rms_eps=1e-6, tied_output=True)),
     # Mistral-style llama: SPM vocab, GQA 4:1, base 1e6, head_dim 32 != n_embd/n_head (Nemo style)
-    "mistral_headdim": ("llama", "llama-spm", Shape(n_head=4, n_head_kv=1, head_dim=32, rope_freq_base=1e6,
+    "mistral_headdim": ("llama", "stories", Shape(n_head=4, n_head_kv=1, head_dim=32, rope_freq_base=1e6,
                                                     rms_eps=1e-5)),
     # gpt-oss: even layers slide (window 16), attention sinks, q/k/v/output biases, router and expert biases,
     # top-2 of 8 by raw logits, SwiGLU clamped at 7 (large gate/up biases put a real share of values past the clamps
@@ -168,7 +169,7 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
     # attention.scale (1/16, not 1/sqrt(16)), logits divided by logit_scale; head_dim is never written. Small
     # embeddings (as muP-trained ones are) so the blocks' scaled outputs move the residual stream; output rows of gain
     # 24 over granite.logit_scale 8 give logits of std ~3
-    "granite": ("granite", "llama-spm", Shape(rms_eps=1e-5, logit_scale=24.0, embd_std=0.1, extra_kv={
+    "granite": ("granite", "stories", Shape(rms_eps=1e-5, logit_scale=24.0, embd_std=0.1, extra_kv={
         "granite.embedding_scale": 12.0, "granite.residual_scale": 0.22, "granite.attention.scale": 0.0625,
         "granite.logit_scale": 8.0})),
 }
@@ -398,24 +399,24 @@ def _random_experts(p: str, arch: str, s: Shape, lin, vec) -> dict[str, np.ndarr
     return t
 
 
-VOCABULARIES = {"qwen2": "ggml-vocab-qwen2.gguf", "phi-3": "ggml-vocab-phi-3.gguf",
-                "llama-spm": "ggml-vocab-llama-spm.gguf"}
-"""Vocabulary name of a preset -> its file in ../shared/vocab (gemma's own is not there: its presets use
-the llama sentencepiece vocabulary)."""
+VOCABULARIES = {"qwen2": "vocab/ggml-vocab-qwen2.gguf", "phi-3": "vocab/ggml-vocab-phi-3.gguf",
+                "llama-spm": "vocab/ggml-vocab-llama-spm.gguf", "stories": "models/stories260K.gguf"}
+"""Vocabulary name of a preset -> its file in ../shared: llama.cpp's vocabulary files, and stories260K's (a real
+512-token sentencepiece vocabulary: the architecture tests need real tokens, not many). Gemma's own is not there:
+its presets use a llama sentencepiece vocabulary."""
 
 
-def write_preset(name: str, out_dir: Path, vocab_dir: Path, seed: int = 0) -> Path:
-    """Write FAMILY_PRESETS[name] as ``out_dir/name-f32.gguf``; ``NAME-wide`` is the preset with rows of
-    256 values (n_embd and n_ff multiples of 256) over a 32k vocabulary, so that llama.cpp's K-quants
-    quantize its matrices instead of falling back to legacy types."""
+def write_preset(name: str, out_dir: Path, shared: Path, seed: int = 0) -> Path:
+    """Write FAMILY_PRESETS[name] as ``out_dir/name-f32.gguf`` with ``shared``'s vocabulary files; ``NAME-wide`` is
+    the preset with rows of 256 values (n_embd and n_ff multiples of 256), so that llama.cpp's K-quants quantize
+    its matrices instead of falling back to legacy types."""
     base, _, wide = name.partition("-")
     arch, vocab, shape = FAMILY_PRESETS[base]
     if wide:
         head = 64 if shape.head_dim else None
         shape = replace(shape, n_embd=256, n_ff=512, head_dim=head, n_rot=32 if shape.n_rot else None,
                         n_ff_exp=256 if shape.n_ff_exp else None, n_ff_shexp=256 if shape.n_ff_shexp else None)
-        vocab = "phi-3" if arch == "phi3" else "llama-spm"  # llama.cpp reads phi3 files with phi-3 tokens
-    return write_random_model(out_dir / f"{name}-f32.gguf", arch, vocab_dir / VOCABULARIES[vocab], shape, seed)
+    return write_random_model(out_dir / f"{name}-f32.gguf", arch, shared / VOCABULARIES[vocab], shape, seed)
 
 
 def eval_tokens(n_vocab: int, n: int = 48, seed: int = 1234) -> list[int]:

@@ -39,7 +39,7 @@ def test_finetune_notebook(shared: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["quantized-base-memory.ipynb"])
 def test_quantized_memory_notebook(name: str, shared: Path, tmp_path: Path) -> None:
-    nb = run_notebook(name, f"SHARED = Path({str(shared)!r})\nVOCAB = SHARED / 'vocab' / 'ggml-vocab-llama-spm.gguf'\n"
+    nb = run_notebook(name, f"SHARED = Path({str(shared)!r})\nVOCAB = SHARED / 'models' / 'stories260K.gguf'\n"
                             f"OUT = Path({str(tmp_path / 'out')!r})\nEMBD, FF, HEADS, LAYERS = 256, 512, 4, 2\n"
                             "CTX, BATCH = 32, 1", tmp_path)
     text = outputs(nb)
