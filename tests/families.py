@@ -104,18 +104,18 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
     "qwen3": ("qwen3", "stories", Shape(head_dim=32, rope_freq_base=1e6, tied_output=True)),
     # Gemma2: explicit small soft-caps so they matter, window 16 < 48 tokens, key_length != n_embd/n_head
     "gemma2": ("gemma2", "stories", Shape(n_layer=4, head_dim=32, n_ff=128, sliding_window=16,
-                                              attn_softcap=2.0, final_softcap=10.0)),
+                                            attn_softcap=2.0, final_softcap=10.0)),
     # Gemma2 with every optional key absent: window 4096, caps 50/30, swa rope base = rope base
     "gemma2_defaults": ("gemma2", "stories", Shape(n_layer=2, head_dim=32, n_ff=128, rope_freq_base=None)),
     # Gemma3: 6 layers, default pattern (layers 0-4 local, 5 global), global rope 1e6 with linear
     # scaling 8, local rope base from the struct default 10000 (key absent), no final soft-cap
     "gemma3": ("gemma3", "stories", Shape(n_layer=6, head_dim=32, n_ff=128, sliding_window=16,
-                                              rope_freq_base=1e6, rope_scaling_linear=8.0, tied_output=True)),
+                                            rope_freq_base=1e6, rope_scaling_linear=8.0, tied_output=True)),
     # Gemma3 with an explicit pattern 2 (layers 0, 2 local; 1, 3 global), explicit local base,
     # a final soft-cap key, an output.weight (optional for gemma3)
     "gemma3_pattern": ("gemma3", "stories", Shape(n_layer=4, head_dim=32, n_ff=128, sliding_window=16,
-                                                      swa_pattern=2, rope_freq_base=1e6, rope_freq_base_swa=5000.0,
-                                                      final_softcap=10.0)),
+                                                    swa_pattern=2, rope_freq_base=1e6, rope_freq_base_swa=5000.0,
+                                                    final_softcap=10.0)),
     # Phi3: fused qkv (GQA), fused gate|up, partial rope (16 of 24 dims), LongRoPE factors;
     # original context 4096 >= n_ctx_seq (256) -> short factors; sliding_window key present (ignored)
     "phi3": ("phi3", "phi-3", Shape(n_embd=96, n_ff=128, n_head=4, n_head_kv=2, n_rot=16, fused_qkv=True,
@@ -128,11 +128,11 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
     # Llama 3.x: rope_freqs, base 500000, BPE vocab; and the tied (3.2 1B/3B) variant
     "llama3_rope_freqs": ("llama", "stories", Shape(rope_freqs=True, rope_freq_base=500000.0, rms_eps=1e-5)),
     "llama3_tied": ("llama", "stories", Shape(rope_freqs=True, rope_freq_base=500000.0, rms_eps=1e-5,
-                                                tied_output=True)),
+                                              tied_output=True)),
     # YaRN (Qwen's 128k files: factor 4 over an original 32k). An original context of 64 puts the ramp on the
     # pairs that turn within 48 tokens, so the mix of scaled and unscaled angles moves the logits; NEOX and NORM
     "qwen3_yarn": ("qwen3", "stories", Shape(head_dim=32, rope_freq_base=1e6, tied_output=True,
-                                               rope_scaling_yarn=4.0, n_ctx_orig=64)),
+                                             rope_scaling_yarn=4.0, n_ctx_orig=64)),
     "llama_yarn": ("llama", "stories", Shape(rope_scaling_yarn=2.0, n_ctx_orig=100, rms_eps=1e-5)),
     "qwen3moe": ("qwen3moe", "llama-spm", Shape(head_dim=32, n_ff=96, rope_freq_base=1e6, n_expert=8,
                                                 n_expert_used=2, n_ff_exp=64)),
@@ -142,16 +142,16 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
     # Ministral 3 style mistral3: llama's block with YaRN (own betas, log multiplier 0.5 so the magnitude is not 1)
     # and Llama 4's attention temperature over an original context of 16, so it steps at positions 16 and 32
     "mistral3": ("mistral3", "stories", Shape(n_head=4, n_head_kv=1, head_dim=32, rope_freq_base=1e6, rms_eps=1e-5,
-                                                rope_scaling_yarn=4.0, n_ctx_orig=16, extra_kv={
-                                                    "mistral3.rope.scaling.yarn_beta_fast": 16.0,
-                                                    "mistral3.rope.scaling.yarn_beta_slow": 2.0,
-                                                    "mistral3.rope.scaling.yarn_log_multiplier": 0.5,
-                                                    "mistral3.attention.temperature_scale": 0.1})),
+                                              rope_scaling_yarn=4.0, n_ctx_orig=16, extra_kv={
+                                                  "mistral3.rope.scaling.yarn_beta_fast": 16.0,
+                                                  "mistral3.rope.scaling.yarn_beta_slow": 2.0,
+                                                  "mistral3.rope.scaling.yarn_log_multiplier": 0.5,
+                                                  "mistral3.attention.temperature_scale": 0.1})),
     # SmolLM3: llama's block, tied, without rope in layer 3 (every fourth)
     "smollm3": ("smollm3", "stories", Shape(n_layer=4, n_ff=96, rope_freq_base=5e6, rms_eps=1e-6, tied_output=True)),
     # Mistral-style llama: SPM vocab, GQA 4:1, base 1e6, head_dim 32 != n_embd/n_head (Nemo style)
     "mistral_headdim": ("llama", "stories", Shape(n_head=4, n_head_kv=1, head_dim=32, rope_freq_base=1e6,
-                                                    rms_eps=1e-5)),
+                                                  rms_eps=1e-5)),
     # gpt-oss: even layers slide (window 16), attention sinks, q/k/v/output biases, router and expert biases,
     # top-2 of 8 by raw logits, SwiGLU clamped at 7 (large gate/up biases put a real share of values past the clamps
     # without steep rows, which would make quantized runs chaotic), routes that activation rounding cannot flip,
