@@ -249,6 +249,26 @@ def test_bf16_autocast_trains(stories260k: Path, texts: dict[str, Path], tmp_pat
     assert a.dtype == torch.float32 and a.abs().sum() > 0  # LoRA weights stay f32 under autocast
 
 
+@pytest.mark.parametrize(("dtype", "speed", "warned"), [("bf16", 0.3, True), ("f16", 1.4, False), ("f32", 0.3, False)])
+def test_a_compute_dtype_slower_than_f32_on_this_cpu_is_named(dtype: str, speed: float, warned: bool,
+                                                             stories260k: Path, texts: dict[str, Path],
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run warns with the measured speed when --dtype multiplies slower than f32 (the probe itself:
+    tests/ops/test_dtypes.py); f32 is never probed."""
+    from ggtorch.training import run
+
+    monkeypatch.setattr(run, "cpu_matmul_speed_vs_f32", lambda d: speed if d != torch.float32 else 1 / 0)
+    config = FinetuneConfig(model_base=str(stories260k), train_data=str(texts["train"]), ctx=32, batch=2,
+                            adam_iter=1, dtype=dtype, checkpoint_in="", checkpoint_out="", lora_out="",
+                            log_file=str(tmp_path / "log.jsonl"))
+    trainer = Trainer(config)
+    trainer.close()
+    named = [w for w in trainer.warnings if w.startswith(f"--dtype {dtype}: ")]
+    assert len(named) == warned, trainer.warnings
+    if warned:
+        assert "at 0.30x its f32 speed" in named[0] and "--dtype f32 trains faster here" in named[0]
+
+
 def test_bf16_compute_holds_float_base_matrices_in_bf16_with_the_same_result(stories260k: Path,
                                                                               texts: dict[str, Path],
                                                                               tmp_path: Path) -> None:
