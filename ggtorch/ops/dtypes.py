@@ -21,22 +21,29 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"{dtype} is not one of ggtorch's float dtypes ({', '.join(DTYPES)})")
 
 
-def cpu_matmul_speed_vs_f32(dtype: torch.dtype, n: int = 256, rounds: int = 3) -> float:
-    """How fast ``dtype`` matrix products run on this CPU against f32 ones (best of ``rounds`` n x n products).
+def cpu_matmul_speed_vs_f32(dtype: torch.dtype, n: int = 256, rounds: int = 5) -> float:
+    """How fast ``dtype`` matrix products run on one core of this CPU against f32 ones: the best of ``rounds`` n x n
+    products each, the two dtypes taking turns on one thread, so that other processes' load (which stalls a
+    multi-threaded product at its barriers) weighs on both alike.
 
     Measured, not read from CPU flags: whether a CPU multiplies bf16 or f16 natively (AVX512-BF16, AMX,
     AVX512-FP16, Arm's BF16/FP16 extensions) and whether torch's kernels use it differ across CPUs and builds.
     Without them torch converts every operand: bf16 products run a few times slower than f32, f16 ones up to a
-    hundred times. Takes a few milliseconds (~0.2 s for f16 where it is not native)."""
-    seconds: dict[torch.dtype, float] = {}
-    for dt in (torch.float32, dtype):
-        gen = torch.Generator().manual_seed(0)
-        a, b = (torch.randn(n, n, generator=gen).to(dt) for _ in range(2))
-        a @ b  # warm-up: first-call setup
-        best = float("inf")
+    hundred times. Takes a few milliseconds (~0.3 s for f16 where it is not native)."""
+    gen = torch.Generator().manual_seed(0)
+    pair = torch.randn(2, n, n, generator=gen)
+    operands = {dt: pair.to(dt) for dt in (torch.float32, dtype)}
+    best = dict.fromkeys(operands, float("inf"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for a, b in operands.values():
+            a @ b  # warm-up: first-call setup
         for _ in range(rounds):
-            t = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t)
-        seconds[dt] = best
-    return seconds[torch.float32] / max(seconds[dtype], 1e-9)
+            for dt, (a, b) in operands.items():
+                t = time.perf_counter()
+                a @ b
+                best[dt] = min(best[dt], time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    return best[torch.float32] / max(best[dtype], 1e-9)

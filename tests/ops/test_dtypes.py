@@ -23,14 +23,11 @@ def _x86_flags() -> set[str] | None:
     return set(line.split(":", 1)[-1].split())
 
 
-def test_f32_against_itself_is_about_one() -> None:
-    assert 1 / 3 < cpu_matmul_speed_vs_f32(torch.float32) < 3  # best of three products each: not exact
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_cpu_without_dot_products_of_a_dtype_measures_it_slow(dtype: torch.dtype) -> None:
     """Where the flags show no bf16 (f16) dot products, the probe finds that dtype below the warning's bound
-    (this Cascade Lake: about 0.3 for bf16 and 0.01 for f16, against a bound of 0.75)."""
+    (this Cascade Lake: about 0.3 for bf16 and 0.02 for f16 against a bound of 0.75, and below 0.4 for bf16 with
+    four busy threads of other processes on its two cores)."""
     flags = _x86_flags()
     if flags is None or flags & NATIVE_FLAGS[dtype]:
         pytest.skip("not an x86 CPU without that dtype's dot products")
