@@ -255,14 +255,17 @@ def test_a_compute_dtype_slower_than_f32_on_this_cpu_is_named(dtype: str, speed:
                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The run warns with the measured speed when --dtype multiplies slower than f32 (the probe itself:
     tests/ops/test_dtypes.py); f32 is never probed."""
+    from ggtorch.ops.dtypes import DTYPES
     from ggtorch.training import run
 
-    monkeypatch.setattr(run, "cpu_matmul_speed_vs_f32", lambda d: speed if d != torch.float32 else 1 / 0)
+    probed: list[torch.dtype] = []
+    monkeypatch.setattr(run, "cpu_matmul_speed_vs_f32", lambda d: probed.append(d) or speed)
     config = FinetuneConfig(model_base=str(stories260k), train_data=str(texts["train"]), ctx=32, batch=2,
                             adam_iter=1, dtype=dtype, checkpoint_in="", checkpoint_out="", lora_out="",
                             log_file=str(tmp_path / "log.jsonl"))
     trainer = Trainer(config)
     trainer.close()
+    assert probed == ([] if dtype == "f32" else [DTYPES[dtype]])
     named = [w for w in trainer.warnings if w.startswith(f"--dtype {dtype}: ")]
     assert len(named) == warned, trainer.warnings
     if warned:
