@@ -20,10 +20,13 @@ from ggtorch.ops.threads import pin_threads
 from tests.llama_models import RandomLlamaShape, plain_cpu_reference, quantize_with_llama_cpp, write_random_llama
 
 plain_cpu_reference()
-pin_threads(torch.get_num_threads())
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+pin_threads(max(1, torch.get_num_threads() // WORKERS))
 """The CLI tests run in this process: a thread count that followed the machine's load could change
 the summation order between two runs a test compares byte for byte. tests/ops/test_threads.py and
-tests/cli/test_under_load.py test the load-following default, in their own objects and processes."""
+tests/cli/test_under_load.py test the load-following default, in their own objects and processes.
+The workers share the cores: more threads than cores would keep spinning OpenMP threads waiting on one
+another."""
 
 SHARED = Path(os.environ.get("GGTORCH_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 
