@@ -114,7 +114,7 @@ def _unpack(packed: Any) -> torch.Tensor:
 @contextmanager
 def recompute_outputs() -> Iterator[None]:
     """Within: tensors saved for backward that are rms_norm / swiglu / geglu outputs are recomputed in
-    backward instead of kept. (Inside torch.utils.checkpoint regions checkpointing's own hooks
+    backward instead of kept. (Inside activation-checkpointed regions checkpointing's own hooks
     apply instead.)"""
     _registries.append({})
     try:

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ggtorch.data import IGNORE_INDEX
 from ggtorch.lora import LoRALinear, frozen_float_weight
@@ -27,6 +26,7 @@ from ggtorch.ops.matmul import add_mm_, mm, mm_t, uses_onednn
 from ggtorch.quant import dequantize
 from ggtorch.quant.autograd import compute_dtype, quant_embedding
 from ggtorch.quant.modules import QuantLinear
+from ggtorch.training.recompute import checkpoint
 
 CHUNK_BYTES = 4 << 20
 """Bytes of f32 logits handled per chunk: large enough to amortize per-op overhead, small
@@ -395,7 +395,7 @@ def head_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
     total = hidden.new_zeros((), dtype=torch.float32)
     for r0, r1 in _row_chunks(x.shape[0], n_vocab * FUSED_CHUNK_BYTES // CHUNK_BYTES):
         if torch.is_grad_enabled():
-            total = total + checkpoint(chunk_loss, x[r0:r1], t[r0:r1], use_reentrant=False)
+            total = total + checkpoint(chunk_loss, x[r0:r1], t[r0:r1])
         else:
             total = total + chunk_loss(x[r0:r1], t[r0:r1])
     if reduction == "sum":

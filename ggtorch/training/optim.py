@@ -1,4 +1,4 @@
-"""ggml-exact AdamW for the LoRA finetune, built on ``torch.optim.AdamW``.
+"""ggml-exact AdamW for the LoRA finetune, built on torch's functional AdamW (``torch.optim.adamw.adamw``).
 
 The old finetune ran ggml's ``ggml_opt_adam`` (ggml.c) with the schedule of ``learning_schedule``
 (common/train.cpp). One update t (1-based, continuing across resumed runs) is, per element::
@@ -11,8 +11,9 @@ with ``p_decay = adam_decay*alpha*sched`` for tensors whose ggml n_dims >= decay
 otherwise, and ``sched = learning_schedule(t-1)``: ggml evaluated the gradient (and the schedule)
 before incrementing its iteration counter. That is torch's AdamW (eps after the square root of
 the bias-corrected v, decoupled decay ``x *= 1 - lr*weight_decay``) with ``lr = alpha*sched``,
-``weight_decay = adam_decay`` (0 for the low-dimensional group), preceded by the clipping above and
-followed by a ``LambdaLR`` step, which is what :class:`GGMLAdamW` wires together.
+``weight_decay = adam_decay`` (0 for the low-dimensional group), preceded by the clipping above, which is
+what :class:`GGMLAdamW` wires together. It calls the functional form and keeps the state itself: the
+``torch.optim.Optimizer`` class imports ``torch._dynamo`` on construction, seconds of every run's start.
 
 Hyper-parameters are not part of the saved state (as in llama.cpp, each run takes them from its
 own flags); moments, step counts, the iteration and the convergence-test state are.
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.adamw import adamw
 
 from ggtorch.errors import BadFlag, flag
 
@@ -209,19 +210,12 @@ class _Convergence:
     past: list[float] | None = None
 
 
-def _adamw(groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.AdamW:
-    """torch's fused AdamW where every parameter's device has that kernel (CPU and CUDA do), else its
-    default implementation. Fused, a tensor's update is one kernel instead of a dozen ops, which is most
-    of an optimizer step over a LoRA's or a small model's many small tensors. Both compute the update
-    above; they differ only in float rounding (a few ulp), which the ggml tests' tolerance covers."""
-    try:
-        return torch.optim.AdamW(groups, fused=True, **hyper)
-    except RuntimeError:  # torch refuses fused=True at construction for a device without the kernel
-        return torch.optim.AdamW(groups, **hyper)
+FUSED_DEVICES = ("cpu", "cuda")
+"""Devices whose AdamW update torch has as one fused kernel; elsewhere its per-op implementation."""
 
 
 class GGMLAdamW:
-    """torch AdamW + LambdaLR + global-norm clipping that step exactly as ggml's AdamW.
+    """torch's AdamW update with ggml's schedule and global-norm clipping: steps exactly as ggml's AdamW.
 
     ``params`` holds ``(name, parameter, ggml n_dims)`` as ``lora.trainable_parameters`` returns
     them; names key the saved moments. Usage per iteration::
@@ -245,14 +239,15 @@ class GGMLAdamW:
         self.params = [p for _, p, _ in params]
         self.n_dims = [n for _, _, n in params]
         decayed = [n >= cfg.decay_min_ndim for n in self.n_dims]
-        groups = [
-            {"params": [p for p, d in zip(self.params, decayed, strict=True) if d == wanted],
-             "weight_decay": cfg.decay if wanted else 0.0}
-            for wanted in (True, False)
-        ]
-        self.optimizer = _adamw([g for g in groups if g["params"]], lr=cfg.alpha, betas=(cfg.beta1, cfg.beta2),
-                                eps=cfg.eps)
-        self.scheduler = LambdaLR(self.optimizer, lambda step: learning_schedule(step, self.cfg))
+        self.groups = [([p for p, d in zip(self.params, decayed, strict=True) if d == wanted],
+                        cfg.decay if wanted else 0.0) for wanted in (True, False)]
+        """(parameters, weight decay): the ggml-decayed tensors and the others."""
+        self.fused = all(p.device.type in FUSED_DEVICES for p in self.params)
+        """One kernel per tensor's update instead of a dozen ops (most of an optimizer step over a LoRA's or
+        a small model's many small tensors). Both compute the update above; they differ only in float
+        rounding (a few ulp), which the ggml tests' tolerance covers."""
+        self.state: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
+        """Per parameter: its update count ``step`` and moments ``exp_avg``, ``exp_avg_sq`` (torch's names)."""
         self.iteration = 0
         """ggml's opt->iter: updates done, 1-based after the first, continuing across resumes."""
         self.grad_norm: torch.Tensor | None = None
@@ -267,10 +262,25 @@ class GGMLAdamW:
     @property
     def lr(self) -> float:
         """Learning rate of the next update, alpha·sched."""
-        return self.optimizer.param_groups[0]["lr"]
+        return self.cfg.alpha * self.sched
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
+
+    @property
+    def _step_dtype(self) -> torch.dtype:
+        """torch's: f32, or the default float type for the per-op implementation."""
+        return torch.float64 if torch.get_default_dtype() == torch.float64 and not self.fused else torch.float32
+
+    def _state(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        """``p``'s step count and moments, zero before its first update. The step count lives where torch's
+        kernels read it: beside the parameter in f32 for the fused one, else on the CPU."""
+        if p not in self.state:
+            self.state[p] = {"step": torch.zeros((), dtype=self._step_dtype, device=p.device if self.fused else "cpu"),
+                             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        return self.state[p]
 
     def step(self) -> None:
         """Clip (in place, on ``.grad``), update every parameter, advance schedule and iteration.
@@ -285,8 +295,17 @@ class GGMLAdamW:
             self.grad_norm = clip_global_norm_(grads, self.cfg.gclip)
         else:
             self.grad_norm = None
-        self.optimizer.step()
-        self.scheduler.step()
+        lr = self.lr
+        with torch.no_grad():
+            for params, decay in self.groups:
+                if not params:
+                    continue
+                states = [self._state(p) for p in params]
+                adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                      [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
+                      fused=True if self.fused else None, amsgrad=False,
+                      beta1=self.cfg.beta1, beta2=self.cfg.beta2, lr=lr, weight_decay=decay, eps=self.cfg.eps,
+                      maximize=False)
         self.iteration += 1
 
     def should_stop(self, loss: float) -> bool:
@@ -338,13 +357,13 @@ class GGMLAdamW:
         """
         moments = {}
         for name, p in zip(self.names, self.params, strict=True):
-            st = self.optimizer.state.get(p, {})
+            st = self.state.get(p, {})
             moments[name] = {k: v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
         c = self._conv
         return {
             "iteration": self.iteration,
             "moments": moments,
-            "scheduler": {"last_epoch": self.scheduler.last_epoch},
+            "scheduler": {"last_epoch": self.iteration},  # the schedule's step, as torch's LambdaLR kept it
             "convergence": {"n_losses": c.n_losses, "fx_prev": c.fx_prev, "fx_best": c.fx_best,
                             "n_no_improvement": c.n_no_improvement,
                             "past": list(c.past) if c.past is not None else None},
@@ -363,33 +382,24 @@ class GGMLAdamW:
         if saved_past != self.cfg.opt_past:
             raise BadFlag(f"--opt-past {self.cfg.opt_past} differs from the checkpoint's {saved_past}; "
                           f"pass --opt-past {saved_past} to resume it")
-        fused = bool(self.optimizer.defaults.get("fused"))
-        # where torch's AdamW keeps the step count: beside the parameter in f32 for the fused kernel,
-        # else on the CPU in the default float type
-        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 and not fused else torch.float32
         for name, p in zip(self.names, self.params, strict=True):
             saved = moments[name]
             if not saved:
-                self.optimizer.state.pop(p, None)
+                self.state.pop(p, None)
                 continue
             for key in ("exp_avg", "exp_avg_sq"):
                 if tuple(saved[key].shape) != tuple(p.shape):
                     raise BadFlag(f"the checkpoint's optimizer state for {name} has shape "
                                   f"{tuple(saved[key].shape)}, the tensor has {tuple(p.shape)}; "
                                   "pass the LoRA ranks the checkpoint was trained with")
-            self.optimizer.state[p] = {
-                "step": saved["step"].detach().to(p.device if fused else "cpu", scalar).clone(),
+            self.state[p] = {
+                "step": saved["step"].detach().to(p.device if self.fused else "cpu", self._step_dtype).clone(),
                 "exp_avg": saved["exp_avg"].detach().to(p.device, p.dtype).clone(),
                 "exp_avg_sq": saved["exp_avg_sq"].detach().to(p.device, p.dtype).clone(),
             }
         self.iteration = int(state["iteration"])
-        self.scheduler.last_epoch = int(state["scheduler"]["last_epoch"])
-        if self.scheduler.last_epoch != self.iteration:
+        if int(state["scheduler"]["last_epoch"]) != self.iteration:
             raise ValueError("inconsistent optimizer state: schedule step differs from the iteration")
-        lrs = [base * learning_schedule(self.iteration, self.cfg) for base in self.scheduler.base_lrs]
-        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        self.scheduler._last_lr = lrs
         self._conv = _Convergence(n_losses=int(conv["n_losses"]), fx_prev=conv["fx_prev"], fx_best=conv["fx_best"],
                                   n_no_improvement=int(conv["n_no_improvement"]),
                                   past=[float(x) for x in conv["past"]] if conv["past"] is not None else None)

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ggtorch.data import (
     Batch,
@@ -48,6 +47,7 @@ from ggtorch.training.config import RunConfig
 from ggtorch.training.distributed import setup
 from ggtorch.training.memory import GIB, available_bytes, estimate_memory, ways_to_lower
 from ggtorch.training.optim import AdamConfig, GGMLAdamW
+from ggtorch.training.recompute import checkpoint
 from ggtorch.training.weights import LoraWeights, Weights, weights_kind
 
 
@@ -85,8 +85,7 @@ def enable_block_checkpointing(model: torch.nn.Module) -> int:
     n = 0
     for module in model.modules():
         if isinstance(module, Block) and "forward" not in module.__dict__:
-            module.forward = functools.partial(checkpoint, functools.partial(_keeping_dequantized, module),
-                                               use_reentrant=False)
+            module.forward = functools.partial(checkpoint, functools.partial(_keeping_dequantized, module))
             n += 1
     return n
 

@@ -1,0 +1,105 @@
+"""Activation checkpointing: a function's tensors saved for backward are dropped in forward and
+recomputed, by running the function again, when backward first needs one of them.
+
+This is what ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False)`` does for ggtorch's
+blocks and loss chunks (same graph, same gradients, the same random numbers for dropout); torch's
+imports ``torch._dynamo`` on its first call, seconds at the start of every run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+RNG_DEVICE_TYPES = ("cuda", "mps", "xpu")
+"""Accelerators whose default generator a recomputation restores (``torch.<type>.get_rng_state``)."""
+
+
+class _Frame:
+    """One checkpointed call: what it takes to run it again, and the tensors a recomputation saved."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.n_saved = 0
+        """Tensors the forward saved (and dropped): their indices are what autograd holds."""
+        self.recomputed: dict[int, torch.Tensor] = {}
+        """Index -> tensor of the last recomputation, each given to backward once."""
+        devices = {a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+        self.rng_devices = sorted((d for d in devices if d.type in RNG_DEVICE_TYPES), key=str)
+        self.rng_states = (torch.get_rng_state(), [_get_rng(d) for d in self.rng_devices])
+        self.autocast = {t: (torch.get_autocast_dtype(t), torch.is_autocast_cache_enabled())
+                         for t in {"cpu", *(d.type for d in devices)} if torch.is_autocast_enabled(t)}
+        """Device type -> (dtype, cache) of each autocast active in forward, active again in recomputation."""
+
+    def pack(self, _: torch.Tensor) -> int:
+        self.n_saved += 1
+        return self.n_saved - 1
+
+    def unpack(self, index: int) -> torch.Tensor:
+        if index not in self.recomputed:  # the first unpack of this backward (or of another one)
+            self._recompute()
+        return self.recomputed.pop(index)
+
+    def _recompute(self) -> None:
+        saved: list[torch.Tensor] = []
+
+        def record(t: torch.Tensor) -> None:  # nothing to unpack: this graph is thrown away
+            saved.append(t.detach() if t.requires_grad else t)
+
+        with self._restored_rng(), self._autocast(), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(record, _refuse):
+            self.fn(*self.args, **self.kwargs)
+        if len(saved) != self.n_saved:
+            raise RuntimeError(f"a checkpointed function saved {len(saved)} tensors when recomputed, "
+                               f"{self.n_saved} the first time: it must compute the same thing again")
+        self.recomputed = dict(enumerate(saved))
+
+    @contextlib.contextmanager
+    def _restored_rng(self) -> Iterator[None]:
+        """The random state of the forward for the recomputation, the caller's own afterwards."""
+        cpu, others = self.rng_states
+        outer = (torch.get_rng_state(), [_get_rng(d) for d in self.rng_devices])
+        torch.set_rng_state(cpu)
+        for d, state in zip(self.rng_devices, others, strict=True):
+            _set_rng(d, state)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(outer[0])
+            for d, state in zip(self.rng_devices, outer[1], strict=True):
+                _set_rng(d, state)
+
+    def _autocast(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for device_type, (dtype, cache) in self.autocast.items():
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+        return stack
+
+
+def _get_rng(device: torch.device) -> torch.Tensor:
+    return torch.mps.get_rng_state() if device.type == "mps" else getattr(torch, device.type).get_rng_state(
+        device.index or 0)
+
+
+def _set_rng(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "mps":
+        torch.mps.set_rng_state(state)
+    else:
+        getattr(torch, device.type).set_rng_state(state, device.index or 0)
+
+
+def _refuse(_: Any) -> torch.Tensor:
+    raise RuntimeError("a recomputation's own graph is never run backward")
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, keeping for backward only its arguments: the tensors it saves are
+    computed again in backward, one recomputation per backward pass. Without grad, just the call."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    frame = _Frame(fn, args, kwargs)
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
+        return fn(*args, **kwargs)
