@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
 
 from ggtorch.errors import BadGGUF, GGTorchError
 
@@ -32,6 +32,7 @@ GGUF_MAGIC_BYTES = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_STRING = 1 << 30  # no legitimate key, name or token string comes near 1 GiB
+_U64 = struct.Struct("<Q")
 _INT64_MAX = (1 << 63) - 1
 _STRUCT = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.BOOL: "<?",
@@ -195,6 +196,26 @@ class _HeaderReader:
         self.skip_string(what)
         return self.buf[start:self.offs].decode("utf-8", errors="replace")
 
+    def string_array(self, count: int, key: str) -> list[str]:
+        """``count`` string values of array ``key`` in one tight loop (a vocabulary has hundreds of thousands),
+        with :meth:`value_string`'s checks and messages."""
+        buf, offs, size, out = self.buf, self.offs, self.size, []
+        for i in range(count):
+            start = offs + 8
+            if start > size:
+                self.offs = offs
+                self.need(8, f"length of string {i} of array '{key}'")
+            (n,) = _U64.unpack_from(buf, offs)
+            if n > MAX_STRING:
+                raise self.fail(f"string {i} of array '{key}' claims a length of {n} bytes")
+            offs = start + n
+            if offs > size:
+                self.offs = start
+                self.need(n, f"string {i} of array '{key}'")
+            out.append(buf[start:offs].decode("utf-8", errors="replace"))
+        self.offs = offs
+        return out
+
     def value(self, key: str) -> tuple[GGUFValueType, GGUFValueType | None, Any]:
         """One value: its type, its element type (arrays) and the value as plain Python."""
         vtype = self.value_type(f"type of key '{key}'")
@@ -209,7 +230,7 @@ class _HeaderReader:
             raise self.fail(f"key '{key}' is an array of arrays, which no model key uses")
         if etype == GGUFValueType.STRING:
             self.need(8 * count, f"{count} strings of array '{key}'")  # each string has an 8-byte length
-            return vtype, etype, [self.value_string(f"string {i} of array '{key}'") for i in range(count)]
+            return vtype, etype, self.string_array(count, key)
         nbytes = _NUMPY[etype].itemsize * count
         self.need(nbytes, f"{count} values of array '{key}'")
         values = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.offs).tolist()
@@ -361,6 +382,24 @@ class TensorOut:
     data: np.ndarray  # raw bytes (uint8) or an f32/f16 array of the shape
 
 
+class _Writer(GGUFWriter):
+    """gguf-py's writer with arrays packed in one pass: its element-by-element packing takes seconds over a
+    vocabulary's tokens, scores, types and merges. The bytes are gguf-py's (tested)."""
+
+    def _pack_val(self, val: Any, vtype: GGUFValueType, add_vtype: bool,
+                  sub_type: GGUFValueType | None = None) -> bytes:
+        if (vtype != GGUFValueType.ARRAY or sub_type not in (*_NUMPY, GGUFValueType.STRING) or not val
+                or self.endianess != GGUFEndian.LITTLE):
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+        head = struct.pack("<IQ", sub_type, len(val))
+        if add_vtype:
+            head = struct.pack("<I", vtype) + head
+        if sub_type != GGUFValueType.STRING:
+            return head + np.asarray(val, dtype=_NUMPY[sub_type]).tobytes()
+        encoded = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in val]
+        return head + b"".join(part for e in encoded for part in (_U64.pack(len(e)), e))
+
+
 def _add_value(writer: GGUFWriter, key: str, value: Any,
                vtype: tuple[GGUFValueType, GGUFValueType | None] | None) -> None:
     if vtype is None:
@@ -453,7 +492,7 @@ def write_gguf_streaming(path: str | os.PathLike[str], arch: str, metadata: dict
     """
     value_types = value_types or {}
     with atomic_path(path) as tmp:
-        writer = GGUFWriter(tmp, arch)
+        writer = _Writer(tmp, arch)
         for key, value in metadata.items():
             if key in ("general.architecture", ) or key.startswith("GGUF."):
                 continue
