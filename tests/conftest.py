@@ -17,6 +17,7 @@ except ImportError:  # Windows has none: there the workers run every test side b
     fcntl = None  # type: ignore[assignment]
 
 from ggtorch.ops.threads import pin_threads
+from tests.helpers import run_folder
 from tests.llama_models import RandomLlamaShape, plain_cpu_reference, quantize_with_llama_cpp, write_random_llama
 
 plain_cpu_reference()
@@ -52,6 +53,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if isinstance(name, str) and prefix is not None:
             group[item] = prefix + name
             item.add_marker(pytest.mark.xdist_group(group[item]))
+    for item in items:  # and the groups modules declare
+        marker = item.get_closest_marker("xdist_group")
+        if item not in group and marker is not None:
+            group[item] = marker.args[0] if marker.args else marker.kwargs.get("name", "default")
     size = Counter(group.values())
     items.sort(key=lambda item: (item.get_closest_marker("serial") is None, -size.get(group.get(item, ""), 1)))
 
@@ -60,14 +65,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _alone_when_serial(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Under pytest-xdist (the suite runs on two workers), a test marked ``serial`` runs while no other
     test does: it measures the machine's load or wall time, which a test on the other worker would
-    change. Two file locks in the run's temporary folder, which its workers share (pytest removes old ones):
+    change. Two file locks in the run's temporary folder, which its workers share:
     every test holds the room shared, a serial one alone; the door makes a waiting serial test go next
     instead of waiting behind a stream of others."""
     if "PYTEST_XDIST_WORKER" not in os.environ or fcntl is None:
         yield
         return
     serial = request.node.get_closest_marker("serial") is not None
-    folder = tmp_path_factory.getbasetemp().parent  # .../pytest-N, above each worker's popen-gwK
+    folder = run_folder(tmp_path_factory)
     with ExitStack() as held:
         door = held.enter_context(open(folder / "serial-tests.door", "a+b"))
         room = held.enter_context(open(folder / "serial-tests.room", "a+b"))

@@ -19,6 +19,10 @@ from ggtorch.quant import SUPPORTED_TYPES
 from ggtorch.quant import autograd as qa
 from ggtorch.quant.modules import QuantEmbedding, QuantLinear, dequantize_modules
 
+pytestmark = pytest.mark.xdist_group("llama.cpp IQ grids")
+"""With tests/quant/test_dequant.py's on one worker: llama.cpp builds its IQ1 and IQ2 grids once per process,
+seconds each."""
+
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 ALL_TYPES = sorted(SUPPORTED_TYPES, key=int)
 

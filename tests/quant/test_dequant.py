@@ -65,6 +65,9 @@ F16_FIELDS: dict[T, tuple[int, ...]] = {
     T.MXFP4: (),  # e8m0 scale: every byte is a valid scale
     T.NVFP4: (),  # ue4m3 scales: every byte is a valid scale
 }
+pytestmark = pytest.mark.xdist_group("llama.cpp IQ grids")
+"""With tests/quant/test_autograd.py's on one worker: llama.cpp builds its IQ1 and IQ2 grids once per process."""
+
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 RANDOM_BLOCK_TYPES = [*FLOAT_TYPES, *F16_FIELDS]
 
