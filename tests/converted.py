@@ -76,6 +76,70 @@ def convert(script: Path, hf_dir: Path, out: Path, outtype: str = "f32") -> Path
     return out
 
 
+_FORKING_CONVERTER = r"""
+import importlib.util, json, os, sys, traceback
+script = sys.argv[1]
+sys.path.insert(0, os.path.dirname(script))
+spec = importlib.util.spec_from_file_location("convert_hf_to_gguf", script)
+module = sys.modules["convert_hf_to_gguf"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+import torch._dynamo  # what the converter's lazy tensors import on their first operation
+print("ready", flush=True)
+for line in sys.stdin:
+    argv, log = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        code = 0
+        try:
+            sys.argv = [script, *argv]
+            module.main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+"""A process that imports the converter once (with torch, transformers and its gguf-py) and forks a child for each
+conversion a line of stdin asks for, answering with its exit code."""
+
+
+class Converter:
+    """``Converter(script)(hf_dir, out)``: :func:`convert`, each run forked from one process that imported the
+    converter once instead of a new interpreter importing torch and transformers again (seconds each). Where
+    there is no fork (Windows), each run is :func:`convert`'s process."""
+
+    def __init__(self, script: Path) -> None:
+        self.script, self.proc = script, None
+        if hasattr(os, "fork"):
+            env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+            self.proc = subprocess.Popen([sys.executable, "-c", _FORKING_CONVERTER, str(script)], env=env, text=True,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            if self.proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"{script} did not import; run it by hand to see why")
+
+    def __call__(self, hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
+        if self.proc is None:
+            return convert(self.script, hf_dir, out, outtype)
+        log = out.with_name(out.name + ".log")
+        self.proc.stdin.write(json.dumps([[str(hf_dir), "--outfile", str(out), "--outtype", outtype], str(log)]) + "\n")
+        self.proc.stdin.flush()
+        if int(self.proc.stdout.readline()) != 0:
+            raise RuntimeError(f"convert_hf_to_gguf.py {hf_dir.name} failed:\n{log.read_text()[-4000:]}")
+        return out
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
 def _gemma3():  # -> PretrainedConfig
     from transformers import Gemma3TextConfig
 

