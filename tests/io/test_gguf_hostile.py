@@ -133,12 +133,23 @@ def _assert_reads_like_gguf_py(path: Path, reader: GGUFReader | None = None) -> 
         assert info.data.tobytes() == np.asarray(t.data).view(np.uint8).tobytes()
 
 
-def test_every_shared_file_reads_like_gguf_py(shared: Path) -> None:
-    """The walk accepts real files (the models, both vocabularies) and reads them as gguf-py does."""
-    paths = sorted(shared.rglob("*.gguf"))
-    assert paths
-    for path in paths:
-        _assert_reads_like_gguf_py(path, shared_file_reader(path))
+SHARED_FILES = ["models/stories260K.gguf", "vocab/ggml-vocab-llama-spm.gguf", "vocab/ggml-vocab-phi-3.gguf",
+                "vocab/ggml-vocab-llama-bpe.gguf",
+                pytest.param("vocab/ggml-vocab-qwen2.gguf", marks=pytest.mark.xdist_group("qwen2_tied"))]
+"""Every GGUF file of ../shared (test_the_shared_files_are_all_here). Qwen's runs beside the qwen2_tied preset of
+tests/families.py, which reads it with gguf-py too (seconds over its 151k tokens; once per process)."""
+
+
+def test_the_shared_files_are_all_here(shared: Path) -> None:
+    listed = {p.values[0] if hasattr(p, "values") else p for p in SHARED_FILES}
+    assert {str(p.relative_to(shared)) for p in shared.rglob("*.gguf")} == listed
+
+
+@pytest.mark.parametrize("name", SHARED_FILES)
+def test_every_shared_file_reads_like_gguf_py(shared: Path, name: str) -> None:
+    """The walk accepts real files (the model, the vocabularies) and reads them as gguf-py does."""
+    path = shared / name
+    _assert_reads_like_gguf_py(path, shared_file_reader(path))
 
 
 @pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])
