@@ -11,13 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-try:
-    import fcntl
-except ImportError:  # Windows has none: there the workers run every test side by side
-    fcntl = None  # type: ignore[assignment]
-
 from ggtorch.ops.threads import pin_threads
-from tests.helpers import run_folder
+from tests.helpers import fcntl, run_folder
 from tests.llama_models import RandomLlamaShape, plain_cpu_reference, quantize_with_llama_cpp, write_random_llama
 
 plain_cpu_reference()

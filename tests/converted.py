@@ -113,20 +113,21 @@ conversion a line of stdin asks for, answering with its exit code."""
 class Converter:
     """``Converter(script)(hf_dir, out)``: :func:`convert`, each run forked from one process that imported the
     converter once instead of a new interpreter importing torch and transformers again (seconds each). Where
-    there is no fork (Windows), each run is :func:`convert`'s process."""
+    there is no fork (Windows), each run is :func:`convert`'s process. The process starts at the first run, inside
+    a test (and so never beside a ``serial`` one), not when a fixture makes this object."""
 
     def __init__(self, script: Path) -> None:
         self.script, self.proc = script, None
-        if hasattr(os, "fork"):
-            env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-            self.proc = subprocess.Popen([sys.executable, "-c", _FORKING_CONVERTER, str(script)], env=env, text=True,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-            if self.proc.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"{script} did not import; run it by hand to see why")
 
     def __call__(self, hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
-        if self.proc is None:
+        if not hasattr(os, "fork"):
             return convert(self.script, hf_dir, out, outtype)
+        if self.proc is None:
+            env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+            self.proc = subprocess.Popen([sys.executable, "-c", _FORKING_CONVERTER, str(self.script)], env=env,
+                                         text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            if self.proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"{self.script} did not import; run it by hand to see why")
         log = out.with_name(out.name + ".log")
         self.proc.stdin.write(json.dumps([[str(hf_dir), "--outfile", str(out), "--outtype", outtype], str(log)]) + "\n")
         self.proc.stdin.flush()

@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 
 try:
     import fcntl
-except ImportError:  # Windows has none: there each worker makes its own
+except ImportError:  # Windows has none: there each worker makes its own, and serial tests run beside others
     fcntl = None  # type: ignore[assignment]
 
 from ggtorch.cli.main import main

@@ -46,4 +46,3 @@ def test_metadata_is_written_as_gguf_py_writes_it(source: str, shared: Path, tmp
     for key, value in metadata.items():
         if key != "general.architecture":
             assert reader.fields[key].contents() == pytest.approx(value, rel=1e-7), key
-
