@@ -56,18 +56,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: (item.get_closest_marker("serial") is None, -size.get(group.get(item, ""), 1)))
 
 
-@pytest.fixture(autouse=True)
-def _alone_when_serial(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Under pytest-xdist (the suite runs on two workers), a test marked ``serial`` runs while no other
     test does: it measures the machine's load or wall time, which a test on the other worker would
     change. Two file locks in the run's temporary folder, which its workers share:
     every test holds the room shared, a serial one alone; the door makes a waiting serial test go next
-    instead of waiting behind a stream of others."""
+    instead of waiting behind a stream of others. The locks wrap a test's whole protocol, so the session
+    and module fixtures it sets up or tears down (a pip download, a model built) are inside the room too."""
     if "PYTEST_XDIST_WORKER" not in os.environ or fcntl is None:
         yield
         return
-    serial = request.node.get_closest_marker("serial") is not None
-    folder = run_folder(tmp_path_factory)
+    serial = item.get_closest_marker("serial") is not None
+    folder = run_folder(item.config._tmp_path_factory)  # type: ignore[attr-defined]  # pytest's tmp_path plugin
     with ExitStack() as held:
         door = held.enter_context(open(folder / "serial-tests.door", "a+b"))
         room = held.enter_context(open(folder / "serial-tests.room", "a+b"))
