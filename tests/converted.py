@@ -66,11 +66,15 @@ def fetch_converter(download_dir: Path, dest: Path) -> Path:
     return script
 
 
+def _converter_env() -> dict[str, str]:
+    """This environment without NO_LOCAL_GGUF: the converter puts its own gguf-py first on sys.path."""
+    return {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+
+
 def convert(script: Path, hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
     """Run llama.cpp's converter on ``hf_dir`` (its gguf-py first on sys.path, as the script arranges)."""
-    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     run = subprocess.run([sys.executable, str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype],
-                         capture_output=True, text=True, env=env)
+                         capture_output=True, text=True, env=_converter_env())
     if run.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py {hf_dir.name} failed:\n{run.stderr[-4000:]}")
     return out
@@ -113,8 +117,8 @@ conversion a line of stdin asks for, answering with its exit code."""
 class Converter:
     """``Converter(script)(hf_dir, out)``: :func:`convert`, each run forked from one process that imported the
     converter once instead of a new interpreter importing torch and transformers again (seconds each). Where
-    there is no fork (Windows), each run is :func:`convert`'s process. The process starts at the first run, inside
-    a test (and so never beside a ``serial`` one), not when a fixture makes this object."""
+    there is no fork (Windows), each run is :func:`convert`'s process. The process starts at the first run, so a
+    session that converts nothing starts none."""
 
     def __init__(self, script: Path) -> None:
         self.script, self.proc = script, None
@@ -123,9 +127,8 @@ class Converter:
         if not hasattr(os, "fork"):
             return convert(self.script, hf_dir, out, outtype)
         if self.proc is None:
-            env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-            self.proc = subprocess.Popen([sys.executable, "-c", _FORKING_CONVERTER, str(self.script)], env=env,
-                                         text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self.proc = subprocess.Popen([sys.executable, "-c", _FORKING_CONVERTER, str(self.script)],
+                                         env=_converter_env(), text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             if self.proc.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"{self.script} did not import; run it by hand to see why")
         log = out.with_name(out.name + ".log")
