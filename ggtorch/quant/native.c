@@ -65,57 +65,72 @@ static void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
     }
 }
 
-/* block_q4_K: d, dmin (f16), scales[12], qs[128]; dequantize_row_q4_K */
+/* u8x16 -> 16 f32 lanes: the exact int-to-float conversion of ggml's loops, on 16 values at a time */
+static inline v16 f32_of_u8(u8x16 q) { return __builtin_convertvector(__builtin_convertvector(q, i32x16), v16); }
+
+/* block_q4_K: d, dmin (f16), scales[12], qs[128]; dequantize_row_q4_K. Each 32 bytes of qs hold two sub-blocks,
+ * low nibbles then high, each d1 * q - m1 as ggml computes it (no FMA: -ffp-contract=off), 16 values a vector */
 static void q4_k(const uint8_t *restrict x, float *restrict y, int64_t n) {
     for (int64_t i = 0; i < n; ++i, x += 144) {
         const float d = f16_to_f32(x), min = f16_to_f32(x + 2);
         const uint8_t *scales = x + 4, *q = x + 16;
         uint8_t sc, m;
-        for (int j = 0, is = 0; j < QK_K; j += 64, q += 32, is += 2) {
+        for (int j = 0, is = 0; j < QK_K; j += 64, q += 32, is += 2, y += 64) {
             scale_min_k4(is, scales, &sc, &m);
             const float d1 = d * sc, m1 = min * m;
             scale_min_k4(is + 1, scales, &sc, &m);
             const float d2 = d * sc, m2 = min * m;
-            for (int l = 0; l < 32; ++l) *y++ = d1 * (q[l] & 0xF) - m1;
-            for (int l = 0; l < 32; ++l) *y++ = d2 * (q[l] >> 4) - m2;
+            for (int l = 0; l < 32; l += L) {
+                u8x16 b;
+                memcpy(&b, q + l, sizeof b);
+                st_f32(y + l, d1 * f32_of_u8(b & 0x0F) - m1);
+                st_f32(y + 32 + l, d2 * f32_of_u8(b >> 4) - m2);
+            }
         }
     }
 }
 
-/* block_q5_K: d, dmin (f16), scales[12], qh[32], qs[128]; dequantize_row_q5_K */
+/* block_q5_K: d, dmin (f16), scales[12], qh[32], qs[128]; dequantize_row_q5_K. As q4_K, with bit 2 * (j / 64) of
+ * qh[l] (low nibbles) or the bit above it (high nibbles) as the fifth bit: ggml adds 16, the same as or-ing it in */
 static void q5_k(const uint8_t *restrict x, float *restrict y, int64_t n) {
     for (int64_t i = 0; i < n; ++i, x += 176) {
         const float d = f16_to_f32(x), min = f16_to_f32(x + 2);
         const uint8_t *scales = x + 4, *qh = x + 16, *ql = x + 48;
         uint8_t sc, m, u1 = 1, u2 = 2;
-        for (int j = 0, is = 0; j < QK_K; j += 64, ql += 32, is += 2, u1 <<= 2, u2 <<= 2) {
+        for (int j = 0, is = 0; j < QK_K; j += 64, ql += 32, is += 2, u1 <<= 2, u2 <<= 2, y += 64) {
             scale_min_k4(is, scales, &sc, &m);
             const float d1 = d * sc, m1 = min * m;
             scale_min_k4(is + 1, scales, &sc, &m);
             const float d2 = d * sc, m2 = min * m;
-            for (int l = 0; l < 32; ++l) *y++ = d1 * ((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
-            for (int l = 0; l < 32; ++l) *y++ = d2 * ((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+            for (int l = 0; l < 32; l += L) {
+                u8x16 b, h;
+                memcpy(&b, ql + l, sizeof b);
+                memcpy(&h, qh + l, sizeof h);
+                st_f32(y + l, d1 * f32_of_u8((b & 0x0F) | ((u8x16)((h & u1) != 0) & 16)) - m1);
+                st_f32(y + 32 + l, d2 * f32_of_u8((b >> 4) | ((u8x16)((h & u2) != 0) & 16)) - m2);
+            }
         }
     }
 }
 
-/* block_q6_K: ql[128], qh[64], scales[16] (int8), d (f16); dequantize_row_q6_K */
+/* block_q6_K: ql[128], qh[64], scales[16] (int8), d (f16); dequantize_row_q6_K. Quarter k of each half of 128
+ * values: nibble k / 2 of ql[(k % 2) * 32 + l], bits 2k of qh[l], scale sc[2k + l / 16]; 16 values a vector */
 static void q6_k(const uint8_t *restrict x, float *restrict y, int64_t n) {
     for (int64_t i = 0; i < n; ++i, x += 210) {
         const float d = f16_to_f32(x + 208);
         const uint8_t *restrict ql = x, *restrict qh = x + 128;
         const int8_t *restrict sc = (const int8_t *)(x + 192);
         for (int half = 0; half < 2; ++half, y += 128, ql += 64, qh += 32, sc += 8) {
-            /* quarter k of the half: nibble k / 2 of ql[(k % 2) * 32 + l], bits 2k of qh[l], scale sc[2k + l / 16] */
             for (int k = 0; k < 4; ++k) {
-                const uint8_t *restrict low = ql + (k % 2) * 32;
                 const int shift = (k / 2) * 4;
                 for (int s = 0; s < 2; ++s) {
                     const float ds = d * sc[2 * k + s];
-                    for (int l = 16 * s; l < 16 * s + 16; ++l) {
-                        const int32_t q = (int32_t)(((low[l] >> shift) & 0xF) | (((qh[l] >> (2 * k)) & 3) << 4)) - 32;
-                        y[32 * k + l] = ds * (float)q;
-                    }
+                    u8x16 lo, hi;
+                    memcpy(&lo, ql + (k % 2) * 32 + 16 * s, sizeof lo);
+                    memcpy(&hi, qh + 16 * s, sizeof hi);
+                    const u8x16 q = ((lo >> shift) & 0x0F) | (((hi >> (2 * k)) & 3) << 4);
+                    const v16 centered = __builtin_convertvector(__builtin_convertvector(q, i32x16) - 32, v16);
+                    st_f32(y + 32 * k + 16 * s, ds * centered);
                 }
             }
         }
