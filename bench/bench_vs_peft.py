@@ -31,7 +31,8 @@ The full finetune against llama.cpp's own training comes from the sibling comman
 ``bench/bench_full_finetune.py``, run here too.
 
 Run from the repository root: ``python bench/bench_vs_peft.py [--quick] [--threads N]``.
-It prints a table and writes ``BENCHMARKS.md`` (``--out``).
+It prints a table and writes ``BENCHMARKS.md`` (``--out``), keeping the sections the sibling commands wrote
+(:data:`KEPT_COMMANDS`) and the last run on each other CPU (:data:`OTHER_CPU`).
 """
 
 from __future__ import annotations
@@ -838,6 +839,11 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version(), "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
+def cpu_line(info: dict[str, Any]) -> str:
+    """The machine as the report's ``- CPU:`` line names it: model, cores, the vector features that matter, RAM."""
+    return f"{info['cpu']}, {info['cores']} cores ({info['flags']}), {info['memory_gib']:.0f} GiB RAM"
+
+
 def gib(n: float | None) -> str:
     return "—" if n is None else f"{n / 2**30:.2f}"
 
@@ -951,8 +957,9 @@ def main() -> None:
     full = None if args.quick or args.only else full_finetune(args.threads, args.timeout)
     total = time.perf_counter() - t_start - building
     print(f"total {total:.0f} s (and {building:.0f} s building model files)", flush=True)
-    kept = kept_sections(args.out.read_text(encoding="utf-8")) if args.out.exists() else ""
-    args.out.write_text(report(rows, sides, info, args, total, full) + kept)
+    previous = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
+    args.out.write_text(report(rows, sides, info, args, total, full) + kept_sections(previous)
+                        + other_cpu_runs(previous, cpu_line(info)))
     print(f"wrote {args.out}", flush=True)
 
 
@@ -1027,10 +1034,41 @@ def write_section(path: Path, heading: str, new: str) -> None:
     print(f"wrote its section of {path}", flush=True)
 
 
+def sibling_section(section: str) -> bool:
+    """Whether a ``## `` section's heading names one of :data:`KEPT_COMMANDS`."""
+    return section.startswith("## ") and any(c in section.splitlines()[0] for c in KEPT_COMMANDS)
+
+
 def kept_sections(previous: str) -> str:
-    """The ``## `` sections of the previous report whose heading names one of :data:`KEPT_COMMANDS`."""
-    return "".join("\n" + s.rstrip() + "\n" for s in sections(previous)
-                   if s.startswith("## ") and any(c in s.splitlines()[0] for c in KEPT_COMMANDS))
+    """The ``## `` sections of the previous report that a sibling command wrote (:func:`sibling_section`)."""
+    return "".join("\n" + s.rstrip() + "\n" for s in sections(previous) if sibling_section(s))
+
+
+OTHER_CPU = "## The last run on another CPU: "
+"""The heading of a previous report kept because it ran on another CPU than this run: the machines a newcomer
+gets are not all alike (AMD's Zen 4, Intel's Cascade Lake), so the report keeps the last run of each CPU."""
+
+
+def report_cpu(text: str) -> str | None:
+    """The ``- CPU:`` line's value of a report or archived run (its first one), or None."""
+    found = re.search(r"(?m)^- CPU: (.+)$", text)
+    return found.group(1).strip() if found else None
+
+
+def other_cpu_runs(previous: str, cpu: str) -> str:
+    """The previous report's runs on CPUs other than ``cpu``: its own main part when it ran on another CPU (its
+    headings one level down, under an :data:`OTHER_CPU` heading), and the archived runs it kept, one per CPU."""
+    parts = sections(previous)
+    archived = [s for s in parts if s.startswith(OTHER_CPU)]
+    main = [s for s in parts[1:] if not s.startswith(OTHER_CPU) and not sibling_section(s)]
+    runs = [s for s in archived if report_cpu(s) != cpu]
+    previous_cpu = report_cpu("".join(main))
+    if previous_cpu and previous_cpu != cpu:
+        runs = [s for s in runs if report_cpu(s) != previous_cpu]
+        preamble = "\n".join(ln for ln in parts[0].splitlines() if not ln.startswith("# ")).strip()
+        body = re.sub(r"(?m)^## ", "### ", "".join(main)).rstrip()
+        runs.insert(0, f"{OTHER_CPU}{previous_cpu.split(',')[0]}\n\n{preamble}\n\n{body}\n")
+    return "".join("\n" + s.rstrip() + "\n" for s in runs)
 
 
 def keep_faster(peak: dict[str, Any], again: dict[str, Any]) -> None:
@@ -1147,7 +1185,7 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "",
         "## Machine",
         "",
-        f"- CPU: {info['cpu']}, {info['cores']} cores ({info['flags']}), {info['memory_gib']:.0f} GiB RAM",
+        f"- CPU: {cpu_line(info)}",
         f"- torch {info['torch']}, transformers {info['transformers']}, peft {info['peft']}, "
         f"Python {info['python']}; {args.threads} torch threads per side",
         "- allocators: every row runs with both sides on the system malloc (glibc), what the README's setup gives, "
