@@ -1034,6 +1034,11 @@ def write_section(path: Path, heading: str, new: str) -> None:
     print(f"wrote its section of {path}", flush=True)
 
 
+def joined(parts: list[str]) -> str:
+    """``## `` sections as the report appends them: each after a blank line, ending in one newline."""
+    return "".join("\n" + s.rstrip() + "\n" for s in parts)
+
+
 def sibling_section(section: str) -> bool:
     """Whether a ``## `` section's heading names one of :data:`KEPT_COMMANDS`."""
     return section.startswith("## ") and any(c in section.splitlines()[0] for c in KEPT_COMMANDS)
@@ -1041,7 +1046,7 @@ def sibling_section(section: str) -> bool:
 
 def kept_sections(previous: str) -> str:
     """The ``## `` sections of the previous report that a sibling command wrote (:func:`sibling_section`)."""
-    return "".join("\n" + s.rstrip() + "\n" for s in sections(previous) if sibling_section(s))
+    return joined([s for s in sections(previous) if sibling_section(s)])
 
 
 OTHER_CPU = "## The last run on another CPU: "
@@ -1068,7 +1073,7 @@ def other_cpu_runs(previous: str, cpu: str) -> str:
         preamble = "\n".join(ln for ln in parts[0].splitlines() if not ln.startswith("# ")).strip()
         body = re.sub(r"(?m)^## ", "### ", "".join(main)).rstrip()
         runs.insert(0, f"{OTHER_CPU}{previous_cpu.split(',')[0]}\n\n{preamble}\n\n{body}\n")
-    return "".join("\n" + s.rstrip() + "\n" for s in runs)
+    return joined(runs)
 
 
 def keep_faster(peak: dict[str, Any], again: dict[str, Any]) -> None:

@@ -32,6 +32,11 @@ static float f16_to_f32(const uint8_t *p) {
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
+/* 16 quants as f32, each q - offset: the exact int-to-float conversion of ggml's loops, on 16 values at a time */
+static inline v16 f32_of_u8(u8x16 q, int32_t offset) {
+    return __builtin_convertvector(__builtin_convertvector(q, i32x16) - offset, v16);
+}
+
 /* block_q4_0: d (f16), qs[16]; dequantize_row_q4_0. The 16 bytes as one vector: low nibbles are values 0-15,
  * high nibbles 16-31, each (q - 8) * d, the same int-to-float conversion and product as ggml's loop; written as
  * vectors because GCC vectorizes the byte loop poorly for AVX-512 */
@@ -40,8 +45,8 @@ static void q4_0(const uint8_t *restrict x, float *restrict y, int64_t n) {
         const float d = f16_to_f32(x);
         u8x16 q;
         memcpy(&q, x + 2, sizeof q);
-        st_f32(y, __builtin_convertvector(__builtin_convertvector(q & 0x0F, i32x16) - 8, v16) * d);
-        st_f32(y + L, __builtin_convertvector(__builtin_convertvector(q >> 4, i32x16) - 8, v16) * d);
+        st_f32(y, f32_of_u8(q & 0x0F, 8) * d);
+        st_f32(y + L, f32_of_u8(q >> 4, 8) * d);
     }
 }
 
@@ -65,9 +70,6 @@ static void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
     }
 }
 
-/* u8x16 -> 16 f32 lanes: the exact int-to-float conversion of ggml's loops, on 16 values at a time */
-static inline v16 f32_of_u8(u8x16 q) { return __builtin_convertvector(__builtin_convertvector(q, i32x16), v16); }
-
 /* block_q4_K: d, dmin (f16), scales[12], qs[128]; dequantize_row_q4_K. Each 32 bytes of qs hold two sub-blocks,
  * low nibbles then high, each d1 * q - m1 as ggml computes it (no FMA: -ffp-contract=off), 16 values a vector */
 static void q4_k(const uint8_t *restrict x, float *restrict y, int64_t n) {
@@ -83,8 +85,8 @@ static void q4_k(const uint8_t *restrict x, float *restrict y, int64_t n) {
             for (int l = 0; l < 32; l += L) {
                 u8x16 b;
                 memcpy(&b, q + l, sizeof b);
-                st_f32(y + l, d1 * f32_of_u8(b & 0x0F) - m1);
-                st_f32(y + 32 + l, d2 * f32_of_u8(b >> 4) - m2);
+                st_f32(y + l, d1 * f32_of_u8(b & 0x0F, 0) - m1);
+                st_f32(y + 32 + l, d2 * f32_of_u8(b >> 4, 0) - m2);
             }
         }
     }
@@ -106,8 +108,8 @@ static void q5_k(const uint8_t *restrict x, float *restrict y, int64_t n) {
                 u8x16 b, h;
                 memcpy(&b, ql + l, sizeof b);
                 memcpy(&h, qh + l, sizeof h);
-                st_f32(y + l, d1 * f32_of_u8((b & 0x0F) | ((u8x16)((h & u1) != 0) & 16)) - m1);
-                st_f32(y + 32 + l, d2 * f32_of_u8((b >> 4) | ((u8x16)((h & u2) != 0) & 16)) - m2);
+                st_f32(y + l, d1 * f32_of_u8((b & 0x0F) | ((u8x16)((h & u1) != 0) & 16), 0) - m1);
+                st_f32(y + 32 + l, d2 * f32_of_u8((b >> 4) | ((u8x16)((h & u2) != 0) & 16), 0) - m2);
             }
         }
     }
@@ -129,8 +131,7 @@ static void q6_k(const uint8_t *restrict x, float *restrict y, int64_t n) {
                     memcpy(&lo, ql + (k % 2) * 32 + 16 * s, sizeof lo);
                     memcpy(&hi, qh + 16 * s, sizeof hi);
                     const u8x16 q = ((lo >> shift) & 0x0F) | (((hi >> (2 * k)) & 3) << 4);
-                    const v16 centered = __builtin_convertvector(__builtin_convertvector(q, i32x16) - 32, v16);
-                    st_f32(y + 32 * k + 16 * s, ds * centered);
+                    st_f32(y + 32 * k + 16 * s, ds * f32_of_u8(q, 32));
                 }
             }
         }
