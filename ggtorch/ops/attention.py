@@ -21,6 +21,7 @@ import functools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ggtorch.ops import clib
 
@@ -32,7 +33,8 @@ FLAGS = ("-O3", "-fno-math-errno")
 """Compiler flags besides those :func:`ggtorch.ops.clib.load` adds (no errno for the log-sum-exp's logf)."""
 
 HEAD_MULTIPLE = 16
-"""The kernels read a head in whole 16-wide vectors: its size must be a multiple of this."""
+"""The kernels read a head in whole 16-wide vectors: :func:`attention` pads a narrower head (or one between two
+multiples) with zero columns up to a multiple of this."""
 
 MAX_HEAD = 256
 MAX_TOKENS = 512
@@ -52,13 +54,14 @@ def _library() -> ctypes.CDLL | None:
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether :func:`attention` computes this call: self-attention on CPU (as many keys as queries, at most
-    :data:`MAX_TOKENS`) in a dtype it takes (:func:`dtype_taken`), each head contiguous, a multiple of 16 and
-    at most :data:`MAX_HEAD` wide (bf16: k and v with even strides, read as pairs), a boolean mask shared by
-    the heads or none (causal)."""
+    :data:`MAX_TOKENS`) in a dtype it takes (:func:`dtype_taken`), each head contiguous and at most
+    :data:`MAX_HEAD` wide (bf16: k and v with even strides, read as pairs, unless a padded head copies them), a
+    boolean mask shared by the heads or none (causal)."""
     D, T = q.shape[-1], q.shape[2]
     return (NATIVE and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and dtype_taken(q.dtype)
-            and T == k.shape[2] <= MAX_TOKENS and D % HEAD_MULTIPLE == 0 and D <= MAX_HEAD
-            and (q.dtype == torch.float32 or all(s % 2 == 0 for t in (k, v) for s in t.stride()[:3]))
+            and T == k.shape[2] <= MAX_TOKENS and D <= MAX_HEAD
+            and (q.dtype == torch.float32 or D % HEAD_MULTIPLE or all(s % 2 == 0 for t in (k, v)
+                                                                     for s in t.stride()[:3]))
             and all(t.stride(-1) == 1 for t in (q, k, v))
             and (mask is None or (mask.dtype == torch.bool and _shared_by_heads(mask, q))))
 
@@ -78,7 +81,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
               mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T · scale, masked) v for q (B, H, T, D), k and v (B, Hkv, T, D): causal when ``mask`` is
     None, else ``mask`` (broadcastable to (B, 1, T, T)) True where a query may see a key. A query that may see
-    no key gets 0. Requires :func:`takes`."""
+    no key gets 0. Requires :func:`takes`.
+
+    A head whose size is not a multiple of :data:`HEAD_MULTIPLE` (stories260K's 8) runs padded with zero columns:
+    they add exact zeros to every score, and their outputs and gradients are cut off."""
     return _Attention.apply(q, k, v, mask, scale)
 
 
@@ -122,6 +128,10 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                 mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        width = q.shape[-1]
+        ctx.pad = -width % HEAD_MULTIPLE
+        if ctx.pad:
+            q, k, v = (F.pad(t, (0, ctx.pad)) for t in (q, k, v))
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         out = _heads_last(B, H, T, D, q)
@@ -134,7 +144,7 @@ class _Attention(torch.autograd.Function):
             q.dtype == torch.bfloat16, torch.get_num_threads()))
         ctx.save_for_backward(q, k, v, out, lse, rows)
         ctx.scale, ctx.mask_stride = scale, mask_stride
-        return out
+        return out[..., :width] if ctx.pad else out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
@@ -142,6 +152,8 @@ class _Attention(torch.autograd.Function):
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         g = grad_out.to(q.dtype)
+        if ctx.pad:
+            g = F.pad(g, (0, ctx.pad))
         if g.stride(-1) != 1 or any(s % 2 for s in g.stride()[:3]):
             g = g.contiguous()
         grad_q, grad_k, grad_v = _heads_last(B, H, T, D, q), _heads_last(B, Hkv, T, D, k), _heads_last(B, Hkv, T, D, v)
@@ -152,4 +164,6 @@ class _Attention(torch.autograd.Function):
             grad_k.data_ptr(), grad_v.data_ptr(), part.data_ptr(), B, H, Hkv, T, D, strides.data_ptr(),
             None if rows is None else rows.data_ptr(), ctx.mask_stride, ctx.scale, q.dtype == torch.bfloat16,
             torch.get_num_threads()))
+        if ctx.pad:
+            return grad_q[..., :-ctx.pad], grad_k[..., :-ctx.pad], grad_v[..., :-ctx.pad], None, None
         return grad_q, grad_k, grad_v, None, None

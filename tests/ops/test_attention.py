@@ -1,7 +1,7 @@
 """attention.c against softmax attention written out in float64 (f32: within twice torch's own f32 error; bf16,
 where the library computes it: within 1.25 times the error of torch's flash kernel in bf16): outputs and the
 gradients of q, k and v for causal, packed, bidirectional and sliding-window masks, grouped-query heads,
-sequences that end inside an 8-query tile and a 64-query block, head widths from 16 to 256, inputs read through
+sequences that end inside an 8-query tile and a 64-query block, head widths from 8 (padded) to 256, inputs read through
 strides; a query that sees no key; the same bits on one thread and two; what it takes and refuses."""
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def _grads(fn, tensors: list[torch.Tensor], grad_out: torch.Tensor, dtype: torch
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["causal", "packed", "bidirectional", "window"])
 @pytest.mark.parametrize(("H", "Hkv"), [(4, 4), (8, 2)], ids=["mha", "gqa"])
-@pytest.mark.parametrize(("T", "D"), [(37, 16), (130, 64), (200, 256)], ids=["short", "blocks", "wide"])
+@pytest.mark.parametrize(("T", "D"), [(37, 16), (130, 64), (200, 256), (45, 8), (70, 40)],
+                         ids=["short", "blocks", "wide", "narrow", "uneven"])
 @pytest.mark.parametrize("strided", [True, False], ids=["strided", "contiguous"])
 def test_outputs_and_gradients_equal_the_formula_in_float64(dtype: torch.dtype, kind: str, H: int, Hkv: int, T: int,
                                                             D: int, strided: bool) -> None:
@@ -144,7 +145,9 @@ def test_what_it_takes() -> None:
         odd = torch.randn(1, 32, 2 * 64 + 1, dtype=torch.bfloat16)[..., :128].view(1, 32, 2, 64).transpose(1, 2)
         assert not native.takes(q.bfloat16(), odd, odd, None)
     narrow = _inputs(1, 4, 2, 32, 8, strided=True)
-    assert not native.takes(*narrow, None)  # heads in whole vectors only
+    assert native.takes(*narrow, None)  # padded to whole vectors
+    wide = _inputs(1, 1, 1, 32, native.MAX_HEAD + 8, strided=True)
+    assert not native.takes(*wide, None)
     long = _inputs(1, 1, 1, native.MAX_TOKENS + 1, 16, strided=True)
     assert not native.takes(*long, None)
     per_head = torch.ones(1, 4, 32, 32, dtype=torch.bool)
