@@ -141,15 +141,19 @@ class Case:
     110M f32 and bf16 rows: the bf16 row's ratio to the peer in f32 then compares steps that took turns)."""
     relay: bool = False
     """In a group, this row's ggtorch side starts when the row before has ended its own, and takes turns with
-    that row's peer process, which goes on with more steps (:func:`run_relay`): the peer of :attr:`peer_case`
-    is measured in the same spells without a third process resident."""
+    the group's first row's peer process, which goes on with more steps (:func:`run_relay`): the peer of
+    :attr:`peer_case` is measured in the same spells without a third process resident (gemma3-270M's bf16 row),
+    or the same peer work is not loaded and warmed up twice (a Q4_K_M row after the Q4_0 row of its shape:
+    transformers dequantizes either file at load to an f32 model of the same shapes, so the peer's step is the
+    same computation). Run without its group (``--only``), the row measures its own peer."""
 
     @property
     def peer_case(self) -> Case:
         """The case whose peer runs measure this one: the peer has no --keep-dequantized-mib, so a keep
         row shares the peer of the same row without it instead of measuring the same work again; a row
-        with a :attr:`peer_dtype` shares the peer of the row in that dtype."""
-        return replace(self, keep_mib=0, dtype=self.peer_dtype or self.dtype, peer_dtype="", relay=False)
+        with a :attr:`peer_dtype` shares the peer of the row in that dtype. The group a row runs in does not
+        change its peer's work."""
+        return replace(self, keep_mib=0, dtype=self.peer_dtype or self.dtype, peer_dtype="", relay=False, group="")
 
     def side_warmup(self, side: str) -> int:
         """Warm-up steps of ``side`` in this case."""
@@ -182,12 +186,14 @@ def full_cases(jemalloc: bool) -> list[Case]:
         # between two otherwise equal full runs)
         replace(base, repeat=2, group="110M F32"),
         replace(base, dtype="bf16", repeat=2, group="110M F32"),
-        replace(base, ftype="Q4_0", repeat=2),
-        replace(base, ftype="Q4_K_M", repeat=2),
+        # the Q4_K_M rows take turns with the Q4_0 row's peer process (a relay, Case.relay): the same peer work,
+        # loaded and warmed up once instead of twice
+        replace(base, ftype="Q4_0", repeat=2, group="110M Q4"),
+        replace(base, ftype="Q4_K_M", repeat=2, group="110M Q4", relay=True),
         replace(base, checkpointing=True, steps=1),
         # the 1.1B targets' rows: the median (mean) of two timed steps, not one
-        replace(base, shape="1.1B", ftype="Q4_0", batch=1, steps=2),
-        replace(base, shape="1.1B", ftype="Q4_K_M", batch=1, steps=2),
+        replace(base, shape="1.1B", ftype="Q4_0", batch=1, steps=2, group="1.1B Q4"),
+        replace(base, shape="1.1B", ftype="Q4_K_M", batch=1, steps=2, group="1.1B Q4", relay=True),
         # not a target: what --keep-dequantized-mib buys (one decode per matrix and step) and costs (memory),
         # against the peer runs of the row above (Case.peer_case)
         replace(base, shape="1.1B", ftype="Q4_0", batch=1, steps=2, keep_mib=KEEP_MIB),
@@ -360,6 +366,7 @@ def child_ggtorch(spec: dict[str, Any], turns: Turns) -> dict[str, Any]:
                 turns.end()
 
     torch.set_num_threads(spec["threads"])
+    turns.pause()  # imported: load in turn
     t0 = time.perf_counter()
     clock = CPUClock()
     trainer = Trainer(finetune_config(spec), callbacks=[clock], log_records=False)
@@ -461,6 +468,7 @@ def child_peer(spec: dict[str, Any], turns: Turns) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     config = finetune_config(spec)
     dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    turns.pause()  # imported: load in turn
     t0 = time.perf_counter()
     path = Path(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
@@ -555,26 +563,29 @@ def run_sides(specs: dict[str, dict[str, Any]], timeout: float,
     """Run each side (a name and its spec, whose ``kind`` is the child's, by default the name) in its own
     fresh interpreter (``command``); each one's result JSON, or {"error": ...}.
 
-    Two or more sides take turns (:func:`turn_order`): each child loads while the others wait, then the parent
-    lets one child run one step at a time, so every side's timed steps meet the same spells of the machine
-    (whose speed drifts by 10-25% within minutes) instead of the minutes a side after side run puts between
-    them. ``timeout``: seconds each side may keep the others waiting (its load, its steps, its end)."""
+    Two or more sides take turns (:func:`turn_order`): the children import their libraries at once (nothing
+    timed), each loads while the others wait, then the parent lets one child run one step at a time, so every
+    side's timed steps meet the same spells of the machine (whose speed drifts by 10-25% within minutes) instead
+    of the minutes a side after side run puts between them. ``timeout``: seconds each side may keep the others
+    waiting (its imports and load, its steps, its end)."""
     turns = len(specs) > 1
     children: dict[str, _Child] = {}
     failed: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="ggtorch-bench-") as tmp:
         try:
-            for i, (name, spec) in enumerate(specs.items()):  # one load at a time: no step, but CPU work
+            for i, (name, spec) in enumerate(specs.items()):
                 kind = spec.get("kind", name)
                 children[name] = _Child.start(command, kind, {**spec, "turns": turns}, Path(tmp) / str(i), timeout)
-                if turns and not _reports_idle(children[name]):
-                    failed.add(name)
             if turns:
+                for name, child in children.items():  # imported
+                    if not _reports_idle(child):
+                        failed.add(name)
+                for name, child in children.items():  # one load at a time: untimed, but CPU work
+                    if name not in failed and not _takes_turn(child):
+                        failed.add(name)
                 for name in turn_order({n: s["warmup"] + s["steps"] for n, s in specs.items()}):
-                    if name not in failed:
-                        children[name].send("go")
-                        if not _reports_idle(children[name]):
-                            failed.add(name)
+                    if name not in failed and not _takes_turn(children[name]):
+                        failed.add(name)
             # released one at a time, the last started first: a peer ends at once, while a ggtorch child has its
             # extra steps to time (dequantization, checkpointing), which must run alone too
             results = {name: children[name].result() for name in reversed(children)}
@@ -587,9 +598,10 @@ def run_sides(specs: dict[str, dict[str, Any]], timeout: float,
 def run_relay(legs: dict[str, dict[str, Any]], peer: tuple[str, dict[str, Any]], timeout: float,
               command: Callable[[str, dict[str, Any], Path], list[str]] = child_command) -> dict[str, dict[str, Any]]:
     """Each leg's side (a name and its spec, run one after the other) takes turns with one peer process that
-    runs through all of them: the peer loads first; each leg's child loads while the peer waits, takes turns
-    with it step by step (:func:`turn_order`, the peer's warm-up in the first leg only) and then ends alone,
-    the next loading after it, so only two processes are resident at a time. The peer's child runs its
+    runs through all of them: the peer and the first leg import their libraries at once, the peer loads, then
+    the leg; each later leg's child imports and loads while the peer waits. Each leg takes turns with the peer
+    step by step (:func:`turn_order`, the peer's warm-up in the first leg only) and then ends alone, the next
+    starting after it, so only two processes are resident at a time. The peer's child runs its
     warm-up and every leg's timed steps (``steps`` of its spec is ignored); its result is given to each leg
     as the peer's run: its warm-up and that leg's timed steps. Returns every leg's result and the peer's, by
     name (the peer's split per leg under ``"<peer name> <leg name>"``)."""
@@ -599,20 +611,21 @@ def run_relay(legs: dict[str, dict[str, Any]], peer: tuple[str, dict[str, Any]],
     with tempfile.TemporaryDirectory(prefix="ggtorch-bench-") as tmp:
         spec = {**peer_spec, "steps": sum(peer_steps.values()), "turns": True}
         child = _Child.start(command, peer_spec.get("kind", peer_name), spec, Path(tmp) / "peer", timeout)
-        peer_ok = _reports_idle(child)
         try:
             for i, (name, leg_spec) in enumerate(legs.items()):
                 leg = _Child.start(command, leg_spec.get("kind", name), {**leg_spec, "turns": True},
                                    Path(tmp) / str(i), timeout)
                 try:
-                    leg_ok = _reports_idle(leg)
+                    leg_ok = _reports_idle(leg)  # imported
+                    if i == 0:
+                        peer_ok = _reports_idle(child) and _takes_turn(child)  # imported, then loaded
+                    leg_ok = leg_ok and _takes_turn(leg)
                     peer_turns = (peer_spec["warmup"] if i == 0 else 0) + peer_steps[name]
                     for side in turn_order({name: leg_spec["warmup"] + leg_spec["steps"], peer_name: peer_turns}):
-                        run = leg if side == name else child
-                        if (leg_ok if side == name else peer_ok):
-                            run.send("go")
-                            ok = _reports_idle(run)
-                            leg_ok, peer_ok = (ok, peer_ok) if side == name else (leg_ok, ok)
+                        if side == name and leg_ok:
+                            leg_ok = _takes_turn(leg)
+                        elif side != name and peer_ok:
+                            peer_ok = _takes_turn(child)
                     results[name] = leg.result()  # its extra steps alone, the peer waiting
                 finally:
                     leg.kill()
@@ -712,6 +725,12 @@ class _Child:
             self.killed = True
 
 
+def _takes_turn(child: _Child) -> bool:
+    """Let ``child`` run its next part (a load or a step) and wait until it is idle again (:func:`_reports_idle`)."""
+    child.send("go")
+    return _reports_idle(child)
+
+
 def _reports_idle(child: _Child) -> bool:
     """Wait until ``child`` reports it is idle; False when it exits or its time runs out first (its turns are
     then skipped, the others go on, and its result says why), stopping a child that overran."""
@@ -722,10 +741,10 @@ def _reports_idle(child: _Child) -> bool:
 
 
 class Turns:
-    """A child's half of taking turns (:func:`run_sides`): it reports ``idle`` when it has loaded and after
-    each step, and waits for ``go`` before the next. The protocol has the process's stdout to itself (a
-    duplicate of it); file descriptor 1, which libraries print to, then points at stderr. Does nothing for a
-    child that runs alone."""
+    """A child's half of taking turns (:func:`run_sides`): it reports ``idle`` when it has imported its
+    libraries, when it has loaded and after each step, and waits for ``go`` before the next. The protocol has
+    the process's stdout to itself (a duplicate of it); file descriptor 1, which libraries print to, then points
+    at stderr. Does nothing for a child that runs alone."""
 
     def __init__(self, on: bool) -> None:
         self.out = None
@@ -1212,14 +1231,18 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "unused tokens) whose Q8_0 embedding is the output projection.",
         "Both sides train LoRA rank 4 (alpha 4) on q/k/v/o/gate/up/down with AdamW (lr 1e-3, weight decay 0.1, "
         "gradient clipping 1.0) on the same token stream, each side in its own process, both on the row's allocator. "
-        "The two processes take turns: each loads while the other waits, then they run one step at a time, the peer's "
+        "The two processes take turns: they import their libraries at once, each loads while the other waits, then "
+        "they run one step at a time, the peer's "
         "extra warm-up steps first and then one step of each side in turn, so both sides' timed steps meet the same "
         "spells of the machine, whose speed drifts by 10-25% within minutes. The 110M f32 and bf16 rows run their four "
         "processes together, taking turns the same way, so that the bf16 row's ratio to the peer in f32 compares steps "
         "that took turns too. The gemma3-270M rows are a relay: the peer in f32 loads once and takes turns first with "
         "ggtorch in f32, then, when that process has ended, with ggtorch in bf16, for as many more timed steps (each "
         "row's peer figure is from the peer's steps in its own turns), so only two processes are resident at a time: "
-        "beside the peer's 8 GiB a third one slowed the peer more than ggtorch (memory pressure). ggtorch runs its "
+        "beside the peer's 8 GiB a third one slowed the peer more than ggtorch (memory pressure). Each Q4_K_M row is a "
+        "relay after the Q4_0 row of its shape, against the Q4_0 row's peer process: transformers dequantizes either "
+        "file at load to an f32 model of the same shapes, so the peer's step is the same work, loaded and warmed up "
+        "once (the peer's load time and RSS in the Q4_K_M rows are those of the Q4_0 file). ggtorch runs its "
         "`Trainer` "
         "(what `ggtorch finetune` runs) with the base kept as stored in the GGUF (with bf16 compute, float matrices "
         "are held in bf16, as autocast would round them in every step); the peer loads the GGUF with transformers "

@@ -99,15 +99,46 @@ def test_keep_row_shares_the_peer_of_its_twin(bench: Any) -> None:
     keep = [i for i, c in enumerate(cases) if c.keep_mib]
     assert len(keep) == 1
     twin = cases[keep[0]].peer_case
-    assert twin in cases[:keep[0]] and twin.shape == "1.1B" and twin.ftype == "Q4_0" and not twin.keep_mib
-    # every other row measures its own peer, but gemma's bf16 one (below)
-    assert all(c.peer_case == c for c in cases if not c.keep_mib and not c.peer_dtype)
+    assert twin in [c.peer_case for c in cases[:keep[0]]]
+    assert twin.shape == "1.1B" and twin.ftype == "Q4_0" and not twin.keep_mib
+    # every other row's peer does that row's own work, but gemma's bf16 one (below)
+    assert all(c.peer_case == replace(c, group="", relay=False) for c in cases if not c.keep_mib and not c.peer_dtype)
+
+
+def test_q4_k_m_rows_take_turns_with_the_q4_0_rows_peer(bench: Any) -> None:
+    """A relay after the Q4_0 row of the same shape: transformers dequantizes either file to the same f32
+    model shapes, so one peer process (the Q4_0 file's) serves both; run alone, a Q4_K_M row loads its own."""
+    cases = bench.full_cases(jemalloc=False)
+    groups = [g for g in bench.together(cases) if any(c.ftype == "Q4_K_M" for c in g)]
+    assert [[(c.shape, c.ftype, c.relay) for c in g] for g in groups] == [
+        [("110M", "Q4_0", False), ("110M", "Q4_K_M", True)], [("1.1B", "Q4_0", False), ("1.1B", "Q4_K_M", True)]]
+    q4_0, q4_k_m = groups[1]
+    sides = ["ggtorch", "peer"]
+    pending = [bench.plan(c, {"model": f"{c.ftype}.gguf"}, {"case": c}, sides, {}) for c in (q4_0, q4_k_m)]
+    calls = []
+
+    def run_relay(legs, peer, timeout):
+        calls.append((legs, peer))
+        return {**{name: {"step_s": [1.0]} for name in legs},
+                **{f"{peer[0]} {name}": {"step_s": [float(i + 2)]} for i, name in enumerate(legs)}}
+
+    bench.run_relay, original = run_relay, bench.run_relay
+    try:
+        relayed = bench.relay_group(pending, sides, 60.0)
+    finally:
+        bench.run_relay = original
+    (legs, (_, peer_spec)), = calls
+    assert [spec["model"] for spec in legs.values()] == ["Q4_0.gguf", "Q4_K_M.gguf"]
+    assert (peer_spec["model"], peer_spec["ftype"], peer_spec["kind"]) == ("Q4_0.gguf", "Q4_0", "peer")
+    assert relayed[pending[1].side_name("peer")] == {"step_s": [3.0]}  # its share: the steps in its own turns
+    alone = bench.plan(q4_k_m, {"model": "Q4_K_M.gguf"}, {"case": q4_k_m}, sides, {})
+    assert alone.measured == sides and alone.side_spec("peer")["model"] == "Q4_K_M.gguf"
 
 
 def test_gemma_rows_are_a_relay_against_one_peer_process_in_f32(bench: Any) -> None:
     cases = bench.full_cases(jemalloc=False)
     f32, bf16 = (c for c in cases if c.shape == "gemma3-270M")
-    assert bf16.dtype == "bf16" and bf16.peer_case == f32 and bench.together(cases)[-1] == [f32, bf16]
+    assert bf16.dtype == "bf16" and bf16.peer_case == f32.peer_case and bench.together(cases)[-1] == [f32, bf16]
     assert bf16.relay and not f32.relay
     assert bf16.label == "gemma3-270M Q8_0 bf16 b4x256 vs peer f32"
     sides = ["ggtorch", "peer"]
@@ -323,6 +354,11 @@ spec.loader.exec_module(bench)
 case = json.loads(sys.argv[2])
 turns = bench.Turns(case["turns"])
 print("a library printing to stdout")  # must not reach the protocol
+imported = time.monotonic()
+turns.pause()
+start = time.monotonic()
+time.sleep(0.05)
+load = (start, time.monotonic())
 spans = []
 for i in range(case["warmup"] + case["steps"]):
     turns.pause()
@@ -334,7 +370,8 @@ for i in range(case["warmup"] + case["steps"]):
     spans.append((start, time.monotonic()))
 turns.end()
 released = time.monotonic()
-json.dump({"spans": spans, "released": released, "step_s": [b - a for a, b in spans],
+json.dump({"imported": imported, "load": load, "spans": spans, "released": released,
+           "step_s": [b - a for a, b in spans],
            "loss": list(range(len(spans)))}, open(sys.argv[3], "w"))
 """
 
@@ -364,6 +401,10 @@ def test_a_relay_runs_each_leg_in_turn_with_one_peer_and_splits_its_steps(bench:
         assert end <= start  # no two steps at once
     order = [side for _, _, side in spans]
     assert order == bench.turn_order({"f32": 3, "peer": 5}) + bench.turn_order({"bf16": 4, "peer": 3})
+    # the peer and the first leg import at once, then load one after the other, before any step
+    assert results["f32"]["imported"] < results["peer"]["load"][0]
+    assert results["peer"]["load"][1] <= results["f32"]["load"][0] and results["f32"]["load"][1] <= spans[0][0]
+    assert results["bf16"]["load"][1] <= min(s for s, _ in results["bf16"]["spans"])
     assert min(s for s, _ in results["bf16"]["spans"]) > results["f32"]["released"]  # the second leg after the first
     assert results["peer f32"]["loss"] == [0, 1, 2, 3, 4] and results["peer bf16"]["loss"] == [0, 1, 2, 5, 6, 7]
     assert results["peer bf16"]["step_s"] == peer["step_s"][:3] + peer["step_s"][5:]
@@ -381,14 +422,16 @@ def test_rows_of_a_group_run_together_and_the_others_alone(bench: Any) -> None:
     assert [c for g in groups for c in g] == cases
     pairs = [g for g in groups if len(g) > 1]
     # the 110M f32 and bf16 rows, on each allocator: the bf16 row's ratio to the peer in f32 takes turns too;
-    # gemma3-270M's f32 and bf16 rows, a relay
-    assert [[(c.shape, c.dtype, c.malloc) for c in g] for g in pairs] == [
-        [("110M", "f32", "system"), ("110M", "bf16", "system")],
-        [("gemma3-270M", "f32", "system"), ("gemma3-270M", "bf16", "system")],
-        [("110M", "f32", "jemalloc"), ("110M", "bf16", "jemalloc")],
-        [("gemma3-270M", "f32", "jemalloc"), ("gemma3-270M", "bf16", "jemalloc")]]
-    assert all(c.ftype == "F32" and not c.checkpointing for g in pairs[::2] for c in g)
-    assert [c.relay for g in pairs for c in g] == [False, False, False, True] * 2
+    # the Q4_0 and Q4_K_M rows of each shape and gemma3-270M's f32 and bf16 rows, relays
+    system = [("110M", "F32", "f32"), ("110M", "F32", "bf16")], [("110M", "Q4_0", "f32"), ("110M", "Q4_K_M", "f32")]
+    assert [[(c.shape, c.ftype, c.dtype, c.malloc) for c in g] for g in pairs] == [
+        [(*c, "system") for c in system[0]], [(*c, "system") for c in system[1]],
+        [("1.1B", "Q4_0", "f32", "system"), ("1.1B", "Q4_K_M", "f32", "system")],
+        [("gemma3-270M", "Q8_0", "f32", "system"), ("gemma3-270M", "Q8_0", "bf16", "system")],
+        [(*c, "jemalloc") for c in system[0]], [(*c, "jemalloc") for c in system[1]],
+        [("gemma3-270M", "Q8_0", "f32", "jemalloc"), ("gemma3-270M", "Q8_0", "bf16", "jemalloc")]]
+    assert not any(c.checkpointing for g in pairs for c in g)
+    assert [c.relay for g in pairs for c in g] == [False, False] + [False, True] * 3 + [False, False] + [False, True] * 2
 
 
 def test_sides_take_turns_one_step_at_a_time(bench: Any) -> None:
@@ -400,6 +443,10 @@ def test_sides_take_turns_one_step_at_a_time(bench: Any) -> None:
         assert end <= start  # no two steps at once
     last_step = max(end for _, end, _ in spans)
     assert all(r["released"] >= last_step for r in results.values())  # what follows the turns runs after all of them
+    # both import at once (nothing timed); then each loads alone, before any step
+    assert max(r["imported"] for r in results.values()) < min(r["load"][0] for r in results.values())
+    loads = sorted(r["load"] for r in results.values())
+    assert loads[0][1] <= loads[1][0] and loads[1][1] <= spans[0][0]
 
 
 def test_a_side_that_fails_in_turn_reports_it_and_the_other_goes_on(bench: Any) -> None:
