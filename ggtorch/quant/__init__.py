@@ -71,10 +71,10 @@ DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]]
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(DEQUANTIZERS)
 
-CHUNK_VALUES = 1 << 21
+CHUNK_VALUES = 1 << 22
 """Values decoded per step: big enough to amortize per-op overhead, small enough that a huge
 tensor never needs several copies of itself in memory at once; one step fills one
-``quant.autograd.CHUNK_BYTES`` chunk of f32 (8 MiB), so a chunk is decoded without a copy."""
+``quant.autograd.CHUNK_BYTES`` chunk of f32 (16 MiB), so a chunk is decoded without a copy."""
 
 
 def block_size(ggml_type: GGMLQuantizationType) -> int:

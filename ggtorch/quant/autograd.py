@@ -4,12 +4,14 @@ The base weight of a LoRA finetune is frozen, so backward needs only ``grad_x = 
 and never a gradient for W. :class:`QuantMatmul` therefore saves just a reference to the raw
 uint8 blocks (which the module holds anyway) and dequantizes again in backward. Both passes
 walk W in chunks of whole rows, so the only float copy of W that ever exists is one chunk of
-at most ``CHUNK_BYTES`` (8 MiB): without chunking, a 32000 x 4096 output matrix would need
+at most ``CHUNK_BYTES`` (16 MiB): without chunking, a 32000 x 4096 output matrix would need
 a 512 MiB f32 temporary in every forward and backward, which is exactly the memory that
-keeping the model quantized is meant to save. 8 MiB holds every matrix of a 110M-shape layer
-whole, so such layers run one unsplit matmul each way (a split forward costs a copy of each
-partial product into the output); larger chunks measurably raise peak memory at short
-contexts (tests/training/test_memory.py) for no further gain.
+keeping the model quantized is meant to save. 16 MiB holds every matrix of a 110M-shape layer
+and the attention matrices of a 2048-wide one (TinyLlama's) whole, so they run one unsplit
+matmul each way (a split forward costs a copy of each partial product into the output, a
+split backward a pass over the accumulated gradient per chunk); a chunk must stay below the
+32 MiB from which a ggtorch run's glibc maps every allocation afresh and faults it in
+(:mod:`ggtorch.ops.malloc`).
 
 Compute dtype: the dtype of ``x``, or the autocast dtype when autocast is enabled on
 ``x``'s device (the matmul is computed in it, as autocast computes ``F.linear``). The
@@ -31,7 +33,7 @@ from gguf import GGMLQuantizationType
 from ggtorch.ops.matmul import add_mm_, mm, mm_t
 from ggtorch.quant import dequantize, row_nbytes
 
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 16 << 20
 """Upper bound on the dequantized temporary per chunk (bytes in the compute dtype); change
 it here, or per call with ``chunk_bytes``, to trade memory against per-chunk overhead."""
 

@@ -14,7 +14,7 @@ layers, the 32000-token vocabulary: ~112M parameters, 450 MB as f32).
 Budget for everything besides the base weights (stated, asserted): ``EXTRA_BUDGET`` =
 160 MiB: LoRA tensors with grads and two AdamW moments (~5 MB at r = 4), the activations
 and autograd saves of a (1, 64) batch through 4 layers and a 32000-wide output (logits,
-softmax and their grads: ~25 MB), one dequantized chunk (``CHUNK_BYTES``, 8 MiB) at a time,
+softmax and their grads: ~25 MB), one dequantized chunk (``CHUNK_BYTES``, 16 MiB) at a time,
 and the allocator's slack.
 """
 
