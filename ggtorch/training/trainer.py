@@ -14,6 +14,7 @@ Differences from the old program, on purpose (also in ``--help`` and the docs):
 
 from __future__ import annotations
 
+import gc
 import math
 import re
 import signal
@@ -422,7 +423,13 @@ class Trainer:
                 "training stopped and the last saved checkpoint was kept. Lower --adam-alpha, or use --dtype f32")
 
     def close(self) -> None:
+        """Close the log and leave the process group, the DDP wrapper dropped first: left to the interpreter's
+        exit, its reducer would free the gloo group (joining the group's threads) during finalization, where that
+        can abort a run that succeeded ("terminate called without an active exception")."""
         self.log.close()
+        if self.forward_model is not self.model:
+            self.forward_model = self.model
+            gc.collect()
         self.run.close()
 
 
