@@ -105,6 +105,25 @@ def test_keep_row_shares_the_peer_of_its_twin(bench: Any) -> None:
     assert all(c.peer_case == replace(c, group="", relay=False) for c in cases if not c.keep_mib and not c.peer_dtype)
 
 
+def _relayed(bench: Any, pending: list[Any]) -> tuple[dict[str, Any], dict[str, Any], tuple[str, dict[str, Any]]]:
+    """relay_group over ``pending`` with run_relay faked (every leg's steps 1.0 s, the peer's 2.0, 3.0, ... s in
+    the legs' turns): the rows' results, and the legs' specs and the peer's name and spec it was called with."""
+    calls = []
+
+    def run_relay(legs, peer, timeout):
+        calls.append((legs, peer))
+        return {**{name: {"step_s": [1.0]} for name in legs},
+                **{f"{peer[0]} {name}": {"step_s": [float(i + 2)]} for i, name in enumerate(legs)}}
+
+    bench.run_relay, original = run_relay, bench.run_relay
+    try:
+        relayed = bench.relay_group(pending, ["ggtorch", "peer"], 60.0)
+    finally:
+        bench.run_relay = original
+    (legs, peer), = calls
+    return relayed, legs, peer
+
+
 def test_q4_k_m_rows_take_turns_with_the_q4_0_rows_peer(bench: Any) -> None:
     """A relay after the Q4_0 row of the same shape: transformers dequantizes either file to the same f32
     model shapes, so one peer process (the Q4_0 file's) serves both; run alone, a Q4_K_M row loads its own."""
@@ -115,19 +134,7 @@ def test_q4_k_m_rows_take_turns_with_the_q4_0_rows_peer(bench: Any) -> None:
     q4_0, q4_k_m = groups[1]
     sides = ["ggtorch", "peer"]
     pending = [bench.plan(c, {"model": f"{c.ftype}.gguf"}, {"case": c}, sides, {}) for c in (q4_0, q4_k_m)]
-    calls = []
-
-    def run_relay(legs, peer, timeout):
-        calls.append((legs, peer))
-        return {**{name: {"step_s": [1.0]} for name in legs},
-                **{f"{peer[0]} {name}": {"step_s": [float(i + 2)]} for i, name in enumerate(legs)}}
-
-    bench.run_relay, original = run_relay, bench.run_relay
-    try:
-        relayed = bench.relay_group(pending, sides, 60.0)
-    finally:
-        bench.run_relay = original
-    (legs, (_, peer_spec)), = calls
+    relayed, legs, (_, peer_spec) = _relayed(bench, pending)
     assert [spec["model"] for spec in legs.values()] == ["Q4_0.gguf", "Q4_K_M.gguf"]
     assert (peer_spec["model"], peer_spec["ftype"], peer_spec["kind"]) == ("Q4_0.gguf", "Q4_0", "peer")
     assert relayed[pending[1].side_name("peer")] == {"step_s": [3.0]}  # its share: the steps in its own turns
@@ -143,20 +150,8 @@ def test_gemma_rows_are_a_relay_against_one_peer_process_in_f32(bench: Any) -> N
     assert bf16.label == "gemma3-270M Q8_0 bf16 b4x256 vs peer f32"
     sides = ["ggtorch", "peer"]
     pending = [bench.plan(c, {"model": "m.gguf"}, {"case": c}, sides, {}) for c in (f32, bf16)]
-    calls = []
-
-    def run_relay(legs, peer, timeout):
-        calls.append((list(legs), peer))
-        return {**{name: {"step_s": [1.0]} for name in legs},
-                **{f"{peer[0]} {name}": {"step_s": [float(i + 2)]} for i, name in enumerate(legs)}}
-
-    bench.run_relay, original = run_relay, bench.run_relay
-    try:
-        relayed = bench.relay_group(pending, sides, 60.0)
-    finally:
-        bench.run_relay = original
-    (legs, (peer_name, peer_spec)), = calls
-    assert legs == [p.side_name("ggtorch") for p in pending]  # f32 first, then bf16
+    relayed, legs, (peer_name, peer_spec) = _relayed(bench, pending)
+    assert list(legs) == [p.side_name("ggtorch") for p in pending]  # f32 first, then bf16
     assert peer_name == pending[0].side_name("peer") and peer_spec["dtype"] == "f32" and peer_spec["warmup"] == 3
     assert relayed[pending[0].side_name("peer")] == {"step_s": [2.0]}  # each row: the peer's steps in its turns
     assert relayed[pending[1].side_name("peer")] == {"step_s": [3.0]}
@@ -431,7 +426,8 @@ def test_rows_of_a_group_run_together_and_the_others_alone(bench: Any) -> None:
         [(*c, "jemalloc") for c in system[0]], [(*c, "jemalloc") for c in system[1]],
         [("gemma3-270M", "Q8_0", "f32", "jemalloc"), ("gemma3-270M", "Q8_0", "bf16", "jemalloc")]]
     assert not any(c.checkpointing for g in pairs for c in g)
-    assert [c.relay for g in pairs for c in g] == [False, False] + [False, True] * 3 + [False, False] + [False, True] * 2
+    relays = [False, True]
+    assert [c.relay for g in pairs for c in g] == [False, False] + relays * 3 + [False, False] + relays * 2
 
 
 def test_sides_take_turns_one_step_at_a_time(bench: Any) -> None:
