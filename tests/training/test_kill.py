@@ -116,8 +116,8 @@ def test_an_allocation_refused_by_ulimit_keeps_the_checkpoint_and_says_how_to_re
     latest = work / "checkpoint-LATEST.gguf"
     before = latest.read_bytes()
 
-    def limit_address_space() -> None:  # ulimit -v 4 GiB: loading fits, a batch of 8192 x 64 does not
-        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+    def limit_address_space() -> None:  # ulimit -v 2 GiB: loading fits (in 1 GiB), a batch of 8192 x 64 does not
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 
     done = subprocess.run(_finetune_cmd(stories260k, train, 2, 8192, resume=True), cwd=work, capture_output=True,
                           text=True, timeout=300, preexec_fn=limit_address_space)
