@@ -323,8 +323,11 @@ static int forward(const float *q, const float *k, const float *v, float *out, f
     return failed;
 }
 
-/* ggtorch_attention_backward: a task per query head of a sequence, its queries BLOCK at a time; the head's key
- * and value gradients go to its part, summed over the heads that share them afterwards (reduce_parts) */
+/* ggtorch_attention_backward: a task per query head of a sequence, its queries BLOCK at a time. The head's key
+ * and value gradients accumulate in f32: in its own buffer, stored at the task's end, when no other query head
+ * shares its key head; else in its part, summed over the heads that share them afterwards (reduce_parts). The
+ * rows' dO·O are taken a block at a time, a pass over the block's rows of out, which a row at a time would
+ * wait on memory for (out was written in forward, long out of cache). */
 static int backward(const float *q, const float *k, const float *v, const float *out, const float *gout,
                     const float *lse, float *gq, float *gk, float *gv, float *part, int64_t B, int64_t H, int64_t Hkv,
                     int64_t Tn, int64_t D, strides qs, strides ks, strides vs, strides os, strides gos, strides gqs,
@@ -338,9 +341,9 @@ static int backward(const float *q, const float *k, const float *v, const float 
         const head_task t = head_of(task, H, Hkv, Tn, allowed, mask_s);
         const int64_t b = t.b, h = t.h, kvh = t.kvh, kend = t.kend, w = t.w;
         const uint8_t *mask = t.mask;
-        float *dk = part + (b * H + h) * 2 * Tn * D, *dv = dk + Tn * D;
-        memset(dk, 0, sizeof(float) * 2 * Tn * D);
-        float *buf = malloc(sizeof(float) * (2 * D * w + 2 * BLOCK * QLD + BLOCK * D + 2 * BLOCK * PLD));
+        const int own = H == Hkv; /* the head's key and value gradients are its own: kept in its buffer */
+        float *buf = malloc(sizeof(float) * (2 * D * w + 2 * BLOCK * QLD + BLOCK * D + 2 * BLOCK * PLD
+                                             + (own ? 2 * Tn * D : 0)));
         if (!buf) {
             failed = 1;
             continue;
@@ -348,6 +351,8 @@ static int backward(const float *q, const float *k, const float *v, const float 
         float *kt = buf, *vt = kt + D * w, *qr = vt + D * w;
         const float *kh = k + b * ks.s + kvh * ks.h; /* the keys' rows, read where they are */
         float *gr = qr + BLOCK * QLD, *dq = gr + BLOCK * QLD, *p = dq + BLOCK * D, *ds = p + BLOCK * PLD;
+        float *dk = own ? ds + BLOCK * PLD : part + (b * H + h) * 2 * Tn * D, *dv = dk + Tn * D;
+        memset(dk, 0, sizeof(float) * 2 * Tn * D);
         cols(k + b * ks.s + kvh * ks.h, ks.t, kend, D, w, kt);
         cols(v + b * vs.s + kvh * vs.h, vs.t, kend, D, w, vt);
         for (int64_t r0 = 0; r0 < Tn; r0 += BLOCK) {
@@ -357,6 +362,13 @@ static int backward(const float *q, const float *k, const float *v, const float 
             const int64_t bw = round_up(max64(bend, 1), KEYS);
             rows(q + b * qs.s + h * qs.h + r0 * qs.t, qs.t, n, D, qr, QLD);
             rows(gout + b * gos.s + h * gos.h + r0 * gos.t, gos.t, n, D, gr, QLD);
+            float rowdot[BLOCK]; /* dO·O of each row, the block's rows of out read in one pass */
+            for (int64_t i = r0; i < r1; ++i) {
+                const float *orow = out + b * os.s + h * os.h + i * os.t, *grow = gr + (i - r0) * QLD;
+                v16 acc = splat(0.f);
+                for (int64_t d = 0; d < D; d += L) acc += ld_f32(grow + d) * ld_f32(orow + d);
+                rowdot[i - r0] = lane_sum(acc);
+            }
             for (int64_t t0 = r0; t0 < r1; t0 += MR) {
                 const int mr = (int)min64(MR, r1 - t0);
                 int64_t tend = 0;
@@ -370,11 +382,7 @@ static int backward(const float *q, const float *k, const float *v, const float 
                     float *pr = pt + r * PLD, *dr = dst + r * PLD;
                     softmax_row(pr, tw, ends[i - r0], mask ? mask + i * Tn : NULL, scale,
                                 lse + (b * H + h) * Tn + i);
-                    const float *orow = out + b * os.s + h * os.h + i * os.t;
-                    const float *grow = gr + (i - r0) * QLD;
-                    v16 acc = splat(0.f);
-                    for (int64_t d = 0; d < D; d += L) acc += ld_f32(grow + d) * ld_f32(orow + d);
-                    score_gradient(pr, dr, tw, bw, lane_sum(acc), scale);
+                    score_gradient(pr, dr, tw, bw, rowdot[i - r0], scale);
                 }
                 gemm_p(mr, D, 0, tend, dst, kh, ks.t, dq + (t0 - r0) * D, D);
             }
@@ -387,9 +395,13 @@ static int backward(const float *q, const float *k, const float *v, const float 
                 gemm_t(mr, D, i0, n, p + j0, gr, QLD, dv + j0 * D, D);
             }
         }
+        if (own) {
+            store(dk, Tn, D, (float *)gk + b * gks.s + kvh * gks.h, gks.t);
+            store(dv, Tn, D, (float *)gv + b * gvs.s + kvh * gvs.h, gvs.t);
+        }
         free(buf);
     }
-    if (!failed) reduce_parts(part, gk, gv, 0, B, H, Hkv, Tn, D, gks, gvs, threads);
+    if (!failed && H != Hkv) reduce_parts(part, gk, gv, 0, B, H, Hkv, Tn, D, gks, gvs, threads);
     return failed;
 }
 
@@ -472,9 +484,65 @@ static void pair_rows(const uint16_t *src, int64_t ts, int64_t n, int64_t D, uin
         }
 }
 
-/* an f32 row rounded to bf16 */
-static void round_row(const float *src, int64_t n, uint16_t *dst) {
-    for (int64_t j = 0; j < n; j += L) st_bf16(dst + j, ld_f32(src + j));
+/* The scores s[j, j + L) of a row, scaled, where the row sees the key (below end, allowed by its mask row);
+ * -inf in the other lanes, as softmax_row masks them */
+static inline v16 seen_scores(const float *s, int64_t j, int64_t end, const uint8_t *allowed_row, float scale) {
+    v16 x = ld_f32(s + j) * scale;
+    if (allowed_row || j + L > end) {
+        i32x16 ok;
+        for (int l = 0; l < L; ++l) ok[l] = j + l < end && (!allowed_row || allowed_row[j + l]) ? -1 : 0;
+        x = vselect(ok, x, splat(-INFINITY));
+    }
+    return x;
+}
+
+/* softmax_row, its probabilities rounded into p16[0, width): the maximum, the exponentials (kept in s) with
+ * their sum, then their quotients rounded, three passes over the row where softmax_row and a rounding take
+ * five. The scores are scaled as they are read, each time alike. Returns the row's log-sum-exp. */
+static float softmax_row16(float *s, int64_t width, int64_t end, const uint8_t *allowed_row, float scale,
+                           uint16_t *p16) {
+    v16 top = splat(-INFINITY);
+    for (int64_t j = 0; j < end; j += L) {
+        const v16 x = seen_scores(s, j, end, allowed_row, scale);
+        top = vselect((i32x16)(x > top), x, top);
+    }
+    float m = -INFINITY;
+    for (int l = 0; l < L; ++l) m = top[l] > m ? top[l] : m;
+    if (m == -INFINITY) { /* no key: probabilities 0 */
+        memset(p16, 0, width * sizeof(uint16_t));
+        return -INFINITY;
+    }
+    v16 sum = splat(0.f);
+    for (int64_t j = 0; j < end; j += L) {
+        const v16 e = vexp_or_0(seen_scores(s, j, end, allowed_row, scale) - m);
+        st_f32(s + j, e);
+        sum += e;
+    }
+    const float total = lane_sum(sum);
+    const float inv = 1.f / total;
+    int64_t j = 0;
+    for (; j < end; j += L) st_bf16(p16 + j, ld_f32(s + j) * inv); /* lanes past end hold e = 0 */
+    for (; j < width; j += L) st_bf16(p16 + j, splat(0.f));
+    return m + logf(total);
+}
+
+/* A row's probabilities p = e^(s·scale - lse) (softmax_row given lse) and score gradients dS = p (dp - rowdot)
+ * scale (score_gradient) in one pass, rounded into p16 and ds16; both 0 past the computed columns tw up to bw
+ * and in a row that sees no key (lse -inf) */
+static void gradient_row16(const float *s, const float *dp, int64_t tw, int64_t bw, int64_t end,
+                           const uint8_t *allowed_row, float scale, float lse, float rowdot, uint16_t *p16,
+                           uint16_t *ds16) {
+    int64_t j = 0;
+    if (lse != -INFINITY)
+        for (; j < tw; j += L) {
+            const v16 p = vexp_or_0(seen_scores(s, j, end, allowed_row, scale) - lse);
+            st_bf16(p16 + j, p);
+            st_bf16(ds16 + j, p * (ld_f32(dp + j) - rowdot) * scale);
+        }
+    for (; j < bw; j += L) {
+        st_bf16(p16 + j, splat(0.f));
+        st_bf16(ds16 + j, splat(0.f));
+    }
 }
 
 static int forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, float *lse,
@@ -510,9 +578,9 @@ static int forward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
             rows16(q + b * qs.s + h * qs.h + t0 * qs.t, qs.t, mr, D, (uint16_t *)qr, QLD);
             bgemm_q(mr, tw, 0, D / 2, qr, kp, w, s, PLD);
             for (int r = 0; r < mr; ++r) {
-                lse[(b * H + h) * Tn + t0 + r] = softmax_row(s + r * PLD, tw, ends[r],
-                                                             mask ? mask + (t0 + r) * Tn : NULL, scale, NULL);
-                round_row(s + r * PLD, tw, (uint16_t *)p16 + r * PLD);
+                lse[(b * H + h) * Tn + t0 + r] = softmax_row16(s + r * PLD, tw, ends[r],
+                                                               mask ? mask + (t0 + r) * Tn : NULL, scale,
+                                                               (uint16_t *)p16 + r * PLD);
             }
             bgemm_p(mr, D, 0, (tend + 1) / 2, p16, v2, D, o, D);
             store16(o, mr, D, out + b * os.s + h * os.h + t0 * os.t, os.t);
@@ -538,8 +606,7 @@ static int backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
         const int64_t b = t.b, h = t.h, kvh = t.kvh, kend = t.kend, w = t.w;
         const uint8_t *mask = t.mask;
         const int64_t half = (kend + 1) / 2;
-        float *dk = part + (b * H + h) * 2 * Tn * D, *dv = dk + Tn * D;
-        memset(dk, 0, sizeof(float) * 2 * Tn * D);
+        const int own = H == Hkv; /* as in backward */
         /* pairs: keys' and values' columns, keys' rows; q's and dO's rows (bf16) and row pairs; P, dS in bf16 and
          * as row pairs */
         uint32_t *kp = malloc(sizeof(uint32_t) * (D * w + half * D + 2 * BLOCK * HALF_QLD + BLOCK * D
@@ -547,13 +614,16 @@ static int backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
         uint32_t *vp = kp + D / 2 * w, *k2 = vp + D / 2 * w, *qr = k2 + half * D, *gr = qr + BLOCK * HALF_QLD;
         uint32_t *q2 = gr + BLOCK * HALF_QLD, *g2 = q2 + BLOCK / 2 * D, *p16 = g2 + BLOCK / 2 * D;
         uint32_t *ds16 = p16 + BLOCK * HALF_PLD, *p2 = ds16 + BLOCK * HALF_PLD, *ds2 = p2 + BLOCK / 2 * PLD;
-        float *p = malloc(sizeof(float) * (2 * BLOCK * PLD + BLOCK * D)), *ds = p + BLOCK * PLD, *dq = ds + BLOCK * PLD;
+        float *p = malloc(sizeof(float) * (2 * BLOCK * PLD + BLOCK * D + (own ? 2 * Tn * D : 0)));
         if (!kp || !p) {
             free(kp);
             free(p);
             failed = 1;
             continue;
         }
+        float *ds = p + BLOCK * PLD, *dq = ds + BLOCK * PLD;
+        float *dk = own ? dq + BLOCK * D : part + (b * H + h) * 2 * Tn * D, *dv = dk + Tn * D;
+        memset(dk, 0, sizeof(float) * 2 * Tn * D);
         const uint16_t *kh = k + b * ks.s + kvh * ks.h, *vh = v + b * vs.s + kvh * vs.h;
         cols((const float *)kh, ks.t / 2, kend, D / 2, w, (float *)kp);
         cols((const float *)vh, vs.t / 2, kend, D / 2, w, (float *)vp);
@@ -568,6 +638,13 @@ static int backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
             rows16(gb, gos.t, n, D, (uint16_t *)gr, QLD);
             pair_rows(qb, qs.t, n, D, q2, D);
             pair_rows(gb, gos.t, n, D, g2, D);
+            float rowdot[BLOCK]; /* as in backward */
+            for (int64_t i = r0; i < r1; ++i) {
+                const uint16_t *orow = out + b * os.s + h * os.h + i * os.t, *grow = gb + (i - r0) * gos.t;
+                v16 acc = splat(0.f);
+                for (int64_t d = 0; d < D; d += L) acc += ld_bf16(grow + d) * ld_bf16(orow + d);
+                rowdot[i - r0] = lane_sum(acc);
+            }
             for (int64_t t0 = r0; t0 < r1; t0 += MR) {
                 const int mr = (int)min64(MR, r1 - t0);
                 int64_t tend = 0;
@@ -578,14 +655,9 @@ static int backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
                 bgemm_q(mr, tw, 0, D / 2, gr + (t0 - r0) * HALF_QLD, vp, w, dst, PLD);
                 for (int r = 0; r < mr; ++r) {
                     const int64_t i = t0 + r;
-                    float *pr = pt + r * PLD, *dr = dst + r * PLD;
-                    softmax_row(pr, tw, ends[i - r0], mask ? mask + i * Tn : NULL, scale, lse + (b * H + h) * Tn + i);
-                    const uint16_t *orow = out + b * os.s + h * os.h + i * os.t, *grow = gb + (i - r0) * gos.t;
-                    v16 acc = splat(0.f);
-                    for (int64_t d = 0; d < D; d += L) acc += ld_bf16(grow + d) * ld_bf16(orow + d);
-                    score_gradient(pr, dr, tw, bw, lane_sum(acc), scale);
-                    round_row(pr, bw, (uint16_t *)p16 + (i - r0) * PLD);
-                    round_row(dr, bw, (uint16_t *)ds16 + (i - r0) * PLD);
+                    gradient_row16(pt + r * PLD, dst + r * PLD, tw, bw, ends[i - r0], mask ? mask + i * Tn : NULL,
+                                   scale, lse[(b * H + h) * Tn + i], rowdot[i - r0], (uint16_t *)p16 + (i - r0) * PLD,
+                                   (uint16_t *)ds16 + (i - r0) * PLD);
                 }
                 bgemm_p(mr, D, 0, (tend + 1) / 2, ds16 + (t0 - r0) * HALF_PLD, k2, D, dq + (t0 - r0) * D, D);
             }
@@ -599,10 +671,14 @@ static int backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
                 bgemm_t(mr, D, i0 / 2, (n + 1) / 2, p2 + j0, g2, D, dv + j0 * D, D);
             }
         }
+        if (own) {
+            store16(dk, Tn, D, gk + b * gks.s + kvh * gks.h, gks.t);
+            store16(dv, Tn, D, gv + b * gvs.s + kvh * gvs.h, gvs.t);
+        }
         free(kp);
         free(p);
     }
-    if (!failed) reduce_parts(part, gk, gv, 1, B, H, Hkv, Tn, D, gks, gvs, threads);
+    if (!failed && H != Hkv) reduce_parts(part, gk, gv, 1, B, H, Hkv, Tn, D, gks, gvs, threads);
     return failed;
 }
 #endif
@@ -634,7 +710,8 @@ int ggtorch_attention(const void *q, const void *k, const void *v, void *out, fl
 }
 
 /* The gradients of q, k and v from out's gradient; `st` holds the strides of q, k, v, out, grad_out, grad_q,
- * grad_k, grad_v (3 each), `part` room for 2·B·H·T·D floats (each query head's key and value gradients).
+ * grad_k, grad_v (3 each), `part` room for 2·B·H·T·D floats (each query head's key and value gradients) when
+ * Hkv < H (unused, and may be NULL, when every query head has its own key and value heads).
  * Returns 0, or 1 when a task's buffers could not be allocated. */
 int ggtorch_attention_backward(const void *q, const void *k, const void *v, const void *out, const void *gout,
                                const float *lse, void *gq, void *gk, void *gv, float *part, int64_t B, int64_t H,

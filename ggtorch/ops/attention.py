@@ -158,12 +158,14 @@ class _Attention(torch.autograd.Function):
             g = g.contiguous()
         grad_q, grad_k, grad_v = _heads_last(B, H, T, D, q), _heads_last(B, Hkv, T, D, k), _heads_last(B, Hkv, T, D, v)
         strides = _strides(q, k, v, out, g, grad_q, grad_k, grad_v)
-        part = torch.empty(2 * B * H * T * D, dtype=torch.float32, device=q.device)  # each query head's dK, dV
+        part = None  # each query head's dK, dV, summed over the heads that share a key head; else the heads' own
+        if H != Hkv:
+            part = torch.empty(2 * B * H * T * D, dtype=torch.float32, device=q.device)
         _check(_library().ggtorch_attention_backward(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), g.data_ptr(), lse.data_ptr(), grad_q.data_ptr(),
-            grad_k.data_ptr(), grad_v.data_ptr(), part.data_ptr(), B, H, Hkv, T, D, strides.data_ptr(),
-            None if rows is None else rows.data_ptr(), ctx.mask_stride, ctx.scale, q.dtype == torch.bfloat16,
-            torch.get_num_threads()))
+            grad_k.data_ptr(), grad_v.data_ptr(), None if part is None else part.data_ptr(), B, H, Hkv, T, D,
+            strides.data_ptr(), None if rows is None else rows.data_ptr(), ctx.mask_stride, ctx.scale,
+            q.dtype == torch.bfloat16, torch.get_num_threads()))
         if ctx.pad:
             return grad_q[..., :-ctx.pad], grad_k[..., :-ctx.pad], grad_v[..., :-ctx.pad], None, None
         return grad_q, grad_k, grad_v, None, None
