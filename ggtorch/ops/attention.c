@@ -124,6 +124,12 @@ static inline float lane_sum(v16 v) {
     return sum;
 }
 
+static inline float lane_max(v16 v) {
+    float m = -INFINITY;
+    for (int l = 0; l < L; ++l) m = v[l] > m ? v[l] : m;
+    return m;
+}
+
 /* One past the last key any query may see */
 static int64_t keys_seen(const uint8_t *allowed, int64_t T) {
     int64_t end = 0;
@@ -147,24 +153,24 @@ static head_task head_of(int64_t task, int64_t H, int64_t Hkv, int64_t Tn, const
     return t;
 }
 
+/* The scores s[j, j + L) of a row, scaled, where the row sees the key (below end, allowed by its mask row);
+ * -inf in the other lanes, the lanes softmax_row and the bf16 rows softmax */
+static inline v16 seen_scores(const float *s, int64_t j, int64_t end, const uint8_t *allowed_row, float scale) {
+    v16 x = ld_f32(s + j) * scale;
+    if (allowed_row || j + L > end) {
+        i32x16 ok;
+        for (int l = 0; l < L; ++l) ok[l] = j + l < end && (!allowed_row || allowed_row[j + l]) ? -1 : 0;
+        x = vselect(ok, x, splat(-INFINITY));
+    }
+    return x;
+}
+
 /* Scores of row i (s, `width` columns computed) to probabilities: scaled, masked, softmaxed over its keys
  * [0, end); columns [end, width) set to 0. Returns the row's log-sum-exp (-inf for a row that sees nothing).
  * With lse given (backward), p = e^(s·scale - lse) instead of a fresh softmax. */
 static float softmax_row(float *s, int64_t width, int64_t end, const uint8_t *allowed_row, float scale,
                          const float *lse) {
-    for (int64_t j = 0; j < end; j += L) {
-        v16 x = ld_f32(s + j) * scale;
-        if (allowed_row) {
-            i32x16 ok;
-            for (int l = 0; l < L; ++l) ok[l] = j + l < end && allowed_row[j + l] ? -1 : 0;
-            x = vselect(ok, x, splat(-INFINITY));
-        } else if (j + L > end) {
-            i32x16 ok;
-            for (int l = 0; l < L; ++l) ok[l] = j + l < end ? -1 : 0;
-            x = vselect(ok, x, splat(-INFINITY));
-        }
-        st_f32(s + j, x);
-    }
+    for (int64_t j = 0; j < end; j += L) st_f32(s + j, seen_scores(s, j, end, allowed_row, scale));
     float m;
     if (lse) {
         m = *lse;
@@ -174,8 +180,7 @@ static float softmax_row(float *s, int64_t width, int64_t end, const uint8_t *al
             const v16 x = ld_f32(s + j);
             top = vselect((i32x16)(x > top), x, top);
         }
-        m = -INFINITY;
-        for (int l = 0; l < L; ++l) m = top[l] > m ? top[l] : m;
+        m = lane_max(top);
     }
     if (m == -INFINITY) { /* no key: probabilities 0 */
         memset(s, 0, width * sizeof(float));
@@ -189,8 +194,7 @@ static float softmax_row(float *s, int64_t width, int64_t end, const uint8_t *al
     }
     for (int64_t j = round_up(end, L); j < width; j += L) st_f32(s + j, splat(0.f));
     if (lse) return m;
-    float total = 0.f;
-    for (int l = 0; l < L; ++l) total += sum[l];
+    const float total = lane_sum(sum);
     const float inv = 1.f / total;
     for (int64_t j = 0; j < end; j += L) st_f32(s + j, ld_f32(s + j) * inv);
     return m + logf(total);
@@ -484,18 +488,6 @@ static void pair_rows(const uint16_t *src, int64_t ts, int64_t n, int64_t D, uin
         }
 }
 
-/* The scores s[j, j + L) of a row, scaled, where the row sees the key (below end, allowed by its mask row);
- * -inf in the other lanes, as softmax_row masks them */
-static inline v16 seen_scores(const float *s, int64_t j, int64_t end, const uint8_t *allowed_row, float scale) {
-    v16 x = ld_f32(s + j) * scale;
-    if (allowed_row || j + L > end) {
-        i32x16 ok;
-        for (int l = 0; l < L; ++l) ok[l] = j + l < end && (!allowed_row || allowed_row[j + l]) ? -1 : 0;
-        x = vselect(ok, x, splat(-INFINITY));
-    }
-    return x;
-}
-
 /* softmax_row, its probabilities rounded into p16[0, width): the maximum, the exponentials (kept in s) with
  * their sum, then their quotients rounded, three passes over the row where softmax_row and a rounding take
  * five. The scores are scaled as they are read, each time alike. Returns the row's log-sum-exp. */
@@ -506,8 +498,7 @@ static float softmax_row16(float *s, int64_t width, int64_t end, const uint8_t *
         const v16 x = seen_scores(s, j, end, allowed_row, scale);
         top = vselect((i32x16)(x > top), x, top);
     }
-    float m = -INFINITY;
-    for (int l = 0; l < L; ++l) m = top[l] > m ? top[l] : m;
+    const float m = lane_max(top);
     if (m == -INFINITY) { /* no key: probabilities 0 */
         memset(p16, 0, width * sizeof(uint16_t));
         return -INFINITY;
