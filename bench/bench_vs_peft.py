@@ -1123,9 +1123,10 @@ def share_of_peak(row: dict[str, Any]) -> float | None:
     return gf / best if gf and best else None
 
 
-def needed_share_of_peak(row: dict[str, Any], times: float) -> float | None:
-    """The share of the row's GEMM peak ggtorch's useful work would run at to be ``times`` the peer's tok/s."""
-    tps, best = row.get("peer_tps"), peak(row)
+def needed_share_of_peak(row: dict[str, Any], times: float, peer: dict[str, Any] | None = None) -> float | None:
+    """The share of the row's GEMM peak ggtorch's useful work would run at to be ``times`` the peer's tok/s (the
+    peer of row ``peer`` when given: the bf16 row's target is against the peer in f32)."""
+    tps, best = (peer or row).get("peer_tps"), peak(row)
     return times * SHAPES[row["case"].shape].gflops(tps) / best if tps and best else None
 
 
@@ -1385,6 +1386,9 @@ def targets(rows: list[dict[str, Any]], full: dict[str, Any] | None = None) -> l
         out.append("  " + target("bf16 autocast, 110M b4×256: share of the bf16 GEMM peak",
                                  share_of_peak(bf16) if bf16 else None, 0.7, unit="%"))
         out.append("  " + target("bf16 autocast: ggtorch / the peer in f32", ratio(bf16, f32), 2.5))
+        need = needed_share_of_peak(bf16, 2.5, f32) if bf16 and f32 else None
+        if need:
+            out.append(f"  (2.5 times the peer's tokens/s in f32 would take {need:.0%} of the bf16 GEMM peak)")
         if ratio(bf16):
             out.append(f"  (bf16 against the peer in bf16, not a target: {ratio(bf16):.2f}×)")
         for shape, batch, ftype in QUANTIZED_TARGETS:

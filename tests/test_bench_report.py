@@ -180,6 +180,8 @@ def test_targets_with_margins(bench: Any) -> None:
     bf16 = 1100 * FLOPS_110M / 1e9 / 800
     assert f"share of the bf16 GEMM peak ≥ 70% — {100 * bf16:.0f}% (margin {100 * (bf16 / 0.7 - 1):+.0f}%" in text
     assert "ggtorch / the peer in f32 ≥ 2.50× — 2.75× (margin +10%, **met**)" in text  # 1100 / 400
+    need_bf16 = 2.5 * 400 * FLOPS_110M / 1e9 / 800  # 2.5 times the f32 peer's tokens/s, over the bf16 peak
+    assert f"(2.5 times the peer's tokens/s in f32 would take {need_bf16:.0%} of the bf16 GEMM peak)" in text
     assert "(bf16 against the peer in bf16, not a target: 2.20×)" in text
     assert "Q4_0 base, 110M b4×256: ggtorch / peer ≥ 1.20× — 1.25× (margin +4%, **met**)" in text
     assert "Q4_0 base, 110M b4×256: dequantization's share of a step ≤ 20% — 15% (margin +25%, **met**)" in text
