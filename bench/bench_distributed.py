@@ -29,10 +29,11 @@ import torch
 import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("GGTORCH_SHARED", REPO.parent / "shared"))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_peft import write_section  # noqa: E402  (this folder's sibling)
+
+from tests.fixtures import SHAKESPEARE, STORIES260K  # noqa: E402  (bench_vs_peft put the repository on sys.path)
 
 HEADING = "## Data-parallel overhead (torchrun, `python bench/bench_distributed.py"
 """The start of this command's section of BENCHMARKS.md, up to its options."""
@@ -86,8 +87,8 @@ def collectives_ms(numel: int, world: int, repeats: int = 50) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, default=SHARED / "models" / "stories260K.gguf")
-    p.add_argument("--data", type=Path, default=SHARED / "data" / "tinyshakespeare.txt")
+    p.add_argument("--model", type=Path, default=STORIES260K)
+    p.add_argument("--data", type=Path, default=SHAKESPEARE)
     p.add_argument("--ctx", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--steps", type=int, default=20)

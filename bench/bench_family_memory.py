@@ -62,10 +62,11 @@ def build(folder: Path, ftype: str) -> Path:
 
     from ggtorch.io.gguf import read_gguf
     from tests.families import Shape, write_random_model
+    from tests.llama_cpp_files import vocab_file
     from tests.llama_models import quantize_with_llama_cpp
     from tests.models.test_tokenizer import write_gemma_like_vocab
 
-    spm = read_gguf(ROOT.parent / "shared" / "vocab" / "ggml-vocab-llama-spm.gguf")
+    spm = read_gguf(vocab_file("llama-spm"))
     vocab = write_gemma_like_vocab(folder / "vocab.gguf", spm, TokenType.CONTROL)
     shape = Shape(n_embd=640, n_ff=2048, n_layer=18, n_head=4, n_head_kv=1, head_dim=256, n_ctx=32768,
                   sliding_window=512, rope_freq_base=1e6, rope_freq_base_swa=10000.0, tied_output=True)

@@ -29,15 +29,17 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-SHARED = Path(os.environ.get("GGTORCH_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.fixtures import SHAKESPEARE, STORIES260K  # noqa: E402
+
 GGML_TYPE_I32 = 26
 GGML_TYPE_F32 = 0
 
@@ -181,8 +183,8 @@ def _spread(seconds: list[float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=SHARED / "models" / "stories260K.gguf", help="F32 llama GGUF")
-    p.add_argument("--text", type=Path, default=SHARED / "data" / "tinyshakespeare.txt")
+    p.add_argument("--model", type=Path, default=STORIES260K, help="F32 llama GGUF")
+    p.add_argument("--text", type=Path, default=SHAKESPEARE)
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--steps", type=int, default=100, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=2)

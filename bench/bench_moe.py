@@ -120,12 +120,12 @@ CONFIGS = [  # (label, child, experts, lora, base)
 
 
 def build(folder: Path, ftype: str) -> tuple[Path, dict[str, int]]:
-    from tests.families import VOCABULARIES, Shape, write_random_model
+    from tests.families import Shape, vocabulary_file, write_random_model
     from tests.llama_models import quantize_with_llama_cpp
 
     shape = Shape(n_embd=512, n_ff=2048, n_layer=8, n_head=8, n_head_kv=4, head_dim=64, n_ctx=4096,
                   rope_freq_base=1e6, n_expert=16, n_expert_used=2, n_ff_exp=1024)
-    vocab = ROOT.parent / "shared" / VOCABULARIES["llama-spm"]
+    vocab = vocabulary_file("llama-spm")
     f32 = write_random_model(folder / "qwen3moe-f32.gguf", "qwen3moe", vocab, shape)
     path = quantize_with_llama_cpp(f32, folder / f"qwen3moe-{ftype}.gguf", ftype)
     return path, {"n_vocab": 32000, "head_dim": 64, "n_ff_exp": 1024}

@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT))
 from ggtorch.io.gguf import read_gguf  # noqa: E402
 from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters  # noqa: E402
 from ggtorch.models.loader import load_llama  # noqa: E402
+from tests.llama_cpp_files import vocab_file  # noqa: E402
 from tests.llama_models import RandomLlamaShape, quantize_with_llama_cpp, write_random_llama  # noqa: E402
 
 SHAPE = RandomLlamaShape(n_embd=1024, n_ff=2816, n_layer=4, n_head=16, n_head_kv=8)
-VOCAB = ROOT.parent / "shared" / "vocab" / "ggml-vocab-llama-spm.gguf"
 SETUPS = {  # name -> (keep_quantized, base dtype, autocast dtype or None)
     "quant": (True, torch.float32, None),
     "quant+bf16": (True, torch.float32, torch.bfloat16),
@@ -49,7 +49,7 @@ def model_file(workdir: Path, ftype: str) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     f32 = workdir / "bench-llama-f32.gguf"
     if not f32.exists():
-        write_random_llama(f32, VOCAB, SHAPE, seed=0)
+        write_random_llama(f32, vocab_file("llama-spm"), SHAPE, seed=0)
     if ftype == "F32":
         return f32
     path = workdir / f"bench-llama-{ftype}.gguf"

@@ -60,9 +60,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SHARED = ROOT.parent / "shared"
-VOCAB = SHARED / "vocab" / "ggml-vocab-llama-spm.gguf"
-TEXT = SHARED / "data" / "tinyshakespeare.txt"
+from tests.fixtures import SHAKESPEARE  # noqa: E402
+from tests.llama_cpp_files import vocab_file  # noqa: E402
+
 TEXT_BYTES = 200_000
 """Enough text for every case (samples start at every token) while tokenizing in a second."""
 
@@ -257,9 +257,9 @@ def write_f32_model(path: Path, shape: Shape, workdir: Path) -> None:
     if shape.arch == "llama":
         from tests.llama_models import RandomLlamaShape, write_random_llama
 
-        write_random_llama(path, VOCAB, RandomLlamaShape(n_embd=shape.n_embd, n_ff=shape.n_ff, n_layer=shape.n_layer,
-                                                         n_head=shape.n_head, n_head_kv=shape.n_head_kv,
-                                                         n_ctx=shape.n_ctx), seed=0)
+        llama = RandomLlamaShape(n_embd=shape.n_embd, n_ff=shape.n_ff, n_layer=shape.n_layer, n_head=shape.n_head,
+                                 n_head_kv=shape.n_head_kv, n_ctx=shape.n_ctx)
+        write_random_llama(path, vocab_file("llama-spm"), llama, seed=0)
         return
     from tests import families
 
@@ -279,7 +279,7 @@ def padded_vocab(workdir: Path, n_vocab: int) -> Path:
     path = workdir / f"vocab-{n_vocab}.gguf"
     if path.exists():
         return path
-    reader = gguf.GGUFReader(str(VOCAB))
+    reader = gguf.GGUFReader(str(vocab_file("llama-spm")))
     tmp = path.with_suffix(".tmp")
     w = gguf.GGUFWriter(str(tmp), "llama")
     for key, field in reader.fields.items():
@@ -303,7 +303,7 @@ def training_text(workdir: Path) -> Path:
     """The text both sides train on, the first :data:`TEXT_BYTES` of Shakespeare, written once into ``workdir``."""
     text = workdir / "train.txt"
     if not text.exists():
-        text.write_bytes(TEXT.read_bytes()[:TEXT_BYTES])
+        text.write_bytes(SHAKESPEARE.read_bytes()[:TEXT_BYTES])
     return text
 
 

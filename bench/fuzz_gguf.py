@@ -18,9 +18,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.fixtures import STORIES260K  # noqa: E402
 from tests.io.gguf_fuzz import Mutation, Seed, check_outcome, make_seeds, mutations  # noqa: E402
-
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
 def fuzz(target: Seed, examples: int, rng_seed: int, path: Path, bugs: dict[str, list[Mutation]]) -> Counter[str]:
@@ -48,10 +47,10 @@ def main() -> int:
     ap.add_argument("--kind", choices=["model", "adapter", "checkpoint", "ggla", "peft-config", "peft-weights"],
                     action="append")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--shared", type=Path, default=SHARED)
+    ap.add_argument("--model", type=Path, default=STORIES260K, help="the F32 llama GGUF every seed is made from")
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="ggtorch-fuzz-"))
-    seeds = {s.name: s for s in make_seeds(folder, args.shared / "models" / "stories260K.gguf")}
+    seeds = {s.name: s for s in make_seeds(folder, args.model)}
     bugs: dict[str, list[Mutation]] = {}
     for kind in args.kind or list(seeds):
         outcomes = fuzz(seeds[kind], args.examples, args.seed, folder / "mutated.gguf", bugs)

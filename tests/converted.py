@@ -5,65 +5,23 @@ keys and tensor layouts. Here the GGUF comes from llama.cpp's own convert_hf_to_
 permutations, norm shifts, fused tensors and metadata are the converter's), and the HF model the file
 was converted from is a reference that never went through GGUF at all.
 
-The converter ships in the llama-cpp-python sdist only (not in the wheel); it is run with the sdist's
-own gguf-py, which knows architectures the installed gguf release may not.
+The converter ships in the llama-cpp-python sdist only (not in the wheel: tests/llama_cpp_files.py fetches it);
+it is run with the sdist's own gguf-py, which knows architectures the installed gguf release may not.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-VENDOR = "vendor/llama.cpp/"
-CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/")
-"""What the converter runs on: its script, its per-architecture package, and gguf-py."""
-NETWORK_ERRORS = ("NewConnectionError", "ConnectionError", "Temporary failure in name resolution",
-                  "Max retries exceeded", "Network is unreachable", "No matching distribution found",
-                  "Could not find a version")
+from tests.llama_cpp_files import vocab_file
+
 N_VOCAB = 32000
 """llama2's sentencepiece vocabulary, the tokenizer every family here is converted with."""
-
-
-class PyPIUnreachable(RuntimeError):
-    """pip could not fetch the sdist (no network): the caller skips instead of failing."""
-
-
-def fetch_converter(download_dir: Path, dest: Path) -> Path:
-    """Download the llama-cpp-python sdist and extract convert_hf_to_gguf.py and what it imports.
-
-    Returns the path of the extracted convert_hf_to_gguf.py. Raises PyPIUnreachable when pip fails
-    for lack of a network.
-    """
-    run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                          LLAMA_CPP_PYTHON, "-d", str(download_dir)], capture_output=True, text=True)
-    if run.returncode != 0:
-        output = run.stdout + run.stderr
-        if any(marker in output for marker in NETWORK_ERRORS):
-            raise PyPIUnreachable(output.strip().splitlines()[-1])
-        raise RuntimeError(f"pip download {LLAMA_CPP_PYTHON} failed:\n{output}")
-    (sdist,) = download_dir.glob("llama_cpp_python-*.tar.gz")
-    with tarfile.open(sdist) as tar:
-        for member in tar:
-            _, _, inside = member.name.partition("/")
-            if not inside.startswith(VENDOR) or not member.isfile():
-                continue
-            relative = inside[len(VENDOR):]
-            if relative.startswith(CONVERTER_PARTS):
-                target = dest / relative
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with tar.extractfile(member) as src, open(target, "wb") as out:  # type: ignore[union-attr]
-                    shutil.copyfileobj(src, out)
-    script = dest / "convert_hf_to_gguf.py"
-    if not script.is_file():
-        raise RuntimeError(f"{sdist.name} has no {VENDOR}convert_hf_to_gguf.py")
-    return script
 
 
 def _converter_env() -> dict[str, str]:
@@ -289,13 +247,13 @@ def hf_model(name: str, seed: int = 0):  # -> transformers.PreTrainedModel
     return model
 
 
-def write_hf_model(name: str, hf_dir: Path, vocab_dir: Path, seed: int = 0) -> Path:
-    """Save ``hf_model(name)`` with the tokenizer files the converter reads (from ../shared/vocab)."""
+def write_hf_model(name: str, hf_dir: Path, seed: int = 0) -> Path:
+    """Save ``hf_model(name)`` with the tokenizer files the converter reads, made from llama.cpp's vocabularies."""
     hf_model(name, seed).save_pretrained(hf_dir)
     added_tokens = HF_FAMILIES[name][2]
     if added_tokens is None:
-        return write_qwen2_tokenizer(hf_dir, vocab_dir / "ggml-vocab-qwen2.gguf")
-    shutil.copy(vocab_dir / "llama2-tokenizer.model", hf_dir / "tokenizer.model")
+        return write_qwen2_tokenizer(hf_dir, vocab_file("qwen2"))
+    write_spm_tokenizer(hf_dir, vocab_file("llama-spm"))
     tokenizer_config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
                         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
     (hf_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config), encoding="utf-8")
@@ -338,3 +296,30 @@ def write_qwen2_tokenizer(hf_dir: Path, vocab_gguf: Path) -> Path:
                         "pad_token": "<|endoftext|>", "add_prefix_space": False, "errors": "replace"}
     (hf_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config), encoding="utf-8")
     return hf_dir
+
+
+def write_spm_tokenizer(hf_dir: Path, vocab_gguf: Path) -> Path:
+    """A sentencepiece ``tokenizer.model`` rebuilt from llama.cpp's llama-spm vocabulary file: its pieces, scores and
+    types (llama.cpp's token types are sentencepiece's), a BPE model with byte fallback and llama's normalizer, as
+    Llama 2's tokenizer.model holds them (tests/models/test_converted.py checks it against llama.cpp's test
+    vectors)."""
+    from sentencepiece import sentencepiece_model_pb2 as spm
+
+    from ggtorch.io.gguf import read_gguf
+
+    meta = read_gguf(vocab_gguf).metadata
+    model = spm.ModelProto()
+    for piece, score, kind in zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"],
+                                  meta["tokenizer.ggml.token_type"], strict=True):
+        model.pieces.add(piece=piece, score=score, type=kind)
+    trainer = model.trainer_spec
+    trainer.model_type = spm.TrainerSpec.BPE
+    trainer.vocab_size = len(model.pieces)
+    trainer.byte_fallback = trainer.allow_whitespace_only_pieces = True
+    trainer.unk_id, trainer.pad_id = meta["tokenizer.ggml.unknown_token_id"], -1
+    trainer.bos_id, trainer.eos_id = meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"]
+    normalizer = model.normalizer_spec
+    normalizer.name, normalizer.add_dummy_prefix, normalizer.remove_extra_whitespaces = "identity", True, False
+    normalizer.escape_whitespaces = True
+    (hf_dir / "tokenizer.model").write_bytes(model.SerializeToString())
+    return hf_dir / "tokenizer.model"

@@ -19,6 +19,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from tests.fixtures import STORIES260K
+from tests.llama_cpp_files import vocab_file
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -176,15 +179,15 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
 
 
 @functools.cache
-def shared_file_reader(path: Path) -> gguf.GGUFReader:
-    """gguf-py's reader of a read-only ../shared file, once per session: it takes seconds on a 150k-token
-    vocabulary, which both the presets and the reader tests (tests/io/test_gguf_hostile.py) need."""
+def gguf_py_reader(path: Path) -> gguf.GGUFReader:
+    """gguf-py's reader of a vocabulary or fixture file the tests do not change, once per session: it takes seconds
+    on a 150k-token vocabulary, which both the presets and the reader tests (tests/io/test_gguf_hostile.py) need."""
     return gguf.GGUFReader(str(path))
 
 
 def _vocab_keys(vocab_gguf: Path) -> list[tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
     """(key, value, type, array element type) of every tokenizer.* key of a vocabulary GGUF."""
-    r = shared_file_reader(Path(vocab_gguf))
+    r = gguf_py_reader(Path(vocab_gguf))
     out = []
     for key, f in r.fields.items():
         if not key.startswith("tokenizer."):
@@ -399,15 +402,21 @@ def _random_experts(p: str, arch: str, s: Shape, lin, vec) -> dict[str, np.ndarr
     return t
 
 
-VOCABULARIES = {"qwen2": "vocab/ggml-vocab-qwen2.gguf", "phi-3": "vocab/ggml-vocab-phi-3.gguf",
-                "llama-spm": "vocab/ggml-vocab-llama-spm.gguf", "stories": "models/stories260K.gguf"}
-"""Vocabulary name of a preset -> its file in ../shared: llama.cpp's vocabulary files, and stories260K's (a real
-512-token sentencepiece vocabulary: the architecture tests need real tokens, not many). Gemma's own is not there:
-its presets use a llama sentencepiece vocabulary."""
+VOCABULARIES = ("qwen2", "phi-3", "llama-spm", "stories")
+"""The vocabularies presets use: llama.cpp's vocabulary files (tests/llama_cpp_files.py), and stories260K's (a real
+512-token sentencepiece vocabulary, tests/fixtures: the architecture tests need real tokens, not many). Gemma's own
+is not among them: its presets use a llama sentencepiece vocabulary."""
 
 
-def write_preset(name: str, out_dir: Path, shared: Path, seed: int = 0) -> Path:
-    """Write FAMILY_PRESETS[name] as ``out_dir/name-f32.gguf`` with ``shared``'s vocabulary files; ``NAME-wide`` is
+def vocabulary_file(name: str) -> Path:
+    """The GGUF a vocabulary of :data:`VOCABULARIES` is read from."""
+    if name == "stories":
+        return STORIES260K
+    return vocab_file(name)
+
+
+def write_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
+    """Write FAMILY_PRESETS[name] as ``out_dir/name-f32.gguf`` around its vocabulary; ``NAME-wide`` is
     the preset with rows of 256 values (n_embd and n_ff multiples of 256), so that llama.cpp's K-quants quantize
     its matrices instead of falling back to legacy types."""
     base, _, wide = name.partition("-")
@@ -416,7 +425,7 @@ def write_preset(name: str, out_dir: Path, shared: Path, seed: int = 0) -> Path:
         head = 64 if shape.head_dim else None
         shape = replace(shape, n_embd=256, n_ff=512, head_dim=head, n_rot=32 if shape.n_rot else None,
                         n_ff_exp=256 if shape.n_ff_exp else None, n_ff_shexp=256 if shape.n_ff_shexp else None)
-    return write_random_model(out_dir / f"{name}-f32.gguf", arch, shared / VOCABULARIES[vocab], shape, seed)
+    return write_random_model(out_dir / f"{name}-f32.gguf", arch, vocabulary_file(vocab), shape, seed)
 
 
 def eval_tokens(n_vocab: int, n: int = 48, seed: int = 1234) -> list[int]:

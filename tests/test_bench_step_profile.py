@@ -45,12 +45,12 @@ def test_op_kinds(profile: Any) -> None:
     assert kind("silu", False, None, None) == "elementwise and reductions"
 
 
-def _trainer(model: Path, shared: Path, tmp_path: Path) -> Any:
+def _trainer(model: Path, text: Path, tmp_path: Path) -> Any:
     from bench_vs_peft import finetune_config
 
     from ggtorch.training.trainer import Trainer
 
-    spec = {"model": str(model), "text": str(shared / "data" / "tinyshakespeare.txt"), "ctx": 64, "batch": 2,
+    spec = {"model": str(model), "text": str(text), "ctx": 64, "batch": 2,
             "threads": 1, "warmup": 1, "steps": 4, "checkpointing": False, "dtype": "f32"}
     return Trainer(finetune_config(spec), log_records=False)
 
@@ -80,8 +80,9 @@ def _matrix_flops(trainer: Any, tokens: int) -> float:
     return 2.0 * tokens * (2 * every - first)
 
 
-def test_a_lora_step_s_products_are_all_counted(profile: Any, stories260k: Path, shared: Path, tmp_path: Path) -> None:
-    trainer = _trainer(stories260k, shared, tmp_path)
+def test_a_lora_step_s_products_are_all_counted(profile: Any, stories260k: Path, shakespeare: Path,
+                                                tmp_path: Path) -> None:
+    trainer = _trainer(stories260k, shakespeare, tmp_path)
     trainer.step()
     _, tally = profile.profile_trainer(trainer, 1)
     assert tally.flops["matrix products"] == _matrix_flops(trainer, 2 * 64)
@@ -102,9 +103,9 @@ def test_a_lora_step_s_products_are_all_counted(profile: Any, stories260k: Path,
         assert all(tally.ops[(kind, labels[name])] > 0 for name, kind in profile.FUSED_C.items())
 
 
-def test_a_quantized_base_s_decodes_are_dequantization(profile: Any, stories_q8: Path, shared: Path,
+def test_a_quantized_base_s_decodes_are_dequantization(profile: Any, stories_q8: Path, shakespeare: Path,
                                                        tmp_path: Path) -> None:
-    trainer = _trainer(stories_q8, shared, tmp_path)
+    trainer = _trainer(stories_q8, shakespeare, tmp_path)
     trainer.step()
     _, tally = profile.profile_trainer(trainer, 1)
     assert tally.seconds["dequantization"] > 0

@@ -8,6 +8,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests.fixtures import FOLDER as FIXTURES
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -24,10 +26,10 @@ def outputs(nb: nbformat.NotebookNode) -> str:
     return "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
 
 
-def test_finetune_notebook(shared: Path, tmp_path: Path) -> None:
+def test_finetune_notebook(tmp_path: Path) -> None:
     nb = run_notebook("finetune-stories260k.ipynb",
-                      f"SHARED = Path({str(shared)!r})\nMODEL = SHARED / 'models' / 'stories260K.gguf'\n"
-                      f"TEXT = SHARED / 'data' / 'tinyshakespeare.txt'\nOUT = Path({str(tmp_path / 'out')!r})\n"
+                      f"FIXTURES = Path({str(FIXTURES)!r})\nMODEL = FIXTURES / 'stories260K.gguf'\n"
+                      f"TEXT = FIXTURES / 'tinyshakespeare.txt'\nOUT = Path({str(tmp_path / 'out')!r})\n"
                       "ITERATIONS = 8", tmp_path)
     text = outputs(nb)
     assert "before:" in text and "after:" in text and "llama-cli -m" in text
@@ -38,8 +40,8 @@ def test_finetune_notebook(shared: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["quantized-base-memory.ipynb"])
-def test_quantized_memory_notebook(name: str, shared: Path, tmp_path: Path) -> None:
-    nb = run_notebook(name, f"SHARED = Path({str(shared)!r})\nVOCAB = SHARED / 'models' / 'stories260K.gguf'\n"
+def test_quantized_memory_notebook(name: str, tmp_path: Path) -> None:
+    nb = run_notebook(name, f"FIXTURES = Path({str(FIXTURES)!r})\nVOCAB = FIXTURES / 'stories260K.gguf'\n"
                             f"OUT = Path({str(tmp_path / 'out')!r})\nEMBD, FF, HEADS, LAYERS = 256, 512, 4, 2\n"
                             "CTX, BATCH = 32, 1", tmp_path)
     text = outputs(nb)

@@ -58,8 +58,8 @@ def test_generate_greedy_from_bos(stories260k: Path) -> None:
     assert result.stdout.startswith(REFERENCE_TEXT[:150])
 
 
-def test_perplexity_prints_the_library_value(stories260k: Path, shared: Path, tmp_path: Path) -> None:
-    text = (shared / "data" / "tinyshakespeare.txt").read_text()[:2500]
+def test_perplexity_prints_the_library_value(stories260k: Path, shakespeare: Path, tmp_path: Path) -> None:
+    text = shakespeare.read_text()[:2500]
     (tmp_path / "t.txt").write_text(text)
     result = run("perplexity", "-m", str(stories260k), "-f", str(tmp_path / "t.txt"), "--ctx", "128")
     assert result.exit_code == 0, result.output
@@ -95,12 +95,12 @@ def bad_files(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     ("missing", ("no such file",)),
 ])
 def test_bad_model_is_one_clear_line(bad_files: dict[str, Path], tmp_path: Path, command: str, which: str,
-                                     fragments: tuple[str, ...], shared: Path) -> None:
+                                     fragments: tuple[str, ...], shakespeare: Path) -> None:
     path = str(bad_files.get(which, tmp_path / "absent.gguf"))
     args = {
         "info": ["info", path],
         "generate": ["generate", "-m", path, "-n", "4"],
-        "perplexity": ["perplexity", "-m", path, "-f", str(shared / "data" / "tinyshakespeare.txt")],
+        "perplexity": ["perplexity", "-m", path, "-f", str(shakespeare)],
     }[command]
     assert_one_line_error(run(*args), *fragments)
 

@@ -29,6 +29,7 @@ from ggtorch.models.loader import load_llama
 from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.training.config import FinetuneConfig
 from ggtorch.training.trainer import Trainer
+from tests.llama_cpp_files import template_file, vocab_file
 from tests.llama_models import rewrite_gguf
 from tests.training.test_finetune import losses, run, run_whole_and_resumed
 
@@ -169,7 +170,7 @@ def test_token_and_mask_layout_of_one_short_example(chat_model: Path, tokenizer:
 # --- real chat templates ----------------------------------------------------------------------
 
 REAL_TEMPLATES = {
-    # template file (../shared/templates): vocabulary, end-of-turn text, whether it takes a system message
+    # template file (llama.cpp's models/templates): vocabulary, end-of-turn text, whether it takes a system message
     "Qwen-Qwen2.5-7B-Instruct": ("qwen2", "<|im_end|>", True),
     "Qwen-Qwen3-0.6B": ("qwen2", "<|im_end|>", True),
     "meta-llama-Llama-3.2-3B-Instruct": ("llama-bpe", "<|eot_id|>", True),
@@ -187,15 +188,15 @@ SYSTEM = ("system", "You are a helpful assistant. Answer briefly.")
 
 
 @pytest.fixture(scope="module")
-def real_tokenizers(shared: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Tokenizer, Path]]:
+def real_tokenizers(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Tokenizer, Path]]:
     """The vocabularies the real templates go with; Gemma's is llama-spm with Gemma 2's tokens added."""
     from gguf import TokenType
 
     from tests.models.test_tokenizer import write_gemma_like_vocab
 
-    paths = {name: shared / "vocab" / f"ggml-vocab-{name}.gguf" for name in ("qwen2", "llama-bpe", "phi-3")}
+    paths = {name: vocab_file(name) for name in ("qwen2", "llama-bpe", "phi-3")}
     paths["gemma2-like"] = write_gemma_like_vocab(tmp_path_factory.mktemp("gemma") / "gemma2-like.gguf",
-                                                  read_gguf(shared / "vocab" / "ggml-vocab-llama-spm.gguf"),
+                                                  read_gguf(vocab_file("llama-spm")),
                                                   TokenType.USER_DEFINED)
     return {name: (Tokenizer.from_gguf(read_gguf(path)), path) for name, path in paths.items()}
 
@@ -207,10 +208,6 @@ def trained_texts(tokenizer: Tokenizer, enc: Encoded) -> list[str]:
     return [tokenizer.decode(enc.tokens[run].tolist(), remove_special=False, unparse_special=True) for run in runs]
 
 
-def test_every_shared_template_is_tested(shared: Path) -> None:
-    assert {p.stem for p in (shared / "templates").glob("*.jinja")} == set(REAL_TEMPLATES)
-
-
 REAL_CASES = [(name, chat, system) for name, (_, _, takes_system) in REAL_TEMPLATES.items()
               for chat in range(len(REAL_CHATS)) for system in (False, True) if takes_system or not system]
 
@@ -218,15 +215,14 @@ REAL_CASES = [(name, chat, system) for name, (_, _, takes_system) in REAL_TEMPLA
 @pytest.mark.parametrize(("name", "chat", "system"), REAL_CASES,
                          ids=[f"{n}-chat{c}{'-system' if s else ''}" for n, c, s in REAL_CASES])
 def test_real_templates_train_exactly_each_answer_and_its_end_of_turn(
-        shared: Path, real_tokenizers: dict[str, tuple[Tokenizer, Path]], name: str, chat: int, system: bool) -> None:
+        real_tokenizers: dict[str, tuple[Tokenizer, Path]], name: str, chat: int, system: bool) -> None:
     """The trained tokens, decoded, are each assistant content followed by the template's end-of-turn
     marker; the tokens are llama.cpp's tokenization of the whole render."""
     vocab, end_of_turn, _ = REAL_TEMPLATES[name]
     tokenizer, path = real_tokenizers[vocab]
     messages = [SYSTEM, *REAL_CHATS[chat]] if system else REAL_CHATS[chat]
     records = load_records([{"messages": [{"role": r, "content": c} for r, c in messages]}], "records")
-    data = RecordData(records, tokenizer, 512, seed=1, model_template=(shared / "templates" / f"{name}.jinja")
-                      .read_text(encoding="utf-8"))
+    data = RecordData(records, tokenizer, 512, seed=1, model_template=template_file(name).read_text(encoding="utf-8"))
     enc = data.encoded[0]
     assert trained_texts(tokenizer, enc) == [c + end_of_turn for r, c in messages if r == "assistant"]
 
@@ -237,12 +233,11 @@ def test_real_templates_train_exactly_each_answer_and_its_end_of_turn(
     assert enc.tokens.tolist() == expected
 
 
-def test_qwen3_reasoning_is_context_not_answer(shared: Path,
-                                               real_tokenizers: dict[str, tuple[Tokenizer, Path]]) -> None:
+def test_qwen3_reasoning_is_context_not_answer(real_tokenizers: dict[str, tuple[Tokenizer, Path]]) -> None:
     """Qwen3 writes the last answer's reasoning_content in a <think> block and drops earlier turns'
     reasoning: the answers train, the reasoning does not."""
     tokenizer, _ = real_tokenizers["qwen2"]
-    template = (shared / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text(encoding="utf-8")
+    template = template_file("Qwen-Qwen3-0.6B").read_text(encoding="utf-8")
     messages = [{"role": "user", "content": "Where is Tom?"},
                 {"role": "assistant", "content": "In the park.", "reasoning_content": "Tom likes the park."},
                 {"role": "user", "content": "And Lily?"},
@@ -257,10 +252,10 @@ def test_qwen3_reasoning_is_context_not_answer(shared: Path,
 
 
 def test_a_content_the_template_does_not_write_is_refused_by_record_and_template(
-        shared: Path, real_tokenizers: dict[str, tuple[Tokenizer, Path]]) -> None:
+        real_tokenizers: dict[str, tuple[Tokenizer, Path]]) -> None:
     """Qwen3 cuts inline <think> reasoning out of an earlier answer: that content is not in the render."""
     tokenizer, _ = real_tokenizers["qwen2"]
-    template = (shared / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text(encoding="utf-8")
+    template = template_file("Qwen-Qwen3-0.6B").read_text(encoding="utf-8")
     records = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
                {"messages": [{"role": "user", "content": "Hi"},
                              {"role": "assistant", "content": "<think>Greet back.</think>Hello."},

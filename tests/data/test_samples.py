@@ -9,6 +9,7 @@ the shuffle are checked against a Mersenne Twister written out in this file and 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -437,8 +438,8 @@ def tokenizer(request, stories260k, llama_vocab):
 
 
 @pytest.fixture(scope="module")
-def shakespeare(shared) -> bytes:
-    text = (shared / "data" / "tinyshakespeare.txt").read_bytes()[:3000]
+def shakespeare_bytes(shakespeare: Path) -> bytes:
+    text = shakespeare.read_bytes()[:3000]
     return text[:text.rindex(b"\n") + 1]
 
 
@@ -455,10 +456,10 @@ def test_real_max_token_text_len(llama_vocab, stories260k) -> None:
     assert Vocab.from_tokenizer(tok).max_token_text_len == longest  # from the tokenizer's raw vocab texts
 
 
-def test_real_whole_text_samples_and_batch(tokenizer, llama_vocab, shakespeare) -> None:
+def test_real_whole_text_samples_and_batch(tokenizer, llama_vocab, shakespeare_bytes) -> None:
     n_ctx = 32
-    data = TrainingData(shakespeare, tokenizer, n_ctx=n_ctx, seed=3)
-    expected = llama_vocab.tokenize(shakespeare, add_bos=False, special=False)
+    data = TrainingData(shakespeare_bytes, tokenizer, n_ctx=n_ctx, seed=3)
+    expected = llama_vocab.tokenize(shakespeare_bytes, add_bos=False, special=False)
     assert data.samples.tokens.tolist() == expected
     assert data.n_samples == len(expected) - n_ctx
     order, _, _ = ref_shuffle(MT19937(3).state(), [n_ctx] * data.n_samples)
@@ -470,10 +471,10 @@ def test_real_whole_text_samples_and_batch(tokenizer, llama_vocab, shakespeare) 
         assert inputs[k].tolist() == [llama_vocab.token_bos(), *window[:-1]]
 
 
-def test_real_sample_start_tokenizes_each_sample(tokenizer, llama_vocab, shakespeare) -> None:
-    data = TrainingData(shakespeare, tokenizer, n_ctx=64,
+def test_real_sample_start_tokenizes_each_sample(tokenizer, llama_vocab, shakespeare_bytes) -> None:
+    data = TrainingData(shakespeare_bytes, tokenizer, n_ctx=64,
                         options=DataOptions(sample_start="\\n\\n", escape=True, include_sample_start=False))
-    pieces = shakespeare.split(b"\n\n")[1:]  # text before the first blank line is not a sample
+    pieces = shakespeare_bytes.split(b"\n\n")[1:]  # text before the first blank line is not a sample
     s = data.samples
     got = [s.tokens[b:b + n].tolist() for b, n in zip(s.begins, s.sizes, strict=True)]
     # each sample is tokenized on its own (SPM adds a leading space to each), as llama_tokenize per sample
@@ -534,15 +535,15 @@ def test_build_batch_equals_token_loop(sizes, n_batch, n_ctx, start, flags, seed
     assert (inputs.tolist(), targets.tolist(), used) == ref
 
 
-def test_real_overlapping_samples_use_longest_token_text(tokenizer, llama_vocab, shakespeare) -> None:
+def test_real_overlapping_samples_use_longest_token_text(tokenizer, llama_vocab, shakespeare_bytes) -> None:
     n_ctx = 8  # each sample spans 9 * 8 bytes: stories260K's longest token text is 9 bytes ("▁friend")
-    data = TrainingData(shakespeare, tokenizer, n_ctx=n_ctx,
+    data = TrainingData(shakespeare_bytes, tokenizer, n_ctx=n_ctx,
                         options=DataOptions(sample_start="\n\n", escape=True, overlapping_samples=True))
     s = data.samples
-    starts, pos = [], shakespeare.find(b"\n\n")
+    starts, pos = [], shakespeare_bytes.find(b"\n\n")
     while pos != -1:
         starts.append(pos + 2)
-        pos = shakespeare.find(b"\n\n", pos + 2)
-    expected = [llama_vocab.tokenize(shakespeare[p:p + 72], add_bos=False, special=False) for p in starts]
+        pos = shakespeare_bytes.find(b"\n\n", pos + 2)
+    expected = [llama_vocab.tokenize(shakespeare_bytes[p:p + 72], add_bos=False, special=False) for p in starts]
     assert [s.tokens[b:b + n].tolist() for b, n in zip(s.begins, s.sizes, strict=True)] == expected
     assert any("exceed the context" in w for w in data.warnings)

@@ -1,7 +1,8 @@
 """Old llama.cpp finetune adapters (ggla ``lora-*.bin``) and checkpoints, converted and merged.
 
-The old files are written here by writers that follow the format description
-(shared/reference/llama-cpp-finetune-semantics.md §8, §9), not by inverting ggtorch's reader.
+The old files are written here by writers that follow the old finetune's own description of its formats (its
+``ggla`` header, then each tensor's name, shape and data; its GGUF checkpoint keys), not by inverting ggtorch's
+reader.
 The reference logits are ggtorch's f32 model with the old formula applied to its weights
 directly (W += s·B·Aᵀ with the old layout's A (n_in, r), B (n_out, r)); llama.cpp runs the
 converted adapter (or the merged model) and must agree.

@@ -17,7 +17,9 @@ from gguf import GGUFReader, GGUFValueType
 
 from ggtorch.errors import BadGGUF
 from ggtorch.io.gguf import read_gguf
-from tests.families import shared_file_reader
+from tests.families import VOCABULARIES, gguf_py_reader
+from tests.fixtures import FOLDER as FIXTURES
+from tests.llama_cpp_files import vocab_file
 
 ALIGN = 32
 F32, Q4_0 = 0, 2
@@ -133,23 +135,28 @@ def _assert_reads_like_gguf_py(path: Path, reader: GGUFReader | None = None) -> 
         assert info.data.tobytes() == np.asarray(t.data).view(np.uint8).tobytes()
 
 
-SHARED_FILES = ["models/stories260K.gguf", "vocab/ggml-vocab-llama-spm.gguf", "vocab/ggml-vocab-phi-3.gguf",
-                "vocab/ggml-vocab-llama-bpe.gguf",
-                pytest.param("vocab/ggml-vocab-qwen2.gguf", marks=pytest.mark.xdist_group("qwen2_tied"))]
-"""Every GGUF file of ../shared (test_the_shared_files_are_all_here). Qwen's runs beside the qwen2_tied preset of
-tests/families.py, which reads it with gguf-py too (seconds over its 151k tokens; once per process)."""
+REAL_FILES = ["stories260K", "llama-spm", "phi-3", "llama-bpe",
+              pytest.param("qwen2", marks=pytest.mark.xdist_group("qwen2_tied"))]
+"""The GGUF files the tests read and did not write: tests/fixtures' model and llama.cpp's vocabularies (by name).
+Qwen's runs beside the qwen2_tied preset of tests/families.py, which reads it with gguf-py too (seconds over its 151k
+tokens; once per process)."""
 
 
-def test_the_shared_files_are_all_here(shared: Path) -> None:
-    listed = {p.values[0] if hasattr(p, "values") else p for p in SHARED_FILES}
-    assert {str(p.relative_to(shared)) for p in shared.rglob("*.gguf")} == listed
+def real_file(name: str) -> Path:
+    return FIXTURES / f"{name}.gguf" if name == "stories260K" else vocab_file(name)
 
 
-@pytest.mark.parametrize("name", SHARED_FILES)
-def test_every_shared_file_reads_like_gguf_py(shared: Path, name: str) -> None:
+def test_every_real_file_is_listed() -> None:
+    listed = {p.values[0] if hasattr(p, "values") else p for p in REAL_FILES}
+    fixtures = {p.stem for p in FIXTURES.glob("*.gguf")}
+    assert fixtures | (set(VOCABULARIES) - {"stories"}) <= listed
+
+
+@pytest.mark.parametrize("name", REAL_FILES)
+def test_every_real_file_reads_like_gguf_py(llama_cpp: Path, name: str) -> None:
     """The walk accepts real files (the model, the vocabularies) and reads them as gguf-py does."""
-    path = shared / name
-    _assert_reads_like_gguf_py(path, shared_file_reader(path))
+    path = real_file(name)
+    _assert_reads_like_gguf_py(path, gguf_py_reader(path))
 
 
 @pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])

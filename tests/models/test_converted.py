@@ -10,7 +10,6 @@ ggtorch does, so there it is 1e-4 like the others.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,44 +18,28 @@ import pytest
 import torch
 
 from ggtorch.io.gguf import read_gguf
-from tests.converted import HF_FAMILIES, Converter, PyPIUnreachable, fetch_converter, write_hf_model
+from tests.converted import HF_FAMILIES, Converter, write_hf_model, write_spm_tokenizer
 from tests.families import eval_tokens
-from tests.helpers import made_once
+from tests.llama_cpp_files import converter_script, vocab_file
 from tests.llama_models import llama_cpp_logits, open_llama_cpp, quantize_with_llama_cpp
 from tests.models.test_families import GELU_TABLE_TOLERANCE, ggtorch_logits
 from tests.models.test_model import TOLERANCE, assert_top1_agrees
+from tests.models.test_tokenizer import read_vectors
 
 FAMILIES = list(HF_FAMILIES)
 TOKENS = eval_tokens(32000)
 
 
 @pytest.fixture(scope="session")
-def converter(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """llama.cpp's converter, downloaded and extracted once per run (seconds: pip asks PyPI, then the sdist is
-    unpacked); extracted beside its final place and renamed there, so it is whole or absent."""
-    with made_once(tmp_path_factory, "llama-cpp-converter") as folder:
-        script = folder / "converter" / "convert_hf_to_gguf.py"
-        if not script.is_file():
-            partial = folder / f"extracting-{os.getpid()}"
-            try:
-                fetch_converter(folder / "sdist", partial)
-            except PyPIUnreachable as e:
-                pytest.skip(f"PyPI unreachable, no llama.cpp converter: {e}")
-            partial.rename(folder / "converter")
-        return script
-
-
-@pytest.fixture(scope="session")
-def converted(converter: Path, shared: Path, tmp_path_factory: pytest.TempPathFactory
-              ) -> Iterator[Callable[..., Path]]:
+def converted(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Path]]:
     """``converted("gemma3", "Q8_0")`` → GGUF path; ``converted("gemma3", "HF")`` → the HF directory."""
     cache: dict[tuple[str, str], Path] = {}
     root = tmp_path_factory.mktemp("converted")
-    convert = Converter(converter)
+    convert = Converter(converter_script())
 
     def make(name: str, ftype: str = "F32") -> Path:
         if (name, "HF") not in cache:
-            cache[name, "HF"] = write_hf_model(name, root / name, shared / "vocab")
+            cache[name, "HF"] = write_hf_model(name, root / name)
         if (name, "F32") not in cache:
             cache[name, "F32"] = convert(cache[name, "HF"], root / f"{name}-f32.gguf")
         if (name, ftype) not in cache:
@@ -77,6 +60,19 @@ def transformers_logits(hf_dir: Path, tokens: list[int]) -> np.ndarray:
 
 def max_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max())
+
+
+def test_the_rebuilt_llama_tokenizer_model_tokenizes_as_llama_cpp(llama_cpp: Path, tmp_path: Path) -> None:
+    """The tokenizer.model the sentencepiece families are converted with, rebuilt from llama.cpp's llama-spm vocabulary
+    file: sentencepiece itself gives llama.cpp's ids on its test vectors (Llama 2's tokenizer.model does too)."""
+    from sentencepiece import SentencePieceProcessor
+
+    vocab = vocab_file("llama-spm")
+    processor = SentencePieceProcessor(model_file=str(write_spm_tokenizer(tmp_path, vocab)))
+    vectors = read_vectors(vocab)
+    assert len(vectors) > 40
+    for text, ids in vectors:
+        assert processor.encode(text) == ids, text
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -501,13 +501,13 @@ def test_perplexity_equals_the_float64_forward(family_model: Callable[..., Path]
 
 @pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "gemma3", "phi3", "qwen3moe", "mistral3", "smollm3",
                                   "granite", "gpt_oss"])
-def test_info_generate_and_perplexity_commands_run(family_model: Callable[..., Path], shared: Path, tmp_path: Path,
+def test_info_generate_and_perplexity_commands_run(family_model: Callable[..., Path], shakespeare: Path, tmp_path: Path,
                                                    name: str) -> None:
     from tests.helpers import run_cli
 
     path = family_model(name)
     text = tmp_path / "text.txt"
-    text.write_text((shared / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:2000], encoding="utf-8")
+    text.write_text(shakespeare.read_text(encoding="utf-8")[:2000], encoding="utf-8")
     info = run_cli(["info", path])
     assert info.exit_code == 0 and f"architecture:  {FAMILY_PRESETS[name][0]}" in info.output, info.output
     ppl = run_cli(["perplexity", "-m", path, "-f", text, "-c", "32"])

@@ -23,7 +23,7 @@ from ggtorch.models.generate import (
 from ggtorch.models.loader import LoadedLlama, load_llama
 from tests.llama_models import llama_cpp_logits, open_llama_cpp
 
-# ../shared/README.md: llama.cpp's greedy decoding of stories260K from BOS alone.
+# llama.cpp's greedy decoding of stories260K (tests/fixtures) from BOS alone.
 REFERENCE_TEXT = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
     "One day, she saw a big, red ball. She wanted to play with it, but it was too high.\n"
@@ -135,8 +135,8 @@ def reference_perplexity(llm, tokens: list[int], n_ctx: int, bos: int) -> float:
     return math.exp(nll / count)
 
 
-def test_perplexity_equals_llama_cpp_definition(stories: LoadedLlama, shared: Path) -> None:
-    text = (shared / "data" / "tinyshakespeare.txt").read_text()[:3000]
+def test_perplexity_equals_llama_cpp_definition(stories: LoadedLlama, shakespeare: Path) -> None:
+    text = shakespeare.read_text()[:3000]
     n_ctx = 128
     tokens = stories.tokenizer.encode(text, add_special=True)
     llm = open_llama_cpp(stories.gguf.path, n_ctx=n_ctx)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ggtorch.models.model import rope_angles_at
+from tests.llama_cpp_files import template_file
 from tests.llama_models import llama_cpp_logits, open_llama_cpp
 from tests.models.test_families import GELU_TABLE_TOLERANCE, GEMMA, ggtorch_logits, tokens_for
 from tests.models.test_model import TOLERANCE
@@ -36,7 +37,7 @@ def test_full_finetune_writes_a_model_llama_cpp_runs_equally(family_model: Calla
     assert np.abs(ours - ggtorch_logits(base, tokens)).max() > 1e-3  # training changed the weights
 
 
-def test_gemma3_chat_finetune_on_two_ranks_equals_one_process(family_model: Callable[..., Path], shared: Path,
+def test_gemma3_chat_finetune_on_two_ranks_equals_one_process(family_model: Callable[..., Path], llama_cpp: Path,
                                                                tmp_path: Path) -> None:
     """The finetune options together on a sliding-window family: chat records rendered with the real gemma-2
     template (answers only), packed several per row with attention kept inside each and the window applied
@@ -52,7 +53,7 @@ def test_gemma3_chat_finetune_on_two_ranks_equals_one_process(family_model: Call
                                                      {"role": "assistant", "content": a}]}) + "\n"
                             for i, a in enumerate(answers)), encoding="utf-8")
     common = ["finetune", "--model-base", str(family_model("gemma3_pattern", "Q8_0")), "--train-data", str(data),
-              "--chat-template", str(shared / "templates" / "google-gemma-2-2b-it.jinja"), "-c", "64", "-b", "1",
+              "--chat-template", str(template_file("google-gemma-2-2b-it")), "-c", "64", "-b", "1",
               "--warmup", "0", "--adam-alpha", "0.01", "--seed", "3", "--threads", "1", "-n", "3",
               "--save-every", "0", "--checkpoint-in", "none.gguf"]
     out = assert_two_ranks_train_as_one_process(common, tmp_path)
