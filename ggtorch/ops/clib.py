@@ -40,6 +40,21 @@ def cache_dir() -> Path:
     return Path(base) / "ggtorch"
 
 
+@functools.cache
+def writable_cache_dir() -> Path | None:
+    """:func:`cache_dir`, made if needed, when this process can write into it; else None, said once (a read-only
+    home, a container): every library of a run would meet the same folder."""
+    try:
+        folder = cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            return folder
+    except (OSError, RuntimeError) as e:  # RuntimeError: no home folder to find it in
+        log.warning("ggtorch: cannot build its C libraries (%s); their work runs through torch, which is slower. "
+                    "Set XDG_CACHE_HOME to a writable folder to build them.", e)
+        return None
+
+
 def compiler() -> list[str]:
     """The C compiler command: ``$CC`` split as a shell would, else ``cc`` on the PATH; [] when there is none."""
     cc = shlex.split(os.environ.get("CC", ""))
@@ -87,27 +102,28 @@ def _commands(cc: list[str], source: Path, flags: tuple[str, ...], openmp: Path 
 def compile_library(cc: list[str], source: Path, flags: tuple[str, ...], openmp: Path | None, target: Path) -> bool:
     """Build ``source`` into ``target`` (written whole or not at all: ranks of one run may build it at once),
     for this CPU (``-march=native``) when the compiler takes it, else for its default target."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, built = str(Path(tmp) / "lib.o"), str(Path(tmp) / "lib.so")
-        for march in (["-march=native"], []):
-            try:
-                for cmd in _commands(cc, source, flags, openmp, march, obj, built):
-                    subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
-            except subprocess.CalledProcessError as e:
-                log.info("ggtorch: %s failed: %s", shlex.join(e.cmd), (e.stderr or "").strip()[-500:])
-                continue
-            except (OSError, subprocess.SubprocessError) as e:
-                log.info("ggtorch: could not compile %s: %s", source.name, e)
-                return False
-            os.replace(built, target)
-            return True
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            obj, built = str(Path(tmp) / "lib.o"), str(Path(tmp) / "lib.so")
+            for march in (["-march=native"], []):
+                try:
+                    for cmd in _commands(cc, source, flags, openmp, march, obj, built):
+                        subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+                except subprocess.CalledProcessError as e:
+                    log.info("ggtorch: %s failed: %s", shlex.join(e.cmd), (e.stderr or "").strip()[-500:])
+                    continue
+                os.replace(built, target)
+                return True
+    except (OSError, subprocess.SubprocessError) as e:  # no compiler after all, a full disk, a build past its time
+        log.info("ggtorch: could not compile %s: %s", source.name, e)
     return False
 
 
-def _text_with_includes(source: Path) -> bytes:
-    """``source`` and every local header it includes (``#include "name"``, relative to its folder, recursively):
-    what a library is built from, so that an edit to a shared header rebuilds every library that includes it."""
+def source_files(source: Path) -> dict[Path, bytes]:
+    """``source`` and every local header it includes (``#include "name"``, relative to its folder, recursively),
+    each with its text: what a library is built from, so that an edit to a shared header rebuilds every library
+    that includes it, and what an install must carry (tests/test_packaging.py)."""
     seen: dict[Path, bytes] = {}
 
     def read(path: Path) -> None:
@@ -119,23 +135,43 @@ def _text_with_includes(source: Path) -> bytes:
             read(path.parent / name.decode())
 
     read(source)
-    return b"".join(seen.values())
+    return seen
+
+
+def _built_copy(name: str) -> Path | None:
+    """The library file ``name`` in :func:`cache_dir` when it is there and readable, else None."""
+    try:
+        target = cache_dir() / name
+        return target if target.is_file() else None
+    except (OSError, RuntimeError):
+        return None
 
 
 @functools.cache
 def load(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
     """``source`` built with ``flags`` (besides ``-fPIC``, the CPU's and OpenMP's) and loaded, building it first
-    when the cache has no copy; None when there is no compiler or the build or the load fails. The caller
-    declares the functions' argument types."""
+    when the cache has no copy; None when there is no compiler, the source is missing, the cache folder cannot be
+    written or the build or the load fails: callers then keep their torch code. The caller declares the functions'
+    argument types."""
     cc = compiler()
-    if not cc or not source.exists():
+    if not cc:
         log.info("ggtorch: no C compiler (cc or $CC) to build %s; its work runs through torch", source.name)
         return None
-    openmp = torch_openmp()
-    key = hashlib.sha256(_text_with_includes(source) + repr((cc, flags, str(openmp), _cpu_identity())).encode())
-    target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
-    if not target.exists() and not compile_library(cc, source, flags, openmp, target):
+    try:
+        text = b"".join(source_files(source).values())
+    except OSError as e:
+        log.warning("ggtorch: this install of ggtorch lacks %s (%s); its work runs through torch. Reinstall ggtorch.",
+                    source.name, e.strerror or e)
         return None
+    openmp = torch_openmp()
+    key = hashlib.sha256(text + repr((cc, flags, str(openmp), _cpu_identity())).encode())
+    name = f"{source.stem}-{key.hexdigest()[:16]}.so"
+    target = _built_copy(name)  # built earlier: it loads from a folder now read-only too
+    if target is None:
+        folder = writable_cache_dir()
+        if folder is None or not compile_library(cc, source, flags, openmp, folder / name):
+            return None
+        target = folder / name
     try:
         return ctypes.CDLL(str(target))
     except OSError as e:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import shlex
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,8 +21,10 @@ SOURCE = "int ggtorch_test_answer(void) { return ANSWER; }\n"
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     clib.load.cache_clear()
+    clib.writable_cache_dir.cache_clear()
     yield tmp_path / "cache" / "ggtorch"
     clib.load.cache_clear()
+    clib.writable_cache_dir.cache_clear()
 
 
 def test_a_failed_build_leaves_nothing_behind(tmp_path) -> None:
@@ -79,3 +86,71 @@ def test_load_declared_sets_each_function_s_types(cache, tmp_path) -> None:
     source.write_text("double ggtorch_test_half(double x) { return x / 2; }\n")
     lib = clib.load_declared(source, (), {"ggtorch_test_half": (ctypes.c_double, [ctypes.c_double])})
     assert lib.ggtorch_test_half(3) == 1.5  # undeclared, ctypes would pass an int and read an int back
+
+
+@pytest.mark.skipif(not clib.compiler(), reason="no C compiler")
+def test_a_cache_folder_that_cannot_be_made_is_one_logged_line(cache, tmp_path, monkeypatch, caplog) -> None:
+    """A file where the cache folder would go: every library falls back to torch, said once, nothing raised."""
+    (tmp_path / "home-file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-file"))
+    sources = [tmp_path / "a.c", tmp_path / "b.c"]
+    for source in sources:
+        source.write_text(SOURCE)
+    with caplog.at_level("WARNING", logger="ggtorch"):
+        assert [clib.load(source, ("-DANSWER=1",)) for source in sources] == [None, None]
+    assert [r.getMessage() for r in caplog.records if "cannot build its C libraries" in r.getMessage()] == [
+        caplog.records[0].getMessage()]
+    assert "XDG_CACHE_HOME" in caplog.records[0].getMessage() and len(caplog.records) == 1
+
+
+def test_a_source_missing_from_the_install_says_so(cache, tmp_path, caplog) -> None:
+    with caplog.at_level("WARNING", logger="ggtorch"):
+        assert clib.load(tmp_path / "attention.c", ()) is None
+    (record,) = caplog.records
+    assert "this install of ggtorch lacks attention.c" in record.getMessage() and "Reinstall" in record.getMessage()
+
+
+READ_ONLY_CHILD = """
+import sys, ggtorch
+from ggtorch.ops import attention, fused, lowrank
+from ggtorch.quant import native
+assert [native._library(), lowrank._library(), fused._library(), attention._library()] == [None] * 4
+run = ggtorch.finetune(model_base=sys.argv[1], train_data=sys.argv[2], ctx=16, batch=2, adam_iter=2, warmup=0,
+                       checkpoint_in="", checkpoint_out="", lora_out="", log_file="", threads=1, progress=False)
+print("loss", run.history[-1].loss)
+"""
+
+
+def _read_only_command(folder: Path) -> list[str]:
+    """What runs a command with ``folder`` read-only: its mode where permissions bind (not root), else a read-only
+    bind mount in a mount namespace of the command's own (root; skipped where the kernel refuses one)."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return []
+    f = shlex.quote(str(folder))
+    mount = f"mount --bind {f} {f} && mount -o remount,ro,bind {f} {f}"
+    try:
+        probe = subprocess.run(["unshare", "--mount", "sh", "-c", f"{mount} && ! touch {f}/probe 2>/dev/null"],
+                               capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("root without unshare(1) for a read-only folder")
+    if probe.returncode != 0:
+        pytest.skip(f"root without a mount namespace for a read-only folder: {probe.stderr.strip()[:200]}")
+    return ["unshare", "--mount", "sh", "-c", f'{mount} && exec "$@"', "sh"]
+
+
+@pytest.mark.skipif(not clib.compiler(), reason="no C compiler")
+def test_a_read_only_cache_folder_trains_through_torch_with_one_line(tmp_path, stories260k, texts) -> None:
+    """A read-only cache (home) folder, nothing built in it yet: a LoRA finetune runs on torch's code, and the user
+    reads one line saying why and what to do."""
+    folder = tmp_path / "read-only-cache"
+    folder.mkdir()
+    env = {**os.environ, "XDG_CACHE_HOME": str(folder)}
+    proc = subprocess.run([*_read_only_command(folder), sys.executable, "-c", READ_ONLY_CHILD, str(stories260k),
+                           str(texts["train"])], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loss" in proc.stdout
+    said = [line for line in proc.stderr.splitlines() if "cannot build its C libraries" in line]
+    assert len(said) == 1 and str(folder) in said[0] and "XDG_CACHE_HOME" in said[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert list(folder.iterdir()) == []
