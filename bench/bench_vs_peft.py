@@ -87,6 +87,8 @@ class Shape:
     head_dim: int | None = None
     n_vocab: int = 32000
     tied: bool = False
+    softcaps: tuple[float, float] | None = None
+    """gemma2's attention and final logit soft-caps (its GGUF keys; transformers' Gemma2Config defaults)."""
 
     def matrices(self) -> list[tuple[int, int]]:
         """(out, in) of every matrix a token passes through (the output projection, tied or not)."""
@@ -111,6 +113,10 @@ SHAPES = {
     # Gemma 3 270M: its 262,144-token vocabulary, tied embedding, 4 heads of 256 over 1 KV head
     "gemma3-270M": Shape("gemma3-270M", n_embd=640, n_ff=2048, n_layer=18, n_head=4, n_head_kv=1,
                          arch="gemma3", head_dim=256, n_vocab=262144, tied=True),
+    # Gemma 2's head at those widths: its 256,000-token vocabulary behind the final soft-cap, so the loss takes
+    # ggtorch's path for a head of more than one projection (training.loss.head_cross_entropy)
+    "gemma2-256k": Shape("gemma2-256k", n_embd=640, n_ff=2048, n_layer=18, n_head=4, n_head_kv=1,
+                         arch="gemma2", head_dim=256, n_vocab=256000, tied=True, softcaps=(50.0, 30.0)),
 }
 
 
@@ -205,6 +211,8 @@ def full_cases(jemalloc: bool) -> list[Case]:
         replace(base, shape="gemma3-270M", ftype="Q8_0", group="gemma3-270M"),
         replace(base, shape="gemma3-270M", ftype="Q8_0", dtype="bf16", peer_dtype="f32", group="gemma3-270M",
                 relay=True),
+        # not a target: a soft-capped head over a 256,000-word vocabulary, so that its loss's speed shows
+        replace(base, shape="gemma2-256k", ftype="Q8_0"),
     ]
     if jemalloc:  # one run per side, to keep the second pairing short
         rows += [replace(c, malloc="jemalloc", repeat=1) for c in rows
@@ -263,10 +271,11 @@ def write_f32_model(path: Path, shape: Shape, workdir: Path) -> None:
         return
     from tests import families
 
+    attn_softcap, final_softcap = shape.softcaps or (None, None)
     family = families.Shape(n_embd=shape.n_embd, n_ff=shape.n_ff, n_layer=shape.n_layer, n_head=shape.n_head,
                             n_head_kv=shape.n_head_kv, head_dim=shape.head_dim, n_ctx=shape.n_ctx,
                             tied_output=shape.tied, sliding_window=512, rope_freq_base=1e6,
-                            rope_freq_base_swa=10000.0)
+                            rope_freq_base_swa=10000.0, attn_softcap=attn_softcap, final_softcap=final_softcap)
     families.write_random_model(path, shape.arch, padded_vocab(workdir, shape.n_vocab), family, seed=0)
 
 
@@ -1230,7 +1239,10 @@ def report(rows: list[dict[str, Any]], sides: list[str], info: dict[str, Any], a
         "untied output; 1.1B: TinyLlama's shape (n_embd 2048, n_ff 5632, 22 layers, 32 heads, 4 KV heads); "
         "gemma3-270M: a Gemma 3 of 270M's shape (n_embd 640, n_ff 2048, 18 layers, 4 heads of 256 over 1 KV head, "
         "sliding window 512 on five layers of six) with a 262,144-token vocabulary (the llama vocabulary grown with "
-        "unused tokens) whose Q8_0 embedding is the output projection.",
+        "unused tokens) whose Q8_0 embedding is the output projection; gemma2-256k: a Gemma 2 at the same widths "
+        "(sliding window 512 on every other layer) with Gemma 2's 256,000-token vocabulary and soft-caps (attention "
+        "50, final 30, transformers' Gemma2Config defaults, which its GGUF loader keeps): a head of more than one "
+        "projection, whose loss ggtorch takes a chunk of tokens at a time (`training.loss.head_cross_entropy`).",
         "Both sides train LoRA rank 4 (alpha 4) on q/k/v/o/gate/up/down with AdamW (lr 1e-3, weight decay 0.1, "
         "gradient clipping 1.0) on the same token stream, each side in its own process, both on the row's allocator. "
         "The two processes take turns: they import their libraries at once, each loads while the other waits, then "

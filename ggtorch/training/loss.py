@@ -33,8 +33,9 @@ CHUNK_BYTES = 4 << 20
 enough to stay in cache between the exp and the write of the gradient."""
 
 
-def _row_chunks(n_rows: int, n_cols: int) -> list[tuple[int, int]]:
-    step = max(1, CHUNK_BYTES // (4 * n_cols))
+def _row_chunks(n_rows: int, n_cols: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """(start, end) of each chunk of rows whose ``n_cols`` f32 values fill ``chunk_bytes`` (one row at least)."""
+    step = max(1, chunk_bytes // (4 * n_cols))
     return [(r0, min(r0 + step, n_rows)) for r0 in range(0, n_rows, step)]
 
 
@@ -385,7 +386,10 @@ def head_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
                        n_vocab: int, reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
     """``cross_entropy(head(hidden), targets)`` for a head that is more than one projection (an output
     bias, gemma's final soft-capping), a chunk of tokens at a time: each chunk's logits exist only
-    while it is computed, and again in backward (activation checkpointing), never (tokens, V) whole."""
+    while it is computed, and again in backward (activation checkpointing), never (tokens, V) whole.
+    A chunk holds :data:`FUSED_CHUNK_BYTES` of f32 logits (the rows the memory estimate counts): each
+    chunk computes the whole head again, so fewer rows would repeat its product (and a quantized
+    output's decoding) for nothing."""
     x = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
 
@@ -393,7 +397,7 @@ def head_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
         return cross_entropy(head(xc), tc, "sum")
 
     total = hidden.new_zeros((), dtype=torch.float32)
-    for r0, r1 in _row_chunks(x.shape[0], n_vocab * FUSED_CHUNK_BYTES // CHUNK_BYTES):
+    for r0, r1 in _row_chunks(x.shape[0], n_vocab, FUSED_CHUNK_BYTES):
         if torch.is_grad_enabled():
             total = total + checkpoint(chunk_loss, x[r0:r1], t[r0:r1])
         else:

@@ -251,3 +251,33 @@ def test_fused_output_loss_takes_a_lora_layer_only_through_its_linear_parts() ->
     plain = output_cross_entropy(output, hidden, targets)
     assert output.calls == 1
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_vocab", [32000, 262144])
+def test_a_head_of_more_than_one_projection_takes_the_estimated_rows_per_chunk(n_vocab: int) -> None:
+    """gemma's soft-capped head, a chunk of tokens at a time: as many tokens per chunk as FUSED_CHUNK_BYTES holds f32
+    logit rows (32 at gemma's 262,144 words, 262 at llama's 32,000; the rows training.memory counts), so the head's
+    product runs once per chunk, not once per token or two; its loss and gradients equal the whole head's."""
+    gen = torch.Generator().manual_seed(3)
+    n_tokens, n_embd = 100, 8
+    weight = torch.randn(n_vocab, n_embd, generator=gen)
+    hidden = torch.randn(n_tokens, n_embd, generator=gen, requires_grad=True)
+    targets = torch.randint(0, n_vocab, (n_tokens,), generator=gen)
+    targets[::7] = -100
+    calls = []
+
+    def head(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return 30.0 * torch.tanh((x @ weight.T) / 30.0)
+
+    rows = loss_mod.FUSED_CHUNK_BYTES // (4 * n_vocab)
+    with torch.no_grad():
+        loss_mod.head_cross_entropy(head, hidden, targets, n_vocab)
+    assert calls == [rows] * (n_tokens // rows) + ([n_tokens % rows] if n_tokens % rows else [])
+
+    got = loss_mod.head_cross_entropy(head, hidden, targets, n_vocab)
+    (got_grad,) = torch.autograd.grad(got, hidden)
+    expected = F.cross_entropy(head(hidden), targets, ignore_index=-100)
+    (expected_grad,) = torch.autograd.grad(expected, hidden)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad, expected_grad, rtol=1e-4, atol=1e-7)
