@@ -51,7 +51,7 @@ from ggtorch.models.model import Llama
 from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.ops.dtypes import DTYPES
 from ggtorch.training.config import FinetuneConfig, RunConfig, TrainConfig
-from ggtorch.training.log import draw_losses, plot_loss
+from ggtorch.training.log import LoggedRun, draw_runs, plot_loss
 from ggtorch.training.trainer import Callback, StepResult, Trainer, resolve_device
 
 __all__ = ["Checkpoint", "GGUFModel", "LoraAdapter", "ProgressBar", "export_peft", "finetune", "import_peft",
@@ -293,7 +293,7 @@ def plot_losses(run: Trainer | str | os.PathLike[str], ax: Any = None) -> Any:
         if log_path is not None and Path(log_path).is_file():
             plot_loss(log_path, ax=ax)
         else:
-            draw_losses(ax, [(r.iteration, r.loss) for r in run.history], [])
+            draw_runs(ax, [LoggedRun("this run", [(r.iteration, r.loss) for r in run.history])])
         return ax
     plot_loss(run, ax=ax)
     return ax

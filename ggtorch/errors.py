@@ -25,6 +25,10 @@ class BadData(GGTorchError):
     """Training or evaluation data that cannot be used as given."""
 
 
+class NonFiniteValues(GGTorchError):
+    """A tensor about to be written holds NaN or inf: the file is not written (no file of ggtorch's ever holds one)."""
+
+
 class OutOfMemory(GGTorchError):
     """A step needed more memory than the machine (or the device, or a limit set on the process) gave."""
 

@@ -164,7 +164,8 @@ def test_finetune_on_a_list_of_records(stories260k: Path, tmp_path: Path) -> Non
     options = dict(model_base=str(stories260k), train_data="", ctx=64, batch=2, adam_iter=3, seed=4, threads=1,
                    checkpoint_in="", checkpoint_out="", lora_out=str(tmp_path / "qa.gguf"), save_every=0)
     run = ggtorch.finetune(records=records, val_records=records[:2], progress=False, **options)
-    twin = Trainer(FinetuneConfig(**options), records=records, val_records=records[:2], log_records=False)
+    twin = Trainer(FinetuneConfig(**options, overwrite=True), records=records, val_records=records[:2],
+                   log_records=False)
     assert [r.loss for r in run.history] == [r.loss for r in twin.train()]
     twin.close()
     assert run.evaluate() is not None and (tmp_path / "qa.gguf").is_file()

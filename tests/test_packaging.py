@@ -75,6 +75,7 @@ def test_the_wheel_carries_every_file_of_the_package(wheel: Path) -> None:
     in_package = {n for n in names if n.startswith("ggtorch/")}
     assert runtime_sources() | {"ggtorch/py.typed"} <= in_package
     assert in_package == tracked_files("ggtorch")
+    assert "ggtorch_launcher.py" in names  # the console script's entry point (it catches a Ctrl-C in the import)
 
 
 def test_demo_runs_from_the_wheel_in_a_fresh_environment(wheel: Path, tmp_path: Path) -> None:

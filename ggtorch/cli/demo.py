@@ -182,7 +182,7 @@ def run_demo(settings: DemoSettings | None = None, say: Callable[[str], None] = 
         f"{s.base_iterations} iterations on {files['base text'].name}")
     files["base model (F32)"] = out / "base-f32.gguf"
     base_run = train(vocab_model=str(files["vocabulary"]), train_data=str(files["base text"]),
-                     model_out=str(files["base model (F32)"]), checkpoint_out="", checkpoint_in="",
+                     model_out=str(files["base model (F32)"]), checkpoint_out="", checkpoint_in="", overwrite=True,
                      log_file=str(out / "base-train-log.jsonl"), embd=s.embd, ff=s.ff, head=s.head, layer=s.layer,
                      ctx=s.ctx, batch=16, adam_iter=s.base_iterations, adam_alpha=0.003, warmup=20, init="scaled",
                      use_checkpointing=False, threads=s.threads, seed=s.seed, save_every=0,
@@ -199,7 +199,8 @@ def run_demo(settings: DemoSettings | None = None, say: Callable[[str], None] = 
     files["adapter"] = out / "lora-zen.gguf"
     lora_run = finetune(model_base=str(files["base model (Q8_0)"]), train_data=str(files["finetune text"]),
                         lora_out=str(files["adapter"]), checkpoint_out=str(out / "lora-checkpoint.gguf"),
-                        checkpoint_in="", log_file=str(out / "lora-train-log.jsonl"), lora_r=s.lora_rank,
+                        checkpoint_in="", overwrite=True, log_file=str(out / "lora-train-log.jsonl"),
+                        lora_r=s.lora_rank,
                         ctx=s.ctx, batch=8, adam_iter=s.lora_iterations, adam_alpha=0.003, warmup=5,
                         use_checkpointing=False, threads=s.threads, seed=s.seed, save_every=0,
                         callbacks=[_Reporter(say, "lora", s.lora_iterations)], progress=False)

@@ -17,6 +17,7 @@ from ggtorch.errors import BadFlag
 from ggtorch.export.merge import OUTTYPES
 from ggtorch.export.old_formats import convert_old
 from ggtorch.io.gguf import read_gguf
+from ggtorch.io.paths import Input, Output, check_files
 from ggtorch.lora.adapter_file import ADAPTER_DTYPES, validate_against_base, write_adapter
 from ggtorch.ops.threads import pin_threads
 
@@ -73,7 +74,7 @@ class _LoraArgsCommand(click.Command):
 
 def _file_scale(spec: str) -> tuple[str, float]:
     path, _, scale = spec.rpartition(":")
-    return path, float(scale)
+    return path, float(scale)  # a number (normalize_lora_args checked); read_source refuses one f32 cannot hold
 
 
 @click.command(name="export-lora", cls=_LoraArgsCommand, context_settings={"help_option_names": ["-h", "--help"]})
@@ -114,6 +115,7 @@ def export_lora(model_path: str, out_path: str, lora_plain: tuple[str, ...], lor
 @click.option("-m", "--model-base", "model_path", default=None, help="Base GGUF model to check the adapter against.")
 def convert_old_lora(old_path: str, out_path: str, drop_norms: bool, outtype: str, model_path: str | None) -> None:
     """Convert an old llama.cpp finetune adapter (ggla lora-*.bin) or checkpoint to today's GGUF LoRA."""
+    check_files([Input("OLD", old_path), *([Input("-m", model_path)] if model_path else [])], [Output("-o", out_path)])
     adapter = convert_old(old_path, drop_norms=drop_norms)
     if model_path:
         validate_against_base(adapter, read_gguf(model_path), old_path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -162,7 +163,10 @@ def run_trainer(ctx: click.Context, trainer: Trainer, only_write: str, output: s
 @click.argument("log_path", metavar="LOG.jsonl")
 @click.option("-o", "--output", "png_path", default=None, help="PNG to write. [LOG with .png]")
 def plot(log_path: str, png_path: str | None) -> None:
-    """Draw the loss curve of a training log (written beside the finetune outputs) to a PNG."""
+    """Draw the loss curves of a training log (written beside the finetune outputs) to a PNG, each run labelled."""
+    from ggtorch.io.paths import Input, Output, check_files
     from ggtorch.training.log import plot_loss
 
-    click.echo(f"wrote {plot_loss(log_path, png_path)}")
+    out = png_path or str(Path(log_path).with_suffix(".png"))
+    check_files([Input("LOG.jsonl", log_path)], [Output("-o", out)])
+    click.echo(f"wrote {plot_loss(log_path, out)}")

@@ -12,7 +12,6 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import click
@@ -27,8 +26,9 @@ from ggtorch.cli.peft import convert_lora, export_peft_cmd
 from ggtorch.cli.train import train
 from ggtorch.errors import BadData, GGTorchError
 from ggtorch.io.gguf import read_gguf
+from ggtorch.io.paths import Input, check_input
 from ggtorch.models.config import ModelConfig
-from ggtorch.models.generate import SamplingParams, iter_tokens
+from ggtorch.models.generate import SamplingParams, check_fits, iter_tokens
 from ggtorch.ops.dtypes import DTYPES
 from ggtorch.ops.threads import follow_free_cores, pin_threads
 from ggtorch.training.distributed import env_rank, env_world_size
@@ -101,11 +101,14 @@ def info(model_path: str) -> None:
     tok_model = f.get("tokenizer.ggml.model")
     if tok_model is not None:
         click.echo(f"tokenizer:     {tok_model}, {len(f.get('tokenizer.ggml.tokens', []))} tokens")
-    if f.get("general.type") == "adapter":
+    if f.kind == "LoRA adapter":
         click.echo(f"kind:          LoRA adapter ({f.get('adapter.type')}, alpha {f.get('adapter.lora.alpha', 0):g})")
-    elif f.get("training.type"):
+    elif f.kind == "training checkpoint":
         click.echo(f"kind:          training checkpoint ({f.get('training.type')}, "
                    f"iteration {f.get('training.iteration_count', 0)})")
+    elif f.kind == "vocabulary":
+        click.echo("kind:          vocabulary (a tokenizer without weights: `ggtorch train --vocab-model` builds a "
+                   "model over it)")
     else:
         click.echo("hyperparameters:")
         for field, value in ModelConfig.from_gguf(f).describe().items():
@@ -141,6 +144,7 @@ def generate(model_path: str, device: str, dtype: str, keep_quantized: bool, thr
     prompt_tokens = tok.encode(prompt, add_special=True)
     if not prompt_tokens:
         raise BadData("the prompt is empty and the vocabulary adds no BOS token; give a prompt with -p")
+    check_fits(loaded.model, len(prompt_tokens), n_predict)  # before the prompt is echoed
     stop = frozenset() if ignore_eos else tok.eog_ids
     click.echo(prompt, nl=False)
     new: list[int] = []
@@ -182,9 +186,7 @@ def perplexity_cmd(model_path: str, device: str, dtype: str, keep_quantized: boo
 
 
 def _read_text(path: str) -> str:
-    p = Path(path)
-    if not p.is_file():
-        raise BadData(f"{p}: no such text file")
+    p = check_input(Input("-f", path))
     try:
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

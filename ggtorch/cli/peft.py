@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import click
 
-from ggtorch.export.peft import export_peft, import_peft
+from ggtorch.export.peft import PEFT_FILES, export_peft, import_peft
 from ggtorch.io.gguf import read_gguf
+from ggtorch.io.paths import Input, Output, check_files
 from ggtorch.lora.adapter_file import ADAPTER_DTYPES, read_adapter, write_adapter
 from ggtorch.ops.dtypes import DTYPES
 
@@ -23,6 +24,7 @@ from ggtorch.ops.dtypes import DTYPES
               help="Type of the adapter tensors (q8_0 falls back to f16 for rows not a multiple of 32).")
 def convert_lora(peft_dir: str, base_path: str, outfile: str, outtype: str) -> None:
     """Convert a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) to a GGUF LoRA."""
+    check_files([Input("PEFT_DIR", peft_dir, folder=True), Input("--base", base_path)], [Output("--outfile", outfile)])
     base = read_gguf(base_path)
     adapter = import_peft(peft_dir, base)
     path = write_adapter(outfile, adapter, outtype)
@@ -42,6 +44,8 @@ def convert_lora(peft_dir: str, base_path: str, outfile: str, outtype: str) -> N
               help="Type of the safetensors weights.")
 def export_peft_cmd(adapter_path: str, base_path: str, outdir: str, base_model_id: str | None, outtype: str) -> None:
     """Write a GGUF LoRA adapter as a PEFT folder with Hugging Face llama module names."""
+    check_files([Input("ADAPTER", adapter_path), Input("--base", base_path)],
+                [Output("--outdir", outdir, folder=True, inside=PEFT_FILES)])
     base = read_gguf(base_path)
     adapter = read_adapter(adapter_path)
     out = export_peft(adapter, base, outdir, base_model_id, DTYPES[outtype])

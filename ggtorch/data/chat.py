@@ -155,18 +155,21 @@ def generation_spans(marked: str) -> tuple[str, list[Span]]:
     return "".join(text), spans
 
 
-def _preceding_texts(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> list[str | None]:
-    """Per message, the template text written between the previous content and its own.
+def _preceding_texts(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]
+                     ) -> tuple[list[str | None], set[int]]:
+    """Per message, the template text written between the previous content and its own, and the messages whose
+    content the template does not write at all.
 
     Read from a probe render whose contents are placeholders: None for a message whose content
-    the template does not write exactly once (or a probe the template refuses).
+    the template does not write exactly once (or a probe the template refuses: then none is known to be left out).
     """
     probe = [{**m, "content": PLACEHOLDER.format(i)} for i, m in enumerate(messages)]
     try:
         text = template.render(probe)
     except BadData:
-        return [None] * len(messages)
+        return [None] * len(messages), set()
     out: list[str | None] = []
+    left_out = {i for i in range(len(messages)) if PLACEHOLDER.format(i) not in text}
     prev_end = 0
     for i in range(len(messages)):
         tag = PLACEHOLDER.format(i)
@@ -176,7 +179,7 @@ def _preceding_texts(template: ChatTemplate, messages: Sequence[Mapping[str, Any
             continue
         out.append(text[prev_end:at])
         prev_end = at + len(tag)
-    return out
+    return out, left_out
 
 
 def _find_content(text: str, content: str, before: str | None, pos: int, anchored: bool) -> Span | None:
@@ -209,7 +212,13 @@ def answer_spans(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], 
     text, marked = generation_spans(template.render_marked(messages, False, where))
     if marked:
         return text, marked
-    before = _preceding_texts(template, messages)
+    before, left_out = _preceding_texts(template, messages)
+    for i in sorted(left_out):
+        m = messages[i]
+        if m["role"] != "assistant" and str(m["content"]).strip():
+            raise BadData(f"{where}: the {template.name} does not write message {i} (role '{m['role']}') into its "
+                          "render, so the answers would train without it; give it a role the template writes "
+                          "(system, user or assistant) or drop it")
     found: list[tuple[int, Span]] = []
     pos = 0
     for i, m in enumerate(messages):

@@ -24,14 +24,16 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from ggtorch.errors import BadGGUF, GGTorchError, Unsupported
+from ggtorch.errors import BadFlag, BadGGUF, GGTorchError, NonFiniteValues, Unsupported
 from ggtorch.export.old_formats import OLD_CHECKPOINT_TYPE, LoraWithNorms, is_ggla, read_old
 from ggtorch.io.checkpoint import CHECKPOINT_TYPE, load_checkpoint
 from ggtorch.io.encode import fallback_type, quantize
-from ggtorch.io.gguf import GGUFFile, read_gguf, write_gguf_streaming
+from ggtorch.io.gguf import GGUFFile, read_gguf, require_kind, write_gguf_streaming
 from ggtorch.io.model_file import FILE_TYPES
 from ggtorch.io.model_file import OUTTYPES as MODEL_OUTTYPES
+from ggtorch.io.paths import Input, Output, check_files, check_input
 from ggtorch.lora.adapter_file import NORM_SUFFIX, LoraAdapter, LoraPair, read_adapter, validate_against_base
+from ggtorch.ops.dtypes import finite_in_f32
 from ggtorch.ops.threads import follow_free_cores
 from ggtorch.quant import dequantize
 
@@ -67,8 +69,9 @@ class MergePlan:
 def read_source(path: str | os.PathLike[str], user_scale: float = 1.0) -> MergeSource:
     """Any file that holds a LoRA: GGUF adapter, ggtorch checkpoint, old ggla adapter or checkpoint."""
     path = Path(path)
-    if not path.is_file():
-        raise GGTorchError(f"{path}: no such adapter file")
+    if not finite_in_f32(user_scale):
+        raise BadFlag(f"--lora-scaled {path}:{user_scale}: the scale must be a finite number (within f32's range)")
+    check_input(Input("--lora", path))
     if is_ggla(path):
         return _from_old(path, read_old(path), user_scale)
     f = read_gguf(path)
@@ -77,10 +80,8 @@ def read_source(path: str | os.PathLike[str], user_scale: float = 1.0) -> MergeS
         return _from_checkpoint(path, user_scale)
     if kind == OLD_CHECKPOINT_TYPE:
         return _from_old(path, read_old(path), user_scale)
-    if f.get("general.type") == "adapter" and f.get("adapter.type") == "lora":
-        return MergeSource(path, read_adapter(path), {}, user_scale)
-    raise BadGGUF(f"{path}: not a LoRA adapter (general.type = '{f.get('general.type', 'model')}'); "
-                  "pass a GGUF LoRA, a ggtorch checkpoint or an old finetune lora-*.bin / checkpoint")
+    require_kind(f, "LoRA adapter", "training checkpoint", flag="--lora")
+    return MergeSource(path, read_adapter(path), {}, user_scale)
 
 
 def _from_old(path: Path, old: LoraWithNorms, user_scale: float) -> MergeSource:
@@ -174,9 +175,10 @@ def merged_weight(base: GGUFFile, name: str, sources: list[MergeSource]) -> torc
 def merge_to_gguf(base_path: str | os.PathLike[str], sources: list[MergeSource], out_path: str | os.PathLike[str],
                   outtype: str = "same") -> MergePlan:
     """Write ``out_path``: the base model with every source merged in (atomically, streamed)."""
-    base = read_gguf(base_path)
     if not sources:
         raise GGTorchError("no adapters to merge; pass --lora FILE or --lora-scaled FILE SCALE")
+    check_files([Input("-m", base_path), *(Input("--lora", src.path) for src in sources)], [Output("-o", out_path)])
+    base = require_kind(read_gguf(base_path), "model", flag="-m")
     for src in sources:
         validate_source(src, base)
     plan = plan_merge(base, sources, outtype)
@@ -185,7 +187,11 @@ def merge_to_gguf(base_path: str | os.PathLike[str], sources: list[MergeSource],
     def data() -> Iterator[np.ndarray]:
         for name, info in base.tensors.items():
             if name in plan.merged:
-                yield quantize(merged_weight(base, name, sources), plan.merged[name][1], name)
+                merged = merged_weight(base, name, sources)
+                if not bool(torch.isfinite(merged).all()):
+                    raise NonFiniteValues(f"merging gives NaN or inf in '{name}' (an adapter holding them, or a scale "
+                                          f"too large), so {out_path} was not written")
+                yield quantize(merged, plan.merged[name][1], name)
             else:
                 yield info.data
 

@@ -43,7 +43,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ggtorch.errors import BadData, GGTorchError, Unsupported
+from ggtorch.errors import BadData, GGTorchError, NonFiniteValues, Unsupported
 from ggtorch.io.gguf import GGUFFile, atomic_path
 from ggtorch.lora.adapter_file import TOKEN_EMBD, LoraAdapter, LoraPair, validate_against_base
 from ggtorch.models import names
@@ -51,6 +51,8 @@ from ggtorch.models.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+"""What export_peft writes into its folder."""
 PICKLE_WEIGHTS_FILE = "adapter_model.bin"
 BASE_LAYER_SUFFIX = ".base_layer.weight"
 PEFT_PREFIX = "base_model.model."
@@ -237,6 +239,9 @@ def export_peft(adapter: LoraAdapter, base: GGUFFile, out_dir: str | os.PathLike
         "modules_to_save": None,
         "inference_mode": True,
     }
+    for key, value in tensors.items():
+        if not bool(torch.isfinite(value).all()):
+            raise NonFiniteValues(f"the adapter's '{key}' holds NaN or inf values, so no PEFT folder was written")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / WEIGHTS_FILE) as tmp:

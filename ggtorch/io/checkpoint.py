@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType
 
 from ggtorch.errors import BadGGUF, GGTorchError
 from ggtorch.io.encode import STORAGE_TYPES, encode
-from ggtorch.io.gguf import GGUFFile, TensorOut, read_gguf, write_gguf
+from ggtorch.io.gguf import GGUFFile, TensorOut, read_gguf, require_kind, write_gguf
 
 CHECKPOINT_TYPE = "ggtorch.finetune_lora"
 """``training.type`` of ggtorch's checkpoints (the old llama.cpp finetune wrote ``finetune_lora``)."""
@@ -139,13 +139,13 @@ def _from_bytes(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.T
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read a ggtorch checkpoint; refuse other GGUF files with a message that says what they are."""
-    f = read_gguf(path)
+    f = require_kind(read_gguf(path), "training checkpoint", flag="--checkpoint-in")
     kind = f.get("training.type")
     if kind != CHECKPOINT_TYPE:
-        what = ("an old llama.cpp finetune checkpoint" if kind == "finetune_lora"
-                else f"a GGUF of type '{f.get('general.type', kind or 'model')}'")
+        what = "an old llama.cpp finetune checkpoint" if kind == "finetune_lora" else f"a '{kind}' checkpoint"
         raise BadGGUF(f"{f.path}: not a ggtorch training checkpoint (it is {what}); "
-                      "pass a file written by ggtorch's --checkpoint-out")
+                      + ("convert it with `ggtorch convert-old-lora`, or " if kind == "finetune_lora" else "")
+                      + "pass a file written by ggtorch's --checkpoint-out")
     try:
         packed = json.loads(f.require("training.state"))
     except json.JSONDecodeError as e:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
 
-from ggtorch.errors import BadGGUF, GGTorchError
+from ggtorch.errors import BadGGUF, GGTorchError, NonFiniteValues
 
 GGUF_MAGIC_BYTES = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -121,6 +121,37 @@ class GGUFFile:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
+
+    @property
+    def kind(self) -> str:
+        """What the file holds: ``model``, ``LoRA adapter``, ``training checkpoint`` or ``vocabulary`` (a tokenizer
+        without weights), as a message names it."""
+        if self.get("general.type") == "adapter":
+            return "LoRA adapter"
+        if self.get("training.type"):
+            return "training checkpoint"
+        if not self.tensors and "tokenizer.ggml.model" in self.metadata:
+            return "vocabulary"
+        return "model"
+
+
+KIND_ADVICE = {
+    "model": "pass it where a model goes (-m, --model-base)",
+    "LoRA adapter": "pass it where adapters go (export-lora --lora, llama.cpp's --lora), with the model it was "
+                    "trained on as the model",
+    "training checkpoint": "resume its run with --checkpoint-in, write its adapter with --only-write-lora, or merge "
+                           "it with export-lora --lora",
+    "vocabulary": "it holds a tokenizer and no weights; `ggtorch train --vocab-model` builds a model over it",
+}
+"""What to do with a GGUF of each kind (GGUFFile.kind) that was given where another kind goes."""
+
+
+def require_kind(f: GGUFFile, *expected: str, flag: str = "") -> GGUFFile:
+    """``f`` when it is of one of the ``expected`` kinds; else BadGGUF naming what it is and where it goes."""
+    if f.kind in expected:
+        return f
+    given = f"{flag} {f.path}" if flag else str(f.path)
+    raise BadGGUF(f"{given} is a {f.kind}, not a {' or '.join(expected)}: {KIND_ADVICE[f.kind]}")
 
 
 @dataclass
@@ -327,9 +358,15 @@ class _HeaderReader:
 def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     """Open a GGUF file memory-mapped; raise BadGGUF for anything malformed."""
     path = Path(path)
+    if path.is_dir():
+        raise BadGGUF(f"{path} is a folder, not a GGUF file; give the .gguf file inside it")
     if not path.is_file():
         raise BadGGUF(f"{path}: no such file; check the path")
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    except OSError as e:
+        raise BadGGUF(f"{path}: cannot be read ({e.strerror or e})") from None
+    with f:
         if os.fstat(f.fileno()).st_size == 0:
             raise BadGGUF(f"{path}: the file is empty; re-download it")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -475,6 +512,21 @@ def write_gguf(path: str | os.PathLike[str], arch: str, metadata: dict[str, Any]
                          (t.data for t in tensors), value_types)
 
 
+_FLOAT_VIEWS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+                GGMLQuantizationType.F64: np.float64}
+
+
+def all_finite(arr: np.ndarray, ggml_type: GGMLQuantizationType) -> bool:
+    """Whether a float tensor's values (raw bytes or typed) are all finite; True for the block types, whose scales
+    their writers compute from finite floats."""
+    raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    if ggml_type in _FLOAT_VIEWS:
+        return bool(np.isfinite(raw.view(_FLOAT_VIEWS[ggml_type])).all())
+    if ggml_type == GGMLQuantizationType.BF16:  # an exponent of all ones is inf or NaN
+        return not bool(((raw.view(np.uint16) >> 7) & 0xFF == 0xFF).any())
+    return True
+
+
 def _byte_shape(t: TensorOut) -> tuple[int, ...]:
     """Torch-order shape with the last axis in bytes, as GGUFWriter takes raw tensors."""
     return (*t.shape[:-1], raw_nbytes(t.ggml_type, t.shape[-1:]))
@@ -510,6 +562,9 @@ def write_gguf_streaming(path: str | os.PathLike[str], arch: str, metadata: dict
             if arr.nbytes != expected:
                 raise ValueError(f"tensor {t.name}: {arr.nbytes} bytes, expected {expected} "
                                  f"for {t.ggml_type.name} {t.shape}")
+            if not all_finite(arr, t.ggml_type):
+                raise NonFiniteValues(f"{path}: tensor '{t.name}' holds NaN or inf values, so the file was not "
+                                      f"written (any previous {Path(path).name} is kept as it was)")
             writer.write_tensor_data(np.ascontiguousarray(arr).view(np.uint8).reshape(_byte_shape(t)))
             produced += 1
         if produced != len(outs):

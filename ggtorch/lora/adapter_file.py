@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType
 
 from ggtorch.errors import BadGGUF, GGTorchError, Unsupported
 from ggtorch.io.encode import encode
-from ggtorch.io.gguf import GGUFFile, TensorOut, read_gguf, write_gguf
+from ggtorch.io.gguf import GGUFFile, TensorOut, read_gguf, require_kind, write_gguf
 from ggtorch.lora.attach import lora_modules, lora_pairs, wrap
 from ggtorch.lora.layers import LoRANorm
 from ggtorch.models import names
@@ -92,18 +92,23 @@ def expected_pair_shapes(name: str, base_shape: tuple[int, ...],
 
 
 def validate_against_base(adapter: LoraAdapter, base: GGUFFile, source: str = "adapter") -> None:
-    """The checks llama.cpp makes when loading, with messages that say what to do."""
+    """The checks llama.cpp makes when loading, with messages that say what to do. Tensors the base lacks or that
+    do not fit it are counted over the whole adapter: an adapter of another model is named as one, not blamed on
+    its first tensor."""
+    made_for = adapter.metadata.get("adapter.base_model") or adapter.metadata.get("general.name")
+    of_model = f" (it names its base '{made_for}')" if made_for else ""
     if adapter.architecture != base.architecture:
-        raise GGTorchError(f"{source}: adapter is for architecture '{adapter.architecture}', "
-                           f"the base model {base.path} is '{base.architecture}'")
+        raise GGTorchError(f"{source}: the adapter is for a {adapter.architecture} model{of_model}, the base model "
+                           f"{base.path} is a {base.architecture}; pass the model it was trained on")
     tied = "output.weight" not in base.tensors
+    misfits: list[str] = []
     for name, pair in adapter.pairs.items():
         if name == TOKEN_EMBD and tied:
             raise GGTorchError(f"{source}: adapter targets token_embd.weight, but {base.path} ties its output "
                                "to token_embd and llama.cpp aborts on such an adapter; drop that tensor")
         if name not in base.tensors:
-            raise GGTorchError(f"{source}: adapter targets tensor '{name}', which the base model "
-                               f"{base.path} does not have (tied output? another model?)")
+            misfits.append(f"'{name}', which the base does not have")
+            continue
         base_shape = base.tensors[name].shape
         if len(base_shape) not in (2, 3):
             raise GGTorchError(f"{source}: adapter targets '{name}' of shape {base_shape}; only matrices and "
@@ -116,9 +121,12 @@ def validate_against_base(adapter: LoraAdapter, base: GGUFFile, source: str = "a
                                f"{pair.rank}; the file is inconsistent")
         exp_a, exp_b = expected_pair_shapes(name, base_shape, pair.rank)
         if tuple(pair.a.shape) != exp_a or tuple(pair.b.shape) != exp_b:
-            raise GGTorchError(f"{source}: '{name}' lora_a {tuple(pair.a.shape)} / lora_b {tuple(pair.b.shape)} "
-                               f"do not fit the base tensor {base_shape} (expected {exp_a} / {exp_b}); "
-                               "the adapter was made for another model")
+            misfits.append(f"'{name}' (lora_a {tuple(pair.a.shape)} / lora_b {tuple(pair.b.shape)} against the "
+                           f"base tensor's {base_shape}, which takes {exp_a} / {exp_b})")
+    if misfits:
+        raise GGTorchError(f"{source}: {len(misfits)} of the adapter's {len(adapter.pairs)} tensors do not fit the "
+                           f"base model {base.path}, e.g. {misfits[0]}: the adapter was made for another "
+                           f"model{of_model}; pass the model it was trained on")
 
 
 def write_adapter(path: str | os.PathLike[str], adapter: LoraAdapter, dtype: str = "f32") -> Path:
@@ -149,11 +157,10 @@ def write_adapter(path: str | os.PathLike[str], adapter: LoraAdapter, dtype: str
 
 def read_adapter(path: str | os.PathLike[str]) -> LoraAdapter:
     """Read a GGUF LoRA (ggtorch's or llama.cpp's convert_lora_to_gguf.py output)."""
-    f = read_gguf(path)
-    if f.get("general.type") != "adapter" or f.get("adapter.type") != "lora":
-        kind = f.get("training.type") or f.get("general.type") or "model"
-        raise BadGGUF(f"{f.path}: not a GGUF LoRA adapter (general.type = '{f.get('general.type')}', "
-                      f"looks like a {kind}); pass an adapter written by --lora-out or convert_lora_to_gguf.py")
+    f = require_kind(read_gguf(path), "LoRA adapter")
+    if f.get("adapter.type") != "lora":
+        raise Unsupported(f"{f.path}: a {f.get('adapter.type')} adapter; ggtorch reads LoRA adapters "
+                          "(adapter.type 'lora'), as written by --lora-out or llama.cpp's convert_lora_to_gguf.py")
     alpha = float(f.get("adapter.lora.alpha", 0.0) or 0.0)
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for name, info in f.tensors.items():

@@ -17,7 +17,7 @@ from typing import Any
 from gguf import Keys
 
 from ggtorch.errors import BadGGUF, Unsupported
-from ggtorch.io.gguf import GGUFFile
+from ggtorch.io.gguf import GGUFFile, require_kind
 from ggtorch.models import names
 from ggtorch.models.families import FAMILIES, Family
 
@@ -209,6 +209,7 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> ModelConfig:
         """Read the config from a GGUF's metadata; Unsupported for architectures without a family row."""
+        require_kind(f, "model")
         arch = f.architecture
         if arch not in FAMILIES:
             raise Unsupported(f"{f.path}: unsupported architecture '{arch}'; ggtorch supports "
@@ -233,6 +234,12 @@ class ModelConfig:
         n_head = integer(Keys.Attention.HEAD_COUNT, required(Keys.Attention.HEAD_COUNT))
         n_embd = integer(Keys.LLM.EMBEDDING_LENGTH, required(Keys.LLM.EMBEDDING_LENGTH))
         n_layer = integer(Keys.LLM.BLOCK_COUNT, required(Keys.LLM.BLOCK_COUNT))
+        n_head_kv = integer(Keys.Attention.HEAD_COUNT_KV, optional(Keys.Attention.HEAD_COUNT_KV, n_head))
+        for template, value in ((Keys.Attention.HEAD_COUNT, n_head), (Keys.LLM.EMBEDDING_LENGTH, n_embd),
+                                (Keys.LLM.BLOCK_COUNT, n_layer), (Keys.Attention.HEAD_COUNT_KV, n_head_kv)):
+            if value < 1:
+                raise BadGGUF(f"{f.path}: '{key(template)}' is {value}; a model has at least 1, so the file is "
+                              "broken (re-download or re-convert it)")
         n_vocab = optional(Keys.LLM.VOCAB_SIZE, None) if arch == "llama" else None
         if n_vocab is None:
             tokens = f.get(Keys.Tokenizer.LIST)
@@ -281,7 +288,7 @@ class ModelConfig:
             n_embd=n_embd,
             n_layer=n_layer,
             n_head=n_head,
-            n_head_kv=integer(Keys.Attention.HEAD_COUNT_KV, optional(Keys.Attention.HEAD_COUNT_KV, n_head)),
+            n_head_kv=n_head_kv,
             n_ff=integer(Keys.LLM.FEED_FORWARD_LENGTH, required(Keys.LLM.FEED_FORWARD_LENGTH)),
             n_ctx_train=n_ctx_train,
             rms_eps=float(required(Keys.Attention.LAYERNORM_RMS_EPS)),

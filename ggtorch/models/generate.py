@@ -73,6 +73,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def check_fits(model: Llama, n_prompt: int, n_tokens: int) -> None:
+    """Refuse a generation the model's context cannot hold, saying which part to shorten."""
+    n_ctx = model.config.n_ctx_train
+    if n_prompt >= n_ctx:
+        raise BadData(f"the prompt is {n_prompt} tokens and the model's context holds {n_ctx}, with room for "
+                      "the text it writes; shorten the prompt")
+    if n_prompt + n_tokens > n_ctx:
+        raise BadFlag(f"the prompt ({n_prompt} tokens) and {n_tokens} new tokens exceed the model's context of "
+                      f"{n_ctx}; ask for at most {n_ctx - n_prompt} new tokens (-n)")
+
+
 @torch.no_grad()
 def iter_tokens(model: Llama, prompt_tokens: Sequence[int], n_tokens: int, params: SamplingParams = SamplingParams(),
                 stop_ids: Collection[int] = ()) -> Iterator[int]:
@@ -83,10 +94,7 @@ def iter_tokens(model: Llama, prompt_tokens: Sequence[int], n_tokens: int, param
     """
     if not prompt_tokens:
         raise BadData("generation needs at least one prompt token (e.g. BOS)")
-    n_ctx = model.config.n_ctx_train
-    if len(prompt_tokens) + n_tokens > n_ctx:
-        raise BadFlag(f"prompt ({len(prompt_tokens)} tokens) + {n_tokens} new tokens exceed the model's "
-                      f"context of {n_ctx}; ask for fewer tokens")
+    check_fits(model, len(prompt_tokens), n_tokens)
     device = model.output_norm.weight.device
     generator = None
     if params.seed is not None:

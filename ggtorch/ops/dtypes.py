@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Literal
 
@@ -11,6 +12,15 @@ DTypeName = Literal["f32", "bf16", "f16"]
 
 DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 """--dtype / --base-dtype / adapter and PEFT dtypes -> torch dtype."""
+
+
+F32_MAX = float(torch.finfo(torch.float32).max)
+"""The largest finite f32: a number a run keeps in f32 (optimizer settings, LoRA and merge scales) must fit it."""
+
+
+def finite_in_f32(value: float) -> bool:
+    """Whether ``value`` stays a finite number once rounded to f32 (1e39 is finite in Python, inf in f32)."""
+    return math.isfinite(value) and abs(value) <= F32_MAX
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -38,9 +38,12 @@ from ggtorch.errors import BadFlag, flag
 from ggtorch.io.model_file import OUTTYPES
 from ggtorch.lora import LoraConfig
 from ggtorch.models.init import INITS
-from ggtorch.ops.dtypes import DTypeName
+from ggtorch.ops.dtypes import F32_MAX, DTypeName, finite_in_f32
 from ggtorch.training.distributed import BACKENDS
 from ggtorch.training.optim import AdamConfig
+
+DEFAULT_CHECKPOINT_IN = "checkpoint.gguf"
+"""What a run resumes from when --checkpoint-in is not given, if that file exists (the old finetune's default)."""
 
 NAN_SKIP_LIMIT = 10
 """With --on-nan skip, this many non-finite steps in a row stop the run anyway."""
@@ -113,6 +116,47 @@ def value_type(cls: type, f: dataclasses.Field[Any]) -> type:
     return str if get_origin(tp) is Literal else tp
 
 
+EXPECTED = {bool: "true or false", int: "a whole number", float: "a number", str: "text"}
+"""How a message names the values of each option type."""
+
+
+def _takes_none(cls: type, f: dataclasses.Field[Any]) -> bool:
+    tp = _hints(cls)[f.name]
+    return get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp)
+
+
+def describe_value(value: Any) -> str:
+    """A value as a message shows it: its type where the type is what is wrong."""
+    if isinstance(value, str):
+        return f"the text {value!r}"
+    if isinstance(value, bool) or isinstance(value, (int, float)):
+        return repr(value)
+    if value is None:
+        return "nothing (null)"
+    return f"a {type(value).__name__} ({str(value)[:40]})"
+
+
+def value_problem(cls: type, f: dataclasses.Field[Any], value: Any) -> str | None:
+    """What option ``f`` of ``cls`` expects, when ``value`` is not of its type (or, for a number, not finite in
+    f32, where it will be used); None when it is. A flag, a config file and an API keyword are held to the same."""
+    kind = value_type(cls, f)
+    if value is None:
+        return None if _takes_none(cls, f) else EXPECTED[kind]
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return EXPECTED[float]
+        ok = finite_in_f32(value)  # every float option ends up in f32 (optimizer state, LoRA scales, rope, norms)
+        if not ok:
+            return f"a finite number within f32's range (±{F32_MAX:.4g})"
+    else:
+        ok = isinstance(value, str)
+    return None if ok else EXPECTED[kind]
+
+
 @dataclass
 class RunConfig:
     """The options ``ggtorch finetune`` and ``ggtorch train`` share; defaults are the old llama.cpp programs'."""
@@ -145,14 +189,17 @@ class RunConfig:
         RecordOptions.long_records, "Records longer than --ctx: keep the start, or split them into pieces.", RECORDS)
 
     # --- outputs and checkpoints --------------------------------------------------------------------
-    checkpoint_in: str = option("checkpoint.gguf", "Resume from this checkpoint if it exists, else start fresh.",
-                                OUTPUTS)
+    checkpoint_in: str | None = option(
+        None, "Resume from this checkpoint (it must exist; '' starts a new run).", OUTPUTS,
+        default_text=f"{DEFAULT_CHECKPOINT_IN} when it exists, as the old finetune")
     checkpoint_out: str = option("checkpoint-ITERATION.gguf", "Checkpoint file ('' disables).", OUTPUTS)
     pattern_fn_it: str = option("ITERATION", "Text in output names replaced by the iteration.", OUTPUTS)
     fn_latest: str = option("LATEST", "Replacement for the pattern in the always-current copy of each output.",
                             OUTPUTS)
     save_every: int = option(10, "Save every N iterations (<= 0: only at the end).", OUTPUTS)
     log_file: str | None = option(None, "JSON-lines training log.", OUTPUTS, default_text="beside the outputs")
+    overwrite: bool = option(False, "Start a new run where another run's checkpoints or outputs are (they are "
+                             "replaced as this run saves); without it such a run refuses to start.", OUTPUTS)
 
     # --- the run ----------------------------------------------------------------------------------
     ctx: int = option(128, "Context length used for training.", TRAINING, flags=("-c",), minimum=1)
@@ -231,12 +278,22 @@ class RunConfig:
             raise BadFlag(f"{flag('val_split')} must be in [0, 1), got {self.val_split}")
         if self.val_split and self.val_data:
             raise BadFlag(f"{flag('val_split')} and {flag('val_data')} exclude each other; pass one of them")
+        for name in ("norm_rms_eps", "rope_freq_base", "rope_freq_scale"):  # overrides of the model's own values
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise BadFlag(f"{flag(name)} must be above 0, got {value}; leave it out to use the model's value")
         AdamConfig.from_finetune(self)  # the optimizer's own rules
 
     def _check_fields(self) -> None:
-        """The rules every option may declare: its choices and its minimum."""
+        """The rules every option may declare: its type, its choices and its minimum."""
         for f in fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, os.PathLike) and value_type(type(self), f) is str:  # a notebook's Path: a file name
+                value = os.fspath(value)
+                setattr(self, f.name, value)
+            expected = value_problem(type(self), f, value)
+            if expected is not None:
+                raise BadFlag(f"{flag(f.name)} must be {expected}, got {describe_value(value)}")
             if value is None:
                 continue
             allowed = choices(type(self), f)
@@ -382,17 +439,30 @@ def read_config_file(path: str | os.PathLike[str], config_cls: type[RunConfig]) 
     path = Path(path)
     if not path.is_file():
         raise BadFlag(f"--config: no such file '{path}'")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise BadFlag(f"--config {path}: not a text file; a config is YAML or TOML text (configs/ has "
+                      "examples)") from None
+    except OSError as e:
+        raise BadFlag(f"--config {path}: cannot be read ({e.strerror or e})") from None
     try:
         if path.suffix.lower() == ".toml":
             raw = tomllib.loads(text)
         else:
             raw = yaml.safe_load(text) or {}
-    except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
-        raise BadFlag(f"--config {path}: cannot parse it ({e})") from None
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, ValueError) as e:
+        where = " ".join(str(e).split())
+        raise BadFlag(f"--config {path}: cannot parse it as {'TOML' if path.suffix.lower() == '.toml' else 'YAML'} "
+                      f"({where})") from None
     if not isinstance(raw, dict):
-        raise BadFlag(f"--config {path}: expected a mapping of option names to values")
+        raise BadFlag(f"--config {path}: expected a mapping of option names to values, got {describe_value(raw)}")
     options = {str(k).replace("-", "_"): v for k, v in raw.items()}
     any_command = set().union(*(c.field_names() for c in RunConfig.__subclasses__()))
     config_cls.check_names(set(options) - (any_command - config_cls.field_names()), f"--config {path}")
-    return {k: v for k, v in options.items() if k in config_cls.field_names()}
+    own = {f.name: f for f in fields(config_cls)}
+    for name, value in options.items():
+        if name in own and (expected := value_problem(config_cls, own[name], value)) is not None:
+            raise BadFlag(f"--config {path}: {name.replace('_', '-')} must be {expected}, got "
+                          f"{describe_value(value)}")
+    return {k: v for k, v in options.items() if k in own}

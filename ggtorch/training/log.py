@@ -3,13 +3,17 @@
 One JSON object per line, flushed as it is written, so a log survives a crash and can be
 plotted while a run is still going. Records carry a ``kind``: ``start`` (the run's
 options), ``iter`` (one per optimizer step), ``eval`` (validation loss), ``save`` (files
-written) and ``end`` (summary).
+written) and ``end`` (summary), and the ``run`` they belong to: a log the runs of one output
+folder share (a resumed run appends to it) keeps them apart, and ``plot`` draws each.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -21,6 +25,9 @@ class TrainLog:
 
     def __init__(self, path: str | os.PathLike[str] | None) -> None:
         self.path = Path(path) if path else None
+        self.run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        """What every record of this run carries as ``run``: when it started, its process, and a random part (runs of
+        one notebook share a process)."""
         self._file: TextIO | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,7 +44,7 @@ class TrainLog:
         if self._file is None:
             self._open()
         assert self._file is not None
-        self._file.write(json.dumps({"kind": kind, **fields}, default=str) + "\n")
+        self._file.write(json.dumps({"kind": kind, "run": self.run_id, **fields}, default=str) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -71,36 +78,63 @@ def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
-def _points(records: list[dict[str, Any]], kind: str, path: Any) -> list[tuple[float, float]]:
-    """(iteration, loss) of every record of one kind; a record without both numbers is refused."""
-    points = []
+@dataclass
+class LoggedRun:
+    """One run's losses in a log: its training losses and validation losses per iteration."""
+
+    label: str
+    iters: list[tuple[float, float]] = field(default_factory=list)
+    evals: list[tuple[float, float]] = field(default_factory=list)
+
+
+def _point(r: dict[str, Any], path: Any) -> tuple[float, float]:
+    """(iteration, loss) of a record; one without both numbers is refused."""
+    it, loss = r.get("iteration"), r.get("loss")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (it, loss)):
+        raise BadData(f"{path}: a '{r.get('kind')}' record lacks a numeric iteration and loss: {r}")
+    return it, loss
+
+
+def logged_runs(records: list[dict[str, Any]], path: Any = "log") -> list[LoggedRun]:
+    """The runs of a log in the order they started, each with its losses. Records name their run (``run``); a
+    log written before they did is split at each ``start`` record."""
+    runs: dict[str, LoggedRun] = {}
+    current = "1"
     for r in records:
-        if r.get("kind") != kind:
-            continue
-        it, loss = r.get("iteration"), r.get("loss")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (it, loss)):
-            raise BadData(f"{path}: a '{kind}' record lacks a numeric iteration and loss: {r}")
-        points.append((it, loss))
-    return points
+        kind = r.get("kind")
+        if "run" in r:
+            current = str(r["run"])
+        elif kind == "start" and current in runs:
+            current = str(len(runs) + 1)
+        run = runs.get(current)
+        if run is None:
+            run = runs[current] = LoggedRun(f"run {len(runs) + 1}")
+        if kind == "start" and r.get("resumed_from"):
+            run.label += f", resumed from {Path(str(r['resumed_from'])).name}"
+        if kind == "iter":
+            run.iters.append(_point(r, path))
+        elif kind == "eval":
+            run.evals.append(_point(r, path))
+    return [run for run in runs.values() if run.iters or run.evals]
 
 
 def plot_loss(log_path: str | os.PathLike[str], png_path: str | os.PathLike[str] | None = None,
               ax: Any = None) -> Path | None:
-    """Draw training (and validation) loss per iteration; save a PNG, or draw into ``ax`` (notebooks)."""
+    """Draw training (and validation) loss per iteration, each run of the log labelled; save a PNG, or draw into
+    ``ax`` (notebooks)."""
     import matplotlib
 
     if ax is None:
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_log(log_path)
-    iters, evals = _points(records, "iter", log_path), _points(records, "eval", log_path)
-    if not iters and not evals:
+    runs = logged_runs(read_log(log_path), log_path)
+    if not runs:
         raise BadData(f"{log_path}: the log holds no iterations yet")
     fig = None
     if ax is None:
         fig, ax = plt.subplots(figsize=(7, 4))
-    draw_losses(ax, iters, evals)
+    draw_runs(ax, runs)
     if fig is None:
         return None
     out = Path(png_path) if png_path else Path(log_path).with_suffix(".png")
@@ -109,17 +143,25 @@ def plot_loss(log_path: str | os.PathLike[str], png_path: str | os.PathLike[str]
         fig.savefig(out, dpi=110)
     except OSError as e:
         raise BadData(f"cannot write the plot {out}: {e.strerror or e}; pick another -o path") from None
+    except ValueError as e:  # an extension matplotlib has no writer for
+        formats = ", ".join(sorted(fig.canvas.get_supported_filetypes()))
+        raise BadData(f"cannot write the plot {out}: {e}; name it with one of {formats} (png by default)") from None
     finally:
         plt.close(fig)
     return out
 
 
-def draw_losses(ax: Any, iters: list[tuple[float, float]], evals: list[tuple[float, float]]) -> None:
-    """Training loss as a line and validation loss as dots, per iteration, into a matplotlib Axes."""
-    if iters:
-        ax.plot(*zip(*iters, strict=True), label="train loss", linewidth=1)
-    if evals:
-        ax.plot(*zip(*evals, strict=True), "o-", label="validation loss")
+def draw_runs(ax: Any, runs: list[LoggedRun]) -> None:
+    """Each run's training loss as a line and validation loss as dots, per iteration, into a matplotlib Axes;
+    with several runs each is labelled (a run resumed from another continues its iterations)."""
+    for run in runs:
+        name = f"{run.label}: " if len(runs) > 1 else ""
+        color = None
+        if run.iters:
+            (line,) = ax.plot(*zip(*run.iters, strict=True), label=f"{name}train loss", linewidth=1)
+            color = line.get_color()
+        if run.evals:
+            ax.plot(*zip(*run.evals, strict=True), "o-", color=color, label=f"{name}validation loss")
     ax.set_xlabel("iteration")
     ax.set_ylabel("loss (cross-entropy, nats/token)")
     ax.grid(alpha=0.3)

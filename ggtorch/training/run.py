@@ -31,9 +31,11 @@ from ggtorch.data import (
     load_records,
     read_text_file,
 )
-from ggtorch.errors import BadFlag
+from ggtorch.errors import BadFlag, GGTorchError, flag
 from ggtorch.io.checkpoint import Checkpoint, load_checkpoint
-from ggtorch.io.gguf import GGUFFile
+from ggtorch.io.gguf import GGUFFile, read_gguf
+from ggtorch.io.lock import OutputLock
+from ggtorch.io.paths import Input, Output, check_files
 from ggtorch.lora import LoraConfig
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.generate import llama_cpp_context
@@ -43,7 +45,7 @@ from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.ops.dtypes import DTYPES, cpu_matmul_speed_vs_f32
 from ggtorch.ops.threads import follow_free_cores, pin_threads
 from ggtorch.quant.autograd import keeping_dequantized
-from ggtorch.training.config import RunConfig
+from ggtorch.training.config import DEFAULT_CHECKPOINT_IN, RunConfig
 from ggtorch.training.distributed import setup
 from ggtorch.training.memory import GIB, available_bytes, estimate_memory, ways_to_lower
 from ggtorch.training.optim import AdamConfig, GGMLAdamW
@@ -150,8 +152,27 @@ class Run:
         early meets the others in :meth:`Distributed.agree_on_errors`."""
         c = self.config
         kind = weights_kind(c)
-        if self.dist.is_main:  # only rank 0 writes
-            self._check_outputs_writable(kind.output_field)
+        inputs, outputs = self._files(kind.output_field, records is not None)
+        writes = outputs if self.dist.is_main else []  # only rank 0 writes
+        check_files(inputs, writes)
+        if c.checkpoint_in:  # the checkpoint a run continues may be replaced by its own next checkpoint, not else
+            check_files([Input(flag("checkpoint_in"), c.checkpoint_in, missing=f"pass {flag('checkpoint_in')} '' "
+                               "(or leave it out) to start a new run")], writes[1:])
+        resume = self._resume_path()
+        if self.dist.is_main:
+            if resume is None and not c.overwrite:
+                self._refuse_to_replace_another_run(outputs[:2])
+            self._lock = OutputLock(outputs).acquire()
+        try:
+            self._build_from(kind, records, val_records, resume)
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _build_from(self, kind: type[Weights], records: Sequence[Mapping[str, Any]] | None,
+                    val_records: Sequence[Mapping[str, Any]] | None, resume: Path | None) -> None:
+        """The run's objects, once its files are checked and its outputs locked."""
+        c = self.config
         kind.check(c)
         self.base, self._scratch_dir = kind.open_base(c, self.seed)
         self.model_config = dataclasses.replace(LlamaConfig.from_gguf(self.base), **self._model_overrides())
@@ -181,8 +202,8 @@ class Run:
         self.optimizer = GGMLAdamW(self.weights.params, AdamConfig.from_finetune(c))
         self.counters = {"iteration": 0, "samples": 0, "tokens": 0, "epochs": 0}
         self.resumed_from = None
-        if c.checkpoint_in and Path(c.checkpoint_in).is_file():
-            self._resume(load_checkpoint(c.checkpoint_in))
+        if resume is not None:
+            self._resume(load_checkpoint(resume))
         if c.use_checkpointing:
             enable_block_checkpointing(self.model)
 
@@ -267,38 +288,94 @@ class Run:
         self.resumed_from = ck.path
 
     # --- files ---------------------------------------------------------------------------------
-    def _outputs(self, output_field: str) -> list[str]:
-        """The output templates: checkpoint, then adapter or model."""
+    def _files(self, output_field: str, records_given: bool) -> tuple[list[Input], list[Output]]:
+        """What the run reads (but the checkpoint it resumes) and writes, named by their flags: checked, and the
+        outputs locked, before any work. The outputs come in this order: checkpoint, adapter or model, log."""
         c = self.config
-        return [t for t in (c.checkpoint_out, getattr(c, output_field)) if t]
+        base_flags = ("model_base", "vocab_model")
+        inputs = [Input(flag(name), getattr(c, name)) for name in base_flags if getattr(c, name, "")]
+        if not records_given:
+            inputs.append(Input(flag("train_data"), c.train_data, folder=None))
+        inputs += [Input(flag("val_data"), c.val_data, folder=None)] if c.val_data else []
+        inputs += [Input(flag("chat_template"), c.chat_template)] if c.chat_template else []
+        templated = {"pattern": c.pattern_fn_it, "latest": c.fn_latest}
+        outputs = [Output(flag("checkpoint_out"), c.checkpoint_out, **templated),
+                   Output(flag(output_field), getattr(c, output_field), **templated),
+                   Output(flag("log_file"), self.log_path(output_field))]
+        return inputs, outputs
 
-    def log_path(self) -> Path:
+    def _resume_path(self) -> Path | None:
+        """The checkpoint this run continues: --checkpoint-in (checked to exist), or without it the old default
+        name when that file is there; None starts a new run."""
+        c = self.config
+        if c.checkpoint_in is None:
+            default = Path(DEFAULT_CHECKPOINT_IN)
+            return default if default.is_file() else None
+        return Path(c.checkpoint_in) if c.checkpoint_in else None
+
+    def _refuse_to_replace_another_run(self, outputs: Sequence[Output]) -> None:
+        """A new run whose saves would replace another run's checkpoint or output refuses to start, saying how to
+        resume that run instead or to start over on purpose (--overwrite)."""
+        checkpoints = outputs[0].existing()
+        for out in outputs:
+            found = out.existing()
+            if not found:
+                continue
+            what = _describe_existing(found[0])
+            resume = (f"resume it with {flag('checkpoint_in')} {checkpoints[0]}" if checkpoints
+                      else f"resume it with {flag('checkpoint_in')} and its checkpoint")
+            raise BadFlag(f"{found[0]} is there from another run{what}, and this new run's saves "
+                          f"({out.flag} {out.path}) would replace it: {resume}, or pass {flag('overwrite')} to start a "
+                          f"new run over it, or give this run other output names")
+
+    def log_path(self, output_field: str | None = None) -> Path:
         """--log-file, or ``<first output's stem>-log.jsonl`` beside the first output."""
         c = self.config
         if c.log_file:
             return Path(c.log_file)
-        outputs = self._outputs(self.weights.output_field)
+        field = output_field or weights_kind(c).output_field
+        outputs = [t for t in (c.checkpoint_out, getattr(c, field)) if t]
         first = outputs[0] if outputs else "ggtorch-train"
         stem = Path(output_name(Path(first).name, c.pattern_fn_it, "")).stem.strip("-_.") or "train"
         return Path(first).parent / f"{stem}-log.jsonl"
 
-    def _check_outputs_writable(self, output_field: str) -> None:
-        """Refuse an unwritable output folder before any heavy work."""
-        c = self.config
-        for template in self._outputs(output_field) + ([c.log_file] if c.log_file else []):
-            folder = Path(template).parent if str(Path(template).parent) else Path(".")
-            if not folder.is_dir():
-                raise BadFlag(f"output folder '{folder}' (for {template}) does not exist; create it first")
-            if not os.access(folder, os.W_OK):
-                raise BadFlag(f"output folder '{folder}' (for {template}) is not writable; "
-                              "choose another --checkpoint-out / --lora-out")
+    def hold_outputs(self) -> None:
+        """Lock the run's output names again (a Trainer trained again after :meth:`release_outputs`); BadFlag when
+        another process took them meanwhile."""
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.acquire()
+
+    def release_outputs(self) -> None:
+        """Let other runs write these output names (the run is not writing now; :meth:`hold_outputs` takes them
+        back)."""
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
+
+    def _release_lock(self) -> None:
+        self.release_outputs()
+        self._lock = None
 
     def close(self) -> None:
-        """Leave the process group and remove a new model's temporary file."""
+        """Leave the process group, let go of the outputs and remove a new model's temporary file."""
         self.dist.close()
+        self._release_lock()
         if self._scratch_dir is not None:
             self._scratch_dir.cleanup()
             self._scratch_dir = None
+
+
+def _describe_existing(path: Path) -> str:
+    """`` (a checkpoint at iteration N)`` for a file a run wrote (an adapter, a model: what and its iteration), else
+    nothing (a file that cannot be read as GGUF)."""
+    try:
+        f = read_gguf(path)
+    except GGTorchError:
+        return ""
+    iteration = f.get("training.iteration_count")
+    what = {"training checkpoint": "a checkpoint", "LoRA adapter": "an adapter"}.get(f.kind, f"a {f.kind}")
+    return f" ({what} at iteration {iteration})" if iteration is not None else f" ({what})"
 
 
 def _options_hash(config: RunConfig) -> int:

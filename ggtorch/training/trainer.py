@@ -14,12 +14,13 @@ Differences from the old program, on purpose (also in ``--help`` and the docs):
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import re
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from ggtorch.data import Batch
-from ggtorch.errors import GGTorchError, OutOfMemory
+from ggtorch.errors import GGTorchError, NonFiniteValues, OutOfMemory
 from ggtorch.io.checkpoint import save_checkpoint
 from ggtorch.ops.dtypes import DTYPES
 from ggtorch.ops.malloc import keep_freed_memory
@@ -135,6 +136,9 @@ class Trainer:
         self.skipped_steps = 0
         """Steps whose update --on-nan skip dropped, in this process."""
         self._last_save_iteration = self.iteration
+        self._last_checkpoint: tuple[Path, int] | None = ((run.resumed_from, self.iteration) if run.resumed_from
+                                                          else None)
+        """The newest checkpoint written (or resumed from) and its iteration: what a stop leaves to resume."""
         self._target_iteration = self.iteration + config.adam_iter  # train(n) resets it; step() alone may run first
         self._smooth: float | None = None
         self._skipped_in_a_row = 0
@@ -180,21 +184,34 @@ class Trainer:
         self._last_save_iteration = self.iteration
         return written
 
+    def _kept(self) -> str:
+        """Which saved checkpoint a run that stops now leaves to resume from, for its message."""
+        if self._last_checkpoint is None:
+            return "no checkpoint of this run was saved"
+        path, iteration = self._last_checkpoint
+        return f"the last checkpoint with finite weights, {path} (iteration {iteration}), is kept"
+
     def _save(self, checkpoint: bool) -> list[Path]:
         c = self.config
         written: list[Path] = []
         values = list(dict.fromkeys([str(self.iteration), c.fn_latest]))
-        if c.checkpoint_out and checkpoint:
-            tensors = self.weights.checkpoint_tensors()
-            meta = {**self.weights.checkpoint_metadata(), **self._counter_metadata()}
-            for value in values:
-                path = Path(output_name(c.checkpoint_out, c.pattern_fn_it, value))
-                save_checkpoint(path, self.base, meta, tensors, self.state())
-                written.append(path)
-        template = getattr(c, self.weights.output_field)
-        if template:
-            paths = [output_name(template, c.pattern_fn_it, value) for value in values]
-            written += self.weights.write_outputs(paths, self._output_metadata())
+        try:
+            if c.checkpoint_out and checkpoint:
+                tensors = self.weights.checkpoint_tensors()
+                meta = {**self.weights.checkpoint_metadata(), **self._counter_metadata()}
+                for value in values:
+                    path = Path(output_name(c.checkpoint_out, c.pattern_fn_it, value))
+                    save_checkpoint(path, self.base, meta, tensors, self.state())
+                    written.append(path)
+                    self._last_checkpoint = (path, self.iteration)
+            template = getattr(c, self.weights.output_field)
+            if template:
+                paths = [output_name(template, c.pattern_fn_it, value) for value in values]
+                written += self.weights.write_outputs(paths, self._output_metadata())
+        except NonFiniteValues as e:
+            raise NonFiniteLoss(f"the trained weights hold NaN or inf at iteration {self.iteration} ({e}); training "
+                                f"stopped and {self._kept()}. Lower --adam-alpha (or --adam-gclip), or use "
+                                "--dtype f32 if you trained in f16") from None
         self._last_save_iteration = self.iteration
         if not written:
             return written
@@ -284,8 +301,8 @@ class Trainer:
         self._stop_agreed = bool(stop)  # Ctrl-C on any rank stops every rank after this same step
         if not math.isfinite(loss_value):
             raise NonFiniteLoss(
-                f"the loss became {loss_value} at iteration {self.iteration + 1}; training stopped and the "
-                "last saved checkpoint was kept. Lower --adam-alpha, or use --dtype f32 if you trained in f16")
+                f"the loss became {loss_value} at iteration {self.iteration + 1}; training stopped and {self._kept()}. "
+                "Lower --adam-alpha, or use --dtype f32 if you trained in f16")
         sched = self.optimizer.sched
         lr = self.optimizer.lr
         self.optimizer.step()
@@ -361,7 +378,8 @@ class Trainer:
                        trainable_parameters=sum(p.numel() for _, p, _ in self.params),
                        resumed_from=str(self.resumed_from) if self.resumed_from else None)
         results = []
-        with _sigint_requests_stop(self):
+        self.run.hold_outputs()  # the outputs stay this run's while it trains; between train() calls, nobody's
+        with self._outputs_held(), _sigint_requests_stop(self):
             while self.iteration < self._target_iteration and not self._stopping():
                 try:
                     results.append(self.step())
@@ -383,17 +401,24 @@ class Trainer:
                     break
                 if self.optimizer.should_stop(results[-1].loss):
                     break
-        if self.iteration != self._last_save_iteration:
-            self.save()
-        self.log.write("end", iteration=self.iteration, steps=len(results),
-                       loss=results[-1].loss if results else None,
-                       seconds=sum(r.seconds for r in results), stopped=self._stopping(),
-                       interrupted=self._interrupted)
+            if self.iteration != self._last_save_iteration:
+                self.save()
+            self.log.write("end", iteration=self.iteration, steps=len(results),
+                           loss=results[-1].loss if results else None,
+                           seconds=sum(r.seconds for r in results), stopped=self._stopping(),
+                           interrupted=self._interrupted)
         # Ctrl-C here, or (under torchrun) on another rank: the CLI exits 130. A stop a callback asked for returns.
         if self._interrupted or (self.dist.enabled and self._stop_agreed and not self._stop_requested):
             raise Interrupted(f"interrupted at iteration {self.iteration}; saved, resume with "
                               f"--checkpoint-in {output_name(c.checkpoint_out, c.pattern_fn_it, c.fn_latest)}")
         return results
+
+    @contextlib.contextmanager
+    def _outputs_held(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            self.run.release_outputs()
 
     def _out_of_memory(self, e: BaseException) -> OutOfMemory:
         """The error of a step that ran out of memory: what was kept, how to resume with less."""
@@ -420,7 +445,7 @@ class Trainer:
         if self._skipped_in_a_row >= NAN_SKIP_LIMIT:
             raise NonFiniteLoss(
                 f"the loss was NaN/inf in {NAN_SKIP_LIMIT} steps in a row at iteration {self.iteration + 1}; "
-                "training stopped and the last saved checkpoint was kept. Lower --adam-alpha, or use --dtype f32")
+                f"training stopped and {self._kept()}. Lower --adam-alpha, or use --dtype f32")
 
     def close(self) -> None:
         """Close the log and leave the process group, the DDP wrapper dropped first: left to the interpreter's

@@ -20,7 +20,7 @@ from torch import nn
 
 from ggtorch.errors import BadFlag, flag
 from ggtorch.io.checkpoint import Checkpoint
-from ggtorch.io.gguf import GGUFFile, read_gguf, release_pages
+from ggtorch.io.gguf import GGUFFile, read_gguf, release_pages, require_kind
 from ggtorch.io.model_file import ggml_n_dims, write_model
 from ggtorch.lora import LoraConfig, attach_lora, load_lora_tensors, lora_tensors_by_gguf_name, trainable_parameters
 from ggtorch.lora.adapter_file import adapter_from_model, write_adapter
@@ -159,7 +159,7 @@ class FullWeights:
                               "training needs an F32/F16/BF16 model. Train LoRA adapters on a quantized model "
                               "with `ggtorch finetune`")
             return base, None
-        vocab = read_gguf(c.vocab_model)
+        vocab = require_kind(read_gguf(c.vocab_model), "model", "vocabulary", flag=flag("vocab_model"))
         new = new_config(vocab, n_embd=c.embd, n_ff=c.ff, n_head=c.head, n_head_kv=c.n_head_kv,
                          n_layer=c.layer, n_ctx=c.ctx, rms_eps=c.norm_rms_eps or 1e-5,
                          rope_freq_base=c.rope_freq_base or 10000.0, rope_freq_scale=c.rope_freq_scale or 1.0)

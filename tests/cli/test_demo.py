@@ -37,7 +37,7 @@ class DemoRun:
         return float(first), float(last)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     """The README's first command with its defaults, offline (a proxy that refuses every connection), once for
     every test here."""

@@ -72,7 +72,7 @@ def _median_step(stories260k: Path, train: Path, tmp_path: Path, *flags: str) ->
     """Median seconds of steps 5.. of a 30-step stories260K finetune (batch 2 x 32) run by the CLI."""
     log = tmp_path / f"log{len(list(tmp_path.iterdir()))}.jsonl"
     cmd = [sys.executable, "-m", "ggtorch", "finetune", "--model-base", str(stories260k), "--train-data", str(train),
-           "-n", "30", "-c", "32", "-b", "2", "--save-every", "0", "--seed", "1", "--lora-out",
+           "-n", "30", "-c", "32", "-b", "2", "--save-every", "0", "--seed", "1", "--overwrite", "--lora-out",
            str(tmp_path / "a.gguf"), "--log-file", str(log), *flags]
     subprocess.run(cmd, cwd=tmp_path, env=CLEAN_ENV, check=True, capture_output=True, timeout=600)
     seconds = [json.loads(line)["seconds"] for line in log.read_text().splitlines() if '"iter"' in line]

@@ -244,7 +244,8 @@ def test_bad_inputs_are_one_line_errors(random_llama: Callable[..., Path], stori
     def export(lora: Path) -> tuple[int, str]:
         return export_lora("-m", base_path, "--lora", lora, "-o", out)
 
-    one_line_error(*export(rewrite_gguf(adapter, tmp_path / "qwen.gguf", arch="qwen2")), "architecture 'qwen2'")
+    one_line_error(*export(rewrite_gguf(adapter, tmp_path / "qwen.gguf", arch="qwen2")),
+                   "the adapter is for a qwen2 model, the base model")
     ad = read_adapter(adapter)
     narrow = {n: LoraPair(p.a[:, :128], p.b) if n != "token_embd.weight" else p for n, p in ad.pairs.items()}
     other_shapes = write_adapter(tmp_path / "narrow.gguf", LoraAdapter("llama", ad.alpha, narrow))
@@ -253,8 +254,8 @@ def test_bad_inputs_are_one_line_errors(random_llama: Callable[..., Path], stori
     bad_rank = rewrite_gguf(adapter, tmp_path / "rank.gguf",
                             add_tensors={"blk.0.attn_q.weight.lora_a": a.data.view(np.float32).reshape(a.shape)[:3]})
     one_line_error(*export(bad_rank), "rank 3 but lora_b of rank 4")
-    one_line_error(*export(stories260k), "not a LoRA adapter")
-    one_line_error(*export(tmp_path / "missing.gguf"), "no such adapter file")
+    one_line_error(*export(stories260k), "is a model, not a LoRA adapter or training checkpoint")
+    one_line_error(*export(tmp_path / "missing.gguf"), "missing.gguf: no such file")
     assert not out.exists()
 
 

@@ -67,5 +67,5 @@ def test_other_base_is_refused(stories260k: Path, random_llama, tmp_path: Path) 
 
 
 def test_a_model_is_not_a_checkpoint(stories260k: Path) -> None:
-    with pytest.raises(BadGGUF, match="not a ggtorch training checkpoint"):
+    with pytest.raises(BadGGUF, match="is a model, not a training checkpoint: pass it where a model goes"):
         load_checkpoint(stories260k)

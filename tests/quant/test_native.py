@@ -165,7 +165,7 @@ def _finetune(model, tmp_path, env: dict[str, str]) -> subprocess.CompletedProce
     text.write_text("The cat sat on the mat. " * 200)
     cmd = [sys.executable, "-m", "ggtorch", "finetune", "--model-base", str(model), "--train-data", str(text),
            "--lora-out", str(tmp_path / "lora.gguf"), "--adam-iter", "1", "--ctx", "16", "--batch", "1",
-           "--save-every", "0", "--threads", "1"]
+           "--save-every", "0", "--threads", "1", "--overwrite"]  # each run a new one, over the last
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, **env})
 

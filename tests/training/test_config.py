@@ -26,8 +26,9 @@ def test_defaults_are_the_old_finetune_defaults() -> None:
     assert (c.adam_beta1, c.adam_beta2, c.adam_gclip, c.adam_epsf) == (0.9, 0.999, 1.0, 0.0)
     assert (c.warmup, c.cos_decay_steps, c.cos_decay_restart, c.cos_decay_min) == (100, 1000, 1.1, 0.1)
     assert not c.enable_restart and c.use_checkpointing
+    # --checkpoint-in: none given resumes checkpoint.gguf when it is there (training.run), as the old default did
     assert (c.checkpoint_in, c.checkpoint_out, c.lora_out) == (
-        "checkpoint.gguf", "checkpoint-ITERATION.gguf", "ggml-lora-ITERATION-f32.gguf")
+        None, "checkpoint-ITERATION.gguf", "ggml-lora-ITERATION-f32.gguf")
     assert (c.pattern_fn_it, c.fn_latest) == ("ITERATION", "LATEST")
     assert (c.separate_with_bos, c.separate_with_eos, c.fill_with_next_samples) == (True, False, False)
     assert c.lora_r == 4 and c.alpha == 4.0  # alpha defaults to r

@@ -50,12 +50,11 @@ def test_finetune_stops_with_one_line_when_a_save_fails(stories260k: Path, texts
                                                         tmp_path: Path) -> None:
     train = texts["train"]
     cmd = [sys.executable, "-m", "ggtorch", "finetune", "--model-base", str(stories260k), "--train-data", str(train),
-           "-n", "1", "-c", "16", "-b", "2", "--save-every", "1", "-t", "1",
-           "--checkpoint-in", "checkpoint-LATEST.gguf"]
-    first = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+           "-n", "1", "-c", "16", "-b", "2", "--save-every", "1", "-t", "1", "--checkpoint-in"]
+    first = subprocess.run([*cmd, ""], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     size = (tmp_path / "checkpoint-LATEST.gguf").stat().st_size
-    second = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    second = subprocess.run([*cmd, "checkpoint-LATEST.gguf"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                             preexec_fn=lambda: _file_size_limit(size // 2))
     assert second.returncode == 1, second.stderr
     assert "Traceback" not in second.stderr

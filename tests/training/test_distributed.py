@@ -70,7 +70,7 @@ def two_ranks(stories_q8: Path, train_text: Path, tmp_path_factory: pytest.TempP
     """2 ranks x --batch 4 on the Q8_0 base, 4 iterations, saving at 2 and 4: (folder, torchrun's output)."""
     folder = tmp_path_factory.mktemp("two-ranks")
     code, out = torchrun(["finetune", "--model-base", str(stories_q8), "--train-data", str(train_text), *SMALL,
-                          "-n", "4", "--save-every", "2", "--checkpoint-in", "none.gguf", "--val-split", "0.05"],
+                          "-n", "4", "--save-every", "2", "--checkpoint-in", "", "--val-split", "0.05"],
                          folder)
     assert code == 0, out
     return folder, out
@@ -88,7 +88,7 @@ def test_two_ranks_train_what_one_process_with_grad_acc_2_trains(two_ranks: tupl
                                                                   train_text: Path, tmp_path: Path) -> None:
     folder, out = two_ranks
     assert "batch: 4 x grad-acc 1 per rank x 2 ranks (torch.distributed gloo) = 8 sequences" in out
-    one_rank(stories_q8, train_text, tmp_path, "-n", "4", "--checkpoint-in", "none.gguf")
+    one_rank(stories_q8, train_text, tmp_path, "-n", "4", "--checkpoint-in", "")
     two = losses(folder / "checkpoint-log.jsonl")
     one = losses(tmp_path / "checkpoint-log.jsonl")
     assert len(two) == 4 and two[0] != two[-1]
@@ -137,9 +137,9 @@ def test_full_training_resumes_from_one_process_on_two_ranks(stories260k: Path, 
               "64", "--head", "2", "--layer", "1", *SMALL, "--save-every", "2", "--outtype", "f32"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     whole.mkdir(), split.mkdir()
-    code, out = run([*common, "--grad-acc", "4", "-n", "4", "--checkpoint-in", "none.gguf"], whole)
+    code, out = run([*common, "--grad-acc", "4", "-n", "4", "--checkpoint-in", ""], whole)
     assert code == 0, out
-    code, out = run([*common, "--grad-acc", "4", "-n", "2", "--checkpoint-in", "none.gguf"], split)
+    code, out = run([*common, "--grad-acc", "4", "-n", "2", "--checkpoint-in", ""], split)
     assert code == 0, out
     code, out = torchrun([*common, "--grad-acc", "2", "-n", "2", "--checkpoint-in", "checkpoint-LATEST.gguf"], split)
     assert code == 0, out
@@ -154,11 +154,12 @@ def test_full_training_resumes_from_one_process_on_two_ranks(stories260k: Path, 
 
 @pytest.mark.parametrize(("flags", "message"), [
     # only rank 0 writes, so only rank 0 checks (and misses) the output folder
-    (["--checkpoint-out", "missing/ck.gguf"], "error (rank 0 of 2): output folder 'missing'"),
+    (["--checkpoint-out", "missing/ck.gguf"], "error (rank 0 of 2): --checkpoint-out missing/ck.gguf: the folder"),
     # every rank misses the file: still one message
     (["--train-data", "nothing.txt"], "error (rank 0 of 2): --train-data"),
-    # rank 0 fails while saving (a folder sits where the LATEST checkpoint goes); rank 1 waits and stops
-    (["--checkpoint-out", "blocked-ITERATION.gguf", "-n", "1"], "error (rank 0 of 2): cannot write blocked-LATEST"),
+    # a folder sits where the LATEST checkpoint goes: rank 0, which checks the outputs, refuses; rank 1 stops too
+    (["--checkpoint-out", "blocked-ITERATION.gguf", "-n", "1"],
+     "error (rank 0 of 2): --checkpoint-out blocked-ITERATION.gguf: blocked-LATEST.gguf is a folder"),
     # a combination refused on every rank before training, reported once
     (["--rank-att-norm", "1"], "error (rank 0 of 2): --rank-att-norm train norm adapters"),
 ])
@@ -166,7 +167,7 @@ def test_an_error_on_a_rank_stops_all_with_one_message(flags: list[str], message
                                                        train_text: Path, tmp_path: Path) -> None:
     (tmp_path / "blocked-LATEST.gguf").mkdir()
     code, out = torchrun(["finetune", "--model-base", str(stories260k), "--train-data", str(train_text), *SMALL,
-                          "-n", "4", "--checkpoint-in", "none.gguf", *flags], tmp_path)
+                          "-n", "4", "--checkpoint-in", "", *flags], tmp_path)
     assert code != 0
     assert out.count(message) == 1 and out.count("error (rank") == 1, out
     assert out.count("iter=") <= 1  # stopped before training, or after the one step of the save case
@@ -176,7 +177,7 @@ def test_an_error_on_a_rank_stops_all_with_one_message(flags: list[str], message
 def test_a_nan_loss_stops_every_rank_and_is_reported_once(stories260k: Path, train_text: Path,
                                                           tmp_path: Path) -> None:
     code, out = torchrun(["finetune", "--model-base", str(stories260k), "--train-data", str(train_text), *SMALL,
-                          "-n", "6", "--checkpoint-in", "none.gguf", "--adam-alpha", "1e30", "--adam-gclip", "0",
+                          "-n", "6", "--checkpoint-in", "", "--adam-alpha", "1e30", "--adam-gclip", "0",
                           "--warmup", "0"], tmp_path)
     assert code != 0
     assert out.count("the loss became") == 1, out
@@ -229,5 +230,5 @@ def test_answer_only_loss_on_two_ranks_equals_one_process(stories260k: Path, tmp
                             for i, a in enumerate(answers)), encoding="utf-8")
     common = ["finetune", "--model-base", str(stories260k), "--train-data", str(data), "-c", "64", "-b", "1",
               "--warmup", "0", "--adam-alpha", "0.01", "--seed", "3", "--threads", "1", "-n", "3",
-              "--save-every", "0", "--checkpoint-in", "none.gguf"]
+              "--save-every", "0", "--checkpoint-in", ""]
     assert_two_ranks_train_as_one_process(common, tmp_path)

@@ -26,9 +26,9 @@ def run_whole_and_resumed(common: list[str], tmp_path: Path) -> tuple[Path, Path
     """``common`` for 6 iterations in folder one; for 3, then resumed for 3, in folder two."""
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
-    code, out = run([*common, "-n", "6", "--checkpoint-in", "none.gguf"], one)
+    code, out = run([*common, "-n", "6", "--checkpoint-in", ""], one)
     assert code == 0, out
-    code, out = run([*common, "-n", "3", "--checkpoint-in", "none.gguf"], two)
+    code, out = run([*common, "-n", "3", "--checkpoint-in", ""], two)
     assert code == 0, out
     code, out = run([*common, "-n", "3", "--checkpoint-in", "checkpoint-LATEST.gguf"], two)
     assert code == 0, out
@@ -162,7 +162,7 @@ def test_old_command_line_runs_with_notes(stories260k: Path, texts: dict[str, Pa
     (["--train-data", "missing.txt"], "missing.txt"),
     (["--train-data", "{empty}"], "empty"),
     (["--checkpoint-out", "no/such/dir/ck.gguf"], "does not exist"),
-    (["--checkpoint-in", "{model}"], "not a ggtorch training checkpoint"),
+    (["--checkpoint-in", "{model}"], "is a model, not a training checkpoint"),
     (["--ctx", "0"], "--ctx must be at least 1"),
 ])
 def test_bad_input_is_one_clear_line(args: list[str], message: str, stories260k: Path, texts: dict[str, Path],
@@ -202,13 +202,14 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(stories260k: Path, te
     code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]), "-n", "20",
                      "-c", "16", "-b", "1", "--save-every", "1", "--checkpoint-in", "checkpoint-LATEST.gguf",
                      "--adam-alpha", "1e30", "--adam-gclip", "0", "--warmup", "0"], tmp_path)
-    assert code == 1 and "the loss became" in out and "Traceback" not in out
+    assert code == 1 and ("the loss became" in out or "the trained weights hold NaN or inf" in out), out
+    assert "Traceback" not in out
     from ggtorch.io.checkpoint import load_checkpoint
 
     latest = load_checkpoint(tmp_path / "checkpoint-LATEST.gguf")
     assert all(torch.isfinite(t).all() for t in latest.tensors.values())
     assert latest.iteration >= 2
-    assert "last saved checkpoint" in out
+    assert f"the last checkpoint with finite weights, checkpoint-LATEST.gguf (iteration {latest.iteration})" in out
 
 
 def test_plot_draws_the_loss_curve(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:

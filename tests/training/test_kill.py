@@ -27,7 +27,7 @@ KILLS = 3
 def finetune(stories260k: Path, train: Path, cwd: Path, n: int, resume: bool) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "ggtorch", "finetune", "--model-base", str(stories260k), "--train-data",
            str(train), "-n", str(n), "-c", "16", "-b", "2", "--save-every", "1", "-t", "1", "--seed", "3",
-           "--checkpoint-in", "checkpoint-LATEST.gguf" if resume else "none.gguf"]
+           "--checkpoint-in", "checkpoint-LATEST.gguf" if resume else ""]
     out = open(cwd / "out.txt", "a")  # noqa: SIM115 - the child owns it until it exits
     return subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, text=True)
 
@@ -75,7 +75,7 @@ MEMORY_FLAGS = ["-c", "64", "--save-every", "1", "-t", "1", "--seed", "3"]
 def _finetune_cmd(stories260k: Path, train: Path, n: int, batch: int, resume: bool) -> list[str]:
     return [sys.executable, "-m", "ggtorch", "finetune", "--model-base", str(stories260k), "--train-data", str(train),
             "-n", str(n), "-b", str(batch), *MEMORY_FLAGS,
-            "--checkpoint-in", "checkpoint-LATEST.gguf" if resume else "none.gguf"]
+            "--checkpoint-in", "checkpoint-LATEST.gguf" if resume else ""]
 
 
 def _adapter_tensors(path: Path) -> dict[str, bytes]:
