@@ -22,7 +22,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from ggtorch.quant import SUPPORTED_TYPES, dequantize, native
+from ggtorch.ops import policy
+from ggtorch.quant import SUPPORTED_TYPES, dequantize
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -63,9 +64,8 @@ def main() -> None:
         raw_np = rng.integers(0, 256, size=(rows, args.cols // bs * ts), dtype=np.uint8)
         raw = torch.from_numpy(raw_np)
         t_torch = best_time(lambda: dequantize(raw, qtype, (rows, args.cols)), repeats)  # noqa: B023
-        native.ENABLED = False
-        t_eager = best_time(lambda: dequantize(raw, qtype, (rows, args.cols)), repeats)  # noqa: B023
-        native.ENABLED = True
+        with policy.using(policy.current("cpu").replace(c_dequantize=False)):
+            t_eager = best_time(lambda: dequantize(raw, qtype, (rows, args.cols)), repeats)  # noqa: B023
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
             t_numpy = best_time(lambda: gguf_dequantize(raw_np, qtype), repeats)  # noqa: B023

@@ -162,7 +162,7 @@ class GgtorchTraining:
         config = TrainConfig(model_base=str(model), train_data=str(text), ctx=ctx, batch=1, adam_iter=steps,
                              threads=threads, seed=1, save_every=0, checkpoint_in="", checkpoint_out="",
                              model_out="", log_file=str(Path(directory) / "log.jsonl"), use_checkpointing=False)
-        self.trainer, self.ctx = Trainer(config), ctx
+        self.trainer, self.ctx = Trainer(config, manage_process=True), ctx
 
     def round(self, warmup: int, steps: int) -> tuple[float, list[float], float]:
         """``warmup`` untimed steps, then ``steps`` timed ones: tokens/s over their wall time, their seconds,

@@ -276,7 +276,7 @@ def profile_case(case: Case, workdir: Path, threads: int, steps: int) -> Profile
     # the warm-up, then the plain and the timed steps: the run's whole length, for its learning-rate schedule
     spec = {"model": str(path), "text": str(text), "threads": threads, **asdict(case), "warmup": WARMUP,
             "steps": 2 * steps}
-    trainer = Trainer(finetune_config(spec), log_records=False)
+    trainer = Trainer(finetune_config(spec), log_records=False, manage_process=True)
     for _ in range(WARMUP):
         trainer.step()
     plain_steps, tally = profile_trainer(trainer, steps)

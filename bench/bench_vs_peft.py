@@ -379,7 +379,7 @@ def child_ggtorch(spec: dict[str, Any], turns: Turns) -> dict[str, Any]:
     turns.pause()  # imported: load in turn
     t0 = time.perf_counter()
     clock = CPUClock()
-    trainer = Trainer(finetune_config(spec), callbacks=[clock], log_records=False)
+    trainer = Trainer(finetune_config(spec), callbacks=[clock], log_records=False, manage_process=True)
     load = time.perf_counter() - t0
     turns.pause()
     clock.marks = [time.process_time()]
@@ -525,15 +525,15 @@ def child_gemm(spec: dict[str, Any], turns: Turns) -> dict[str, Any]:
     import torch
     from bench_dequant import best_time  # this folder (a child runs as python bench/bench_vs_peft.py)
 
-    from ggtorch.ops import matmul
+    from ggtorch.ops import matmul, policy
 
     torch.set_num_threads(spec["threads"])
     n = spec["rows"]
     out: dict[str, Any] = {}
     kernels = {"torch.mm": torch.mm, "ggtorch.ops.matmul": matmul.mm}
-    routing = matmul.ONEDNN_F32
-    matmul.ONEDNN_F32 = True  # the oneDNN column measures oneDNN, whichever ggtorch picks on this CPU
-    try:
+    # the oneDNN column measures oneDNN, whichever ggtorch picks on this CPU; a caller in this process
+    # (bench_step_profile.py) trains afterwards as ggtorch routes
+    with policy.using(policy.current("cpu").replace(onednn_f32=True)):
         for name, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
             per_shape: dict[str, float] = {}
             per_kernel = dict.fromkeys(kernels, 0.0)
@@ -549,8 +549,6 @@ def child_gemm(spec: dict[str, Any], turns: Turns) -> dict[str, Any]:
             out[name] = max(per_kernel.values())
             out[f"{name}_kernels"] = per_kernel
             out[f"{name}_shapes"] = per_shape
-    finally:
-        matmul.ONEDNN_F32 = routing  # a caller in this process (bench_step_profile.py) trains as ggtorch routes
     return out
 
 

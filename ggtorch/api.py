@@ -222,9 +222,10 @@ def _config(config_cls: type[C], config: C | None, options: Mapping[str, Any]) -
 
 def _run(config: RunConfig, callbacks: Sequence[Callback], progress: bool, run: bool,
          records: Sequence[Mapping[str, Any]] | None = None,
-         val_records: Sequence[Mapping[str, Any]] | None = None) -> Trainer:
+         val_records: Sequence[Mapping[str, Any]] | None = None, manage_process: bool = False) -> Trainer:
     bar = ProgressBar() if progress else None
-    trainer = Trainer(config, [*callbacks, *([bar] if bar else [])], records=records, val_records=val_records)
+    trainer = Trainer(config, [*callbacks, *([bar] if bar else [])], records=records, val_records=val_records,
+                      manage_process=manage_process)
     if run:
         try:
             trainer.train()
@@ -238,7 +239,8 @@ def _run(config: RunConfig, callbacks: Sequence[Callback], progress: bool, run: 
 
 def finetune(config: FinetuneConfig | None = None, *, callbacks: Sequence[Callback] = (), progress: bool = True,
              run: bool = True, records: Sequence[Mapping[str, Any]] | None = None,
-             val_records: Sequence[Mapping[str, Any]] | None = None, **options: Any) -> Trainer:
+             val_records: Sequence[Mapping[str, Any]] | None = None, manage_process: bool = False,
+             **options: Any) -> Trainer:
     """A LoRA finetune, configured as ``ggtorch finetune`` is: ``options`` are FinetuneConfig's fields.
 
     ``options`` override ``config`` (or FinetuneConfig's defaults, llama.cpp's old ones); an
@@ -247,20 +249,23 @@ def finetune(config: FinetuneConfig | None = None, *, callbacks: Sequence[Callba
     Training again with the same Trainer continues where it stopped; the log is reopened.
     ``records`` (and ``val_records``) train on a list of dicts instead of ``train_data``: chat
     (``{"messages": [...]}``) or prompt/response records, as in docs/chat-data.md.
+    ``manage_process=True`` tunes the process as the ``ggtorch`` command does (glibc keeps freed memory for the
+    next step; torch's thread count follows the cores other processes leave free while the run lives); without
+    it a notebook's process stays as it was.
     """
     config = _config(FinetuneConfig, config, options)
     if not config.model_base:
         raise BadFlag("model_base (--model-base) is required: the GGUF model to finetune")
-    return _run(config, callbacks, progress, run, records, val_records)
+    return _run(config, callbacks, progress, run, records, val_records, manage_process)
 
 
 def train(config: TrainConfig | None = None, *, callbacks: Sequence[Callback] = (), progress: bool = True,
-          run: bool = True, **options: Any) -> Trainer:
+          run: bool = True, manage_process: bool = False, **options: Any) -> Trainer:
     """Train every weight, as ``ggtorch train`` does: a new model (``vocab_model=``) or a full finetune.
 
-    ``options`` are TrainConfig's fields and override ``config``, as in :func:`finetune`.
+    ``options`` are TrainConfig's fields and override ``config``, and ``manage_process`` is as in :func:`finetune`.
     """
-    return _run(_config(TrainConfig, config, options), callbacks, progress, run)
+    return _run(_config(TrainConfig, config, options), callbacks, progress, run, manage_process=manage_process)
 
 
 def new_model(vocab: str | os.PathLike[str], out: str | os.PathLike[str], *, embd: int = 256, ff: int = 768,

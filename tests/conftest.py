@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ggtorch.ops import policy
 from ggtorch.ops.threads import pin_threads
 from tests.fixtures import SHAKESPEARE, STORIES260K
 from tests.helpers import fcntl, run_folder
@@ -79,6 +80,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if not serial:
             fcntl.flock(door, fcntl.LOCK_UN)  # a serial test keeps the door shut until it is done
         yield  # closing the files releases both locks
+
+
+@pytest.fixture
+def cpu_policy() -> Iterator[Callable[..., policy.Policy]]:
+    """``cpu_policy(c_fused=False)``: for the rest of the test, CPU ops follow the CPU policy so changed: how a test
+    takes another path (torch's code for a C loop, a smaller chunk) without touching a module."""
+    with ExitStack() as stack:
+        def change(**changes: object) -> policy.Policy:
+            return stack.enter_context(policy.using(policy.current("cpu").replace(**changes)))
+
+        yield change
 
 
 @pytest.fixture(scope="session")

@@ -146,19 +146,15 @@ def test_bench_vs_peft_keeps_the_section_when_it_rewrites_the_report(profile: An
     assert kept.strip() == section.strip() and "rows" not in kept
 
 
-@pytest.mark.parametrize("routing", [None, False])
-def test_the_gemm_peak_leaves_ggtorch_s_routing_as_it_was(profile: Any, routing: bool | None) -> None:
+@pytest.mark.parametrize("routing", [True, False])
+def test_the_gemm_peak_leaves_ggtorch_s_routing_as_it_was(profile: Any, routing: bool, cpu_policy) -> None:
     """child_gemm forces oneDNN for its own column; the profile then trains in the same process, which must
     route its products as ggtorch does on this CPU."""
     import bench_vs_peft
 
-    from ggtorch.ops import matmul
+    from ggtorch.ops import policy
 
-    saved = matmul.ONEDNN_F32
-    matmul.ONEDNN_F32 = routing
-    try:
-        peak = bench_vs_peft.child_gemm({"threads": 1, "rows": 8, "shapes": [(16, 16)]}, bench_vs_peft.Turns(False))
-        assert matmul.ONEDNN_F32 is routing
-        assert peak["f32"] > 0 and peak["bf16"] > 0
-    finally:
-        matmul.ONEDNN_F32 = saved
+    cpu_policy(onednn_f32=routing)
+    peak = bench_vs_peft.child_gemm({"threads": 1, "rows": 8, "shapes": [(16, 16)]}, bench_vs_peft.Turns(False))
+    assert policy.current("cpu").onednn_f32 is routing
+    assert peak["f32"] > 0 and peak["bf16"] > 0

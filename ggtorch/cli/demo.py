@@ -186,7 +186,7 @@ def run_demo(settings: DemoSettings | None = None, say: Callable[[str], None] = 
                      log_file=str(out / "base-train-log.jsonl"), embd=s.embd, ff=s.ff, head=s.head, layer=s.layer,
                      ctx=s.ctx, batch=16, adam_iter=s.base_iterations, adam_alpha=0.003, warmup=20, init="scaled",
                      use_checkpointing=False, threads=s.threads, seed=s.seed, save_every=0,
-                     callbacks=[_Reporter(say, "base", s.base_iterations)], progress=False)
+                     callbacks=[_Reporter(say, "base", s.base_iterations)], progress=False, manage_process=True)
     result.base_loss = (base_run.history[0].loss, base_run.history[-1].loss)
     files["base model (Q8_0)"] = write_model(out / "base-q8_0.gguf", base_run.base.metadata,
                                              base_run.base.value_types, base_run.model_tensors(), "q8_0")
@@ -203,7 +203,8 @@ def run_demo(settings: DemoSettings | None = None, say: Callable[[str], None] = 
                         lora_r=s.lora_rank,
                         ctx=s.ctx, batch=8, adam_iter=s.lora_iterations, adam_alpha=0.003, warmup=5,
                         use_checkpointing=False, threads=s.threads, seed=s.seed, save_every=0,
-                        callbacks=[_Reporter(say, "lora", s.lora_iterations)], progress=False)
+                        callbacks=[_Reporter(say, "lora", s.lora_iterations)], progress=False,
+                        manage_process=True)
     result.lora_loss = (lora_run.history[0].loss, lora_run.history[-1].loss)
     lora_run.close()
     files["checkpoint"] = out / "lora-checkpoint.gguf"

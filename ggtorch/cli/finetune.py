@@ -19,9 +19,6 @@ import click
 from ggtorch import api
 from ggtorch.cli.options import config_command, config_from_cli
 from ggtorch.errors import BadFlag
-from ggtorch.lora.layers import QUANT_BASES
-from ggtorch.ops import malloc
-from ggtorch.quant import native
 from ggtorch.training.config import (
     FILES,
     LORA,
@@ -89,13 +86,10 @@ def finetune(**values: Any) -> None:
     echo = _echo(trainer)
     echo(f"model: {config.model_base} ({trainer.model_config.n_layer} layers, n_embd "
          f"{trainer.model_config.n_embd}), base weights {config.base_dtype}, compute {config.dtype}, "
-         f"device {trainer.device}, malloc {malloc.current()}")
+         f"device {trainer.device}, malloc {trainer.allocator}")
     echo(f"LoRA: {n_trainable:,} trainable parameters; seed {trainer.seed}")
-    held = {m.ggml_type for m in trainer.model.modules() if isinstance(m, QUANT_BASES)} & native.TYPES
-    if trainer.device.type == "cpu" and held and native.ENABLED and not native.native_types():
-        names = ", ".join(sorted(t.name for t in held))
-        echo(f"note: no C compiler (cc) found, so the {names} blocks decode through torch, more slowly; install "
-             "one (Debian/Ubuntu: apt install gcc) and the next run builds the faster decoders")
+    for note in trainer.notes:
+        echo(f"note: {note}")
     run_trainer(ctx, trainer, "only_write_lora", "lora_out")
 
 
@@ -110,7 +104,8 @@ def start_trainer(start: Callable[..., Trainer], config: RunConfig, notes: list[
     main_rank = env_rank() == 0
     for note in notes if main_rank else ():
         click.echo(note, err=True)
-    trainer = start(config, callbacks=[ProgressPrinter()] if main_rank else [], progress=False, run=False)
+    trainer = start(config, callbacks=[ProgressPrinter()] if main_rank else [], progress=False, run=False,
+                    manage_process=True)  # the command tunes its own process (malloc, threads)
     for warning in trainer.warnings if trainer.dist.is_main else ():
         click.echo(f"warning: {warning}", err=True)
     return trainer

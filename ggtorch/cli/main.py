@@ -30,7 +30,7 @@ from ggtorch.io.paths import Input, check_input
 from ggtorch.models.config import ModelConfig
 from ggtorch.models.generate import SamplingParams, check_fits, iter_tokens
 from ggtorch.ops.dtypes import DTYPES
-from ggtorch.ops.threads import follow_free_cores, pin_threads
+from ggtorch.ops.threads import follow_free_cores, pin_threads, start_following
 from ggtorch.training.distributed import env_rank, env_world_size
 
 
@@ -72,6 +72,7 @@ def entry() -> None:
         except GGTorchError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
+    start_following()  # the command sizes its thread team to the cores other processes leave free
     follow_free_cores()  # the first reading of the other processes' CPU use: the command starts meanwhile
     main()
 

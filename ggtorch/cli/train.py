@@ -15,7 +15,6 @@ import click
 from ggtorch import api
 from ggtorch.cli.finetune import _echo, run_trainer, start_trainer
 from ggtorch.cli.options import config_command, config_from_cli
-from ggtorch.ops import malloc
 from ggtorch.training.config import (
     FILES,
     OPTIMIZER,
@@ -50,5 +49,5 @@ def train(**values: Any) -> None:
     _echo(trainer)(f"model: {source}: {mc.n_layer} layers, n_embd {mc.n_embd}, n_ff {mc.n_ff}, heads "
                    f"{mc.n_head}/{mc.n_head_kv}, vocab {mc.n_vocab}; {sum(p.numel() for _, p, _ in trainer.params):,} "
                    f"trainable parameters; compute {config.dtype}, device {trainer.device}, "
-                   f"malloc {malloc.current()}, seed {trainer.seed}")
+                   f"malloc {trainer.allocator}, seed {trainer.seed}")
     run_trainer(ctx, trainer, "only_write_model", "model_out")

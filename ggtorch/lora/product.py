@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ggtorch.ops import lowrank
+from ggtorch.ops import lowrank, policy
 from ggtorch.ops.matmul import Linear, mm, mm_t
 from ggtorch.quant.autograd import kept_dequantized, quant_mm, quant_mm_t
 from ggtorch.quant.modules import QuantExperts, QuantLinear
@@ -134,17 +134,16 @@ class _LoRAProduct(torch.autograd.Function):
         return grad_x, grad_a, grad_b, None, None, None
 
 
-def _lowrank_products(x2: torch.Tensor, a: torch.Tensor, *others: torch.Tensor, max_rank: int = lowrank.MAX_RANK
-                      ) -> bool:
-    """Whether the rank-r products of input rows ``x2`` and ``a`` (r, in) run in ggtorch.ops.lowrank: r at most
-    ``max_rank`` (a layer's, or :data:`SHARED_MAX_RANK` for layers' stacked A) and the operands its kind."""
-    return a.shape[0] <= max_rank and lowrank.takes(x2, a, *others)
+def _lowrank_products(x2: torch.Tensor, a: torch.Tensor, *others: torch.Tensor, layers: int = 1) -> bool:
+    """Whether the rank-r products of input rows ``x2`` and ``a`` (r, in) run in ggtorch.ops.lowrank: the operands
+    its kind and r at most the policy's ``lowrank_max_rank`` per layer whose A are stacked in ``a``: each of its
+    loops reads the activation from memory once for all ranks (the rest from cache), so a group of q, k and v at
+    the single layer's widest rank still reads x once where three layers read it three times."""
+    return a.shape[0] <= layers * policy.current(x2.device).lowrank_max_rank and lowrank.takes(x2, a, *others)
 
 
-SHARED_MAX_RANK = 3 * lowrank.MAX_RANK
-"""Widest sum of ranks whose shared-input products run in ggtorch.ops.lowrank: each of its loops reads the
-activation from memory once for all ranks (the rest from cache), so a group of q, k and v at the single
-layer's widest rank still reads x once where three layers read it three times."""
+SHARED_LAYERS = 3
+"""Layers whose stacked A the shared-input product's rank-r loops take at a single layer's widest rank each."""
 
 
 class _SharedInputLoRA(torch.autograd.Function):
@@ -164,7 +163,7 @@ class _SharedInputLoRA(torch.autograd.Function):
             a_c = [a.to(dtype) for a in pairs[0::2]]  # (r_i, in)
             b_c = [b.to(dtype) for b in pairs[1::2]]  # (out_i, r_i)
             a_all = torch.cat(a_c)  # (R, in)
-            native = _lowrank_products(x2, a_all, max_rank=SHARED_MAX_RANK)
+            native = _lowrank_products(x2, a_all, layers=SHARED_LAYERS)
             h = lowrank.project(x2, a_all) if native else mm_t(x2, a_all)  # (N, R)
             hs = [part.contiguous() for part in h.split([a.shape[0] for a in a_c], dim=1)]  # (N, r_i)
             ws = [p.decode() if ctx.needs_input_grad[0] else None for p in products]
@@ -193,7 +192,7 @@ class _SharedInputLoRA(torch.autograd.Function):
         grad_pairs: list[torch.Tensor | None] = []
         with torch.autocast(x2.device.type, enabled=False):
             gs = [g.reshape(-1, g.shape[-1]).to(x2.dtype).contiguous() for g in grad_ys]  # (N, out_i)
-            native = _lowrank_products(x2, a_all, *hs, *gs, max_rank=SHARED_MAX_RANK)
+            native = _lowrank_products(x2, a_all, *hs, *gs, layers=SHARED_LAYERS)
             grad_hs = [lowrank.project(g, b.T.contiguous(), s) if native else mm(g, b).mul_(s)
                        for g, b, s in zip(gs, b_c, ctx.scales, strict=True)]  # (N, r_i)
             grad_h = torch.cat(grad_hs, dim=1)  # (N, R)

@@ -26,11 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ggtorch.ops import attention as native
-
-PRODUCTS_MAX_TOKENS: dict[torch.dtype, int] = {torch.float32: 512, torch.bfloat16: 512}
-"""Longest sequence, by dtype, whose training attention on CPU is written out (in C or as batched products):
-up to it both beat flash at every head width they take; past it the batched products' saved probabilities
-outgrow the gain (:func:`saved_keys_per_query`), and attention.c's buffers end there (its MAX_TOKENS)."""
+from ggtorch.ops import policy
 
 SINK_COLUMNS = 8
 """Columns added to each query and key head to carry gpt-oss's sinks (:func:`_attention_with_sinks`): the first
@@ -100,9 +96,13 @@ def _is_causal(mask: torch.Tensor, T: int) -> bool:
     return mask.shape[-2:] == (T, T) and bool((mask == causal).all())
 
 
-def products_max_tokens(dtype: torch.dtype) -> int:
-    """Longest sequence whose training attention on CPU runs as batched products (0: never)."""
-    return PRODUCTS_MAX_TOKENS.get(dtype, 0)
+def products_max_tokens(dtype: torch.dtype, device: torch.device | str) -> int:
+    """Longest sequence whose training attention on ``device`` runs written out, in C or as batched products (the
+    policy's ``written_attention_max_tokens``; 0: never). On CPU up to 512 tokens both beat flash at every head
+    width they take; past it the batched products' saved probabilities outgrow the gain
+    (:func:`saved_keys_per_query`), and attention.c's buffers end there (its MAX_TOKENS)."""
+    p = policy.current(device)
+    return p.written_attention_max_tokens if dtype in p.written_attention_dtypes else 0
 
 
 def saved_keys_per_query(T: int) -> float:
@@ -120,7 +120,7 @@ def _as_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     """Training (a backward will follow) on CPU, self-attention over a short sequence, causal or a
     boolean mask; inference and KV-cache calls keep flash."""
     T, S = q.shape[2], k.shape[2]
-    return (q.device.type == "cpu" and T == S and T <= products_max_tokens(q.dtype)
+    return (T == S and T <= products_max_tokens(q.dtype, q.device)
             and k.dtype == v.dtype == q.dtype and (causal or (mask is not None and mask.dtype == torch.bool))
             and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 

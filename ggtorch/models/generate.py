@@ -16,6 +16,7 @@ import torch
 from ggtorch.errors import BadData, BadFlag
 from ggtorch.models.model import Llama
 from ggtorch.models.tokenizer import Tokenizer
+from ggtorch.ops import policy
 from ggtorch.ops.threads import follow_free_cores
 
 
@@ -133,10 +134,6 @@ def generate(model: Llama, tokenizer: Tokenizer, prompt: str, n_tokens: int, tem
     return tokenizer.decode(new, prev_ids=prompt_tokens)
 
 
-HEAD_CHUNK_BYTES = 64 << 20
-"""f32 logits perplexity holds at once: a 262k-word vocabulary is never (tokens x V) whole."""
-
-
 def llama_cpp_context(n_ctx: int) -> int:
     """The per-sequence context llama.cpp runs with when asked for ``n_ctx``: padded up to a multiple
     of 256 (what decides LongRoPE's long or short factors there)."""
@@ -182,7 +179,7 @@ def perplexity(model: Llama, tokens: Sequence[int], n_ctx: int, bos_id: int | No
         chunks = chunks.clone()
         chunks[:, 0] = bos_id
     nll = torch.zeros((), dtype=torch.float64, device=device)
-    rows = max(1, HEAD_CHUNK_BYTES // (4 * model.config.n_vocab))  # logits of a few rows at a time
+    rows = max(1, policy.current(device).eval_head_bytes // (4 * model.config.n_vocab))  # a few rows' logits at a time
     saved_ctx, model.n_ctx = model.n_ctx, llama_cpp_context(n_ctx)  # LongRoPE's factors follow the context
     try:
         for start in range(0, n_chunks, batch_size):

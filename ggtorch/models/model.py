@@ -26,7 +26,7 @@ from torch import nn
 
 from ggtorch.models.attention import attention
 from ggtorch.models.config import ModelConfig
-from ggtorch.ops import fused
+from ggtorch.ops import fused, policy
 from ggtorch.ops.experts import Experts
 from ggtorch.ops.fused import geglu, recompute_outputs, rms_norm, swiglu
 from ggtorch.ops.matmul import Linear
@@ -136,15 +136,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
         return fused.rope(x, cos, sin, neox)
     if neox:
         return _RealRope.apply(x.float(), cos.unsqueeze(-2), sin.unsqueeze(-2), True).to(x.dtype)
-    if x.device.type not in COMPLEX_DEVICES:
+    if not policy.current(x.device).complex_rope:  # complex support varies elsewhere (MPS, ...)
         return rope_pairs(x.float(), cos, sin).to(x.dtype)
     rotation = torch.complex(cos, sin).unsqueeze(-2)  # (T|B,T, 1, D/2)
     return _Rope.apply(x.float(), rotation).to(x.dtype)
 
-
-COMPLEX_DEVICES = ("cpu", "cuda")
-"""Devices whose complex64 multiply apply_rope uses; elsewhere (MPS, ...) complex support varies, so
-rope there takes :func:`rope_pairs`, the same formula written with real tensors."""
 
 
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

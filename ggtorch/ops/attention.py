@@ -23,10 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ggtorch.ops import clib
-
-NATIVE = True
-"""Take :func:`attention` where :func:`takes` allows it; False keeps the callers' torch code."""
+from ggtorch.ops import clib, policy
 
 SOURCE = Path(__file__).with_name("attention.c")
 FLAGS = ("-O3", "-fno-math-errno")
@@ -58,7 +55,8 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     :data:`MAX_HEAD` wide (bf16: k and v with even strides, read as pairs, unless a padded head copies them), a
     boolean mask shared by the heads or none (causal)."""
     D, T = q.shape[-1], q.shape[2]
-    return (NATIVE and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and dtype_taken(q.dtype)
+    return (q.device.type == "cpu" and policy.current(q.device).c_attention and q.dtype == k.dtype == v.dtype
+            and dtype_taken(q.dtype)
             and T == k.shape[2] <= MAX_TOKENS and D <= MAX_HEAD
             and (q.dtype == torch.float32 or D % HEAD_MULTIPLE or all(s % 2 == 0 for t in (k, v)
                                                                      for s in t.stride()[:3]))
@@ -116,7 +114,7 @@ def _check(status: int) -> None:
     """A C call's status: 1 when a task could not allocate its buffers (a few hundred KiB each)."""
     if status:
         raise MemoryError("out of memory for attention.c's buffers (a few hundred KiB per thread); free memory or "
-                          "set ggtorch.ops.attention.NATIVE = False")
+                          "train under a policy without c_attention (ggtorch.ops.policy)")
 
 
 def _heads_last(B: int, H: int, T: int, D: int, like: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ recomputed, bit-identically, when backward needs it, so it never stays resident.
 On CPU, for contiguous f32 or bf16 tensors, the norm and the gated units run in ``fused.c`` (built on first
 use by :mod:`ggtorch.ops.clib`), as does rope (:func:`rope`, which models.model's apply_rope takes where it
 can): one pass over their inputs each way instead of one per op, computing in f32 and rounding bf16
-results once. Elsewhere (other devices or dtypes, no compiler, ``NATIVE = False``) torch's ops run.
+results once. Elsewhere (other devices or dtypes, no compiler, a policy without ``c_fused``) torch's ops run.
 """
 
 from __future__ import annotations
@@ -31,11 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ggtorch.ops import clib
-
-NATIVE = True
-"""Run RMSNorm, SwiGLU, GeGLU, rope and the loss's softmax on CPU in ``fused.c`` where their operands allow it
-(:func:`_native`, :func:`rope_takes`, :func:`softmax_slab_takes`); False keeps torch's ops."""
+from ggtorch.ops import clib, policy
 
 SOURCE = Path(__file__).with_name("fused.c")
 FLAGS = ("-O3", "-fno-math-errno")
@@ -58,9 +54,10 @@ def _library() -> ctypes.CDLL | None:
 
 def _native(*tensors: torch.Tensor) -> bool:
     """Whether ``fused.c`` computes with these operands: contiguous CPU tensors of one shape and one dtype, f32 or
-    bf16, and the library built."""
+    bf16, whose policy runs these loops in C, and the library built."""
     first = tensors[0]
-    return (NATIVE and first.dtype in (torch.float32, torch.bfloat16) and all(
+    return (first.device.type == "cpu" and policy.current(first.device).c_fused
+            and first.dtype in (torch.float32, torch.bfloat16) and all(
         t.device.type == "cpu" and t.dtype == first.dtype and t.shape == first.shape and t.is_contiguous()
         for t in tensors) and _library() is not None)
 
@@ -329,7 +326,8 @@ an output matrix, far inside f32's and bf16's range (not f16's: f16 logits take 
 
 def softmax_slab_takes(logits: torch.Tensor) -> bool:
     """Whether :func:`softmax_slab_` runs on these logits: a 2-D CPU tensor in f32 or bf16 with contiguous rows."""
-    return (NATIVE and logits.dim() == 2 and logits.device.type == "cpu" and logits.stride(1) == 1
+    return (logits.device.type == "cpu" and policy.current(logits.device).c_fused and logits.dim() == 2
+            and logits.stride(1) == 1
             and logits.dtype in (torch.float32, torch.bfloat16) and _library() is not None)
 
 

@@ -14,7 +14,7 @@
 
 #define RB 4 /* rows of the small matrix per pass (the registers one pass accumulates in) */
 #define TILE 64 /* columns per tile of lowrank_reduce: 4 vectors */
-#define MAX_R 64 /* widest r of lowrank_expand (lowrank.py's MAX_RANK is lower) */
+#define MAX_R 64 /* widest r of lowrank_expand (the policy's lowrank_max_rank is lower) */
 
 /* Below this many multiply-adds a call runs on the caller's thread: waking the team costs more. */
 #define MIN_PARALLEL_MACS (1 << 16)

@@ -6,9 +6,9 @@ backward. For a GEMM those are degenerate shapes, paid for by the cost of readin
 several times; :mod:`ggtorch.ops.clib` builds ``lowrank.c``, whose loops read it once.
 
 :func:`project`, :func:`expand_` and :func:`reduce` compute what their torch formulas compute (f32
-accumulation, bf16 rounded as torch rounds), for contiguous f32 or bf16 CPU tensors of rank up to
-:data:`MAX_RANK` (:func:`takes`); their results do not depend on the thread count. Elsewhere (other
-devices, other dtypes, no compiler, ``ENABLED = False``) callers keep torch's products.
+accumulation, bf16 rounded as torch rounds), for contiguous f32 or bf16 CPU tensors of rank up to the
+policy's ``lowrank_max_rank`` (:func:`takes`); their results do not depend on the thread count. Elsewhere
+(other devices, other dtypes, no compiler, a policy without ``c_lowrank``) callers keep torch's products.
 """
 
 from __future__ import annotations
@@ -19,14 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ggtorch.ops import clib
-
-ENABLED = True
-"""Run the rank-r products of :func:`takes` operands in the C library; False keeps torch's products."""
-
-MAX_RANK = 8
-"""Widest r the library takes: from 16 on, oneDNN's and BLAS's blocked kernels (and bf16's dot-product
-instructions) are as fast or faster than one pass over the activation per four columns of r."""
+from ggtorch.ops import clib, policy
 
 SOURCE = Path(__file__).with_name("lowrank.c")
 FLAGS = ("-O3",)
@@ -46,17 +39,18 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the library is built (or can be) and enabled."""
-    return ENABLED and _library() is not None
+    """Whether the library is built (or can be: there is a C compiler and a cache folder to build it in)."""
+    return _library() is not None
 
 
 def takes(*tensors: torch.Tensor) -> bool:
-    """Whether the library computes with these operands: contiguous CPU tensors of one dtype of
-    :data:`DTYPES`, none of them wider than :data:`MAX_RANK` in the rank dimension the caller checks."""
+    """Whether the library computes with these operands: contiguous CPU tensors of one dtype of :data:`DTYPES`
+    whose policy runs the rank-r products in C (the caller checks the rank against the policy's
+    ``lowrank_max_rank``)."""
     first = tensors[0]
-    return (ENABLED and first.dtype in DTYPES and all(
-        t.device.type == "cpu" and t.dtype == first.dtype and t.is_contiguous() for t in tensors)
-        and _library() is not None)
+    return (first.device.type == "cpu" and policy.current(first.device).c_lowrank and first.dtype in DTYPES
+            and all(t.device.type == "cpu" and t.dtype == first.dtype and t.is_contiguous() for t in tensors)
+            and _library() is not None)
 
 
 def _run(name: str, operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n: int, k: int, r: int,

@@ -87,3 +87,9 @@ def keep_freed_memory() -> bool:
             mmap_set = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
             _kept = mmap_set and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     return _kept
+
+
+def asked() -> bool:
+    """Whether this process asked for the thresholds (:func:`keep_freed_memory`): the ``ggtorch`` command and a
+    run with ``manage_process=True`` do; a library call never does unasked."""
+    return _kept is not None

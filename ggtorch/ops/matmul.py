@@ -7,6 +7,7 @@ bench/bench_gemm.py`` shows both on a machine; figures in BENCHMARKS.md and the 
 the choice per vendor). Both give ordinary f32 GEMM results, in different summation orders; the
 choice is fixed per CPU (not measured per process), so two runs on one machine compute alike.
 
+Whether a CPU takes oneDNN is its policy's choice (:attr:`ggtorch.ops.policy.Policy.onednn_f32`).
 Everything else takes torch's own ops: other devices, bf16/f16 (whose CPU mm is oneDNN
 already), builds without oneDNN, and ``torch.backends.mkldnn.enabled = False``. ``mm_t``, ``mm``
 and ``add_mm_`` carry no autograd: the Functions that call them (the quantized matmul, the fused
@@ -16,17 +17,13 @@ loss) define their own backward; ``linear`` and ``Linear`` (the float base layer
 from __future__ import annotations
 
 import functools
-import platform
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-ONEDNN_F32: bool | None = None
-"""Route CPU f32 products through oneDNN when torch has it: True always, False never (torch.mm),
-None on every CPU but Intel's (:func:`onednn_by_default`)."""
+from ggtorch.ops import policy
 
 ONEDNN_MIN_MACS = 1 << 20
 ONEDNN_MIN_DIM = 512
@@ -52,27 +49,9 @@ def _call(op: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor) -> 
     return op(x, w, None, "none", [None], "")
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...), or '' when unknown."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()  # Windows names the vendor here; elsewhere an architecture
-
-
-@functools.cache
-def onednn_by_default() -> bool:
-    """Whether f32 products take oneDNN when :data:`ONEDNN_F32` is None: not on Intel CPUs."""
-    return "GenuineIntel" not in cpu_vendor()
-
-
 def uses_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``mm_t(x, w)`` (x @ w.T) runs on oneDNN rather than torch's default GEMM."""
-    enabled = onednn_by_default() if ONEDNN_F32 is None else ONEDNN_F32
-    return (enabled and x.device.type == "cpu" and w.device.type == "cpu"
+    return (x.device.type == "cpu" and w.device.type == "cpu" and policy.current(x.device).onednn_f32
             and x.dtype == torch.float32 and w.dtype == torch.float32
             and max(w.shape) >= ONEDNN_MIN_DIM and x.numel() * w.shape[0] >= ONEDNN_MIN_MACS
             and torch.backends.mkldnn.enabled and _onednn_linear() is not None)

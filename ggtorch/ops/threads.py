@@ -8,7 +8,9 @@ tens of times slower, not the 2× that losing a core costs. A team no larger tha
 else uses has no such waits, and an idle machine keeps torch's own count.
 
 So the long-running loops (training steps, generated tokens, perplexity batches, merged tensors)
-call :func:`follow_free_cores` between their steps: at most every :data:`INTERVAL` seconds it
+call :func:`follow_free_cores` between their steps; in a process that chose to follow the free cores
+(:func:`start_following`: the ``ggtorch`` command does, a notebook's process only when it asks), at most
+every :data:`INTERVAL` seconds it
 reads the CPU time the other processes took from ``/proc/stat`` and sets the team size to the
 CPUs of this process's affinity they left, at most torch's default and at least one. It is
 called from the computing thread because OpenMP's team size belongs to the thread that sets it.
@@ -76,6 +78,8 @@ class _FreeCores:
     """The state of :func:`follow_free_cores` in this process."""
 
     def __init__(self) -> None:
+        self.following = False
+        """Whether this process sizes torch's team to the free cores (:func:`start_following`)."""
         self.pinned = any(os.environ.get(k) for k in USER_ENV) or not os.path.isfile(PROC_STAT)
         self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
         self.ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -92,7 +96,7 @@ class _FreeCores:
         return CpuTimes(time.monotonic(), read_busy_seconds(text, self.cpus, self.ticks), time.process_time())
 
     def follow(self) -> int:
-        if self.pinned:
+        if self.pinned or not self.following:
             return torch.get_num_threads()
         if torch.get_num_threads() != self.chosen:  # someone called torch.set_num_threads: theirs
             self.pinned = True
@@ -126,12 +130,31 @@ def _free_cores() -> _FreeCores:
 
 
 def follow_free_cores() -> int:
-    """Size torch's thread team to the CPUs other processes leave free; returns the team size.
+    """Size torch's thread team to the CPUs other processes leave free, where this process follows them
+    (:func:`start_following`); returns the team size.
 
     Cheap (one clock read) except every :data:`INTERVAL` seconds; the first call only takes the
     first reading.
     """
     return _free_cores().follow()
+
+
+def start_following() -> None:
+    """From now on this process's torch team follows the free cores: the ``ggtorch`` command's choice for itself,
+    or a library caller's that asks for it (``manage_process=True``). A library call never changes a process's
+    thread count unasked."""
+    _free_cores().following = True
+
+
+def stop_following() -> None:
+    """Stop following the free cores and give torch back the thread count it had before (unless someone set
+    their own meanwhile)."""
+    state = _free_cores()
+    if state.following and not state.pinned and torch.get_num_threads() == state.chosen != state.ceiling:
+        torch.set_num_threads(state.ceiling)
+    state.following = False
+    state.chosen = torch.get_num_threads()
+    state.last = None
 
 
 def pin_threads(n: int) -> None:

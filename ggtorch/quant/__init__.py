@@ -21,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ggtorch.errors import Unsupported
 from ggtorch.io.gguf import check_raw, raw_nbytes, whole_blocks
+from ggtorch.ops import policy
 from ggtorch.quant import native
 from ggtorch.quant.floats import dequantize_bf16, dequantize_f16, dequantize_f32
 from ggtorch.quant.iquants import (
@@ -70,11 +71,6 @@ DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]]
 }
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(DEQUANTIZERS)
-
-CHUNK_VALUES = 1 << 22
-"""Values decoded per step: big enough to amortize per-op overhead, small enough that a huge
-tensor never needs several copies of itself in memory at once; one step fills one
-``quant.autograd.CHUNK_BYTES`` chunk of f32 (16 MiB), so a chunk is decoded without a copy."""
 
 
 def block_size(ggml_type: GGMLQuantizationType) -> int:
@@ -151,7 +147,7 @@ def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[
         return torch.empty(shape, dtype=dtype, device=raw.device) if out is None else out.view(shape)
     n_blocks = n_values // bs
     blocks = raw.reshape(n_blocks, ts)
-    step = max(1, CHUNK_VALUES // bs)
+    step = max(1, policy.current(raw.device).decode_step_values // bs)
     if native.decodes(blocks, qtype):
         result = torch.empty(shape, dtype=dtype) if out is None else out
         if dtype in native.OUT_DTYPES:  # one pass straight into the result, no temporaries to bound

@@ -4,8 +4,9 @@ The base weight of a LoRA finetune is frozen, so backward needs only ``grad_x = 
 and never a gradient for W. :class:`QuantMatmul` therefore saves just a reference to the raw
 uint8 blocks (which the module holds anyway) and dequantizes again in backward. Both passes
 walk W in chunks of whole rows, so the only float copy of W that ever exists is one chunk of
-at most ``CHUNK_BYTES`` (16 MiB): without chunking, a 32000 x 4096 output matrix would need
-a 512 MiB f32 temporary in every forward and backward, which is exactly the memory that
+at most the policy's ``dequantize_chunk_bytes`` (16 MiB on every device): without chunking,
+a 32000 x 4096 output matrix would need a 512 MiB f32 temporary in every forward and backward,
+which is exactly the memory that
 keeping the model quantized is meant to save. 16 MiB holds every matrix of a 110M-shape layer
 and the attention matrices of a 2048-wide one (TinyLlama's) whole, so they run one unsplit
 matmul each way (a split forward costs a copy of each partial product into the output, a
@@ -30,24 +31,15 @@ from collections.abc import Iterator
 import torch
 from gguf import GGMLQuantizationType
 
+from ggtorch.ops import policy
 from ggtorch.ops.matmul import add_mm_, mm, mm_t
 from ggtorch.quant import dequantize, row_nbytes
-
-CHUNK_BYTES = 16 << 20
-"""Upper bound on the dequantized temporary per chunk (bytes in the compute dtype); change
-it here, or per call with ``chunk_bytes``, to trade memory against per-chunk overhead."""
-
-
-KEEP_DEQUANTIZED_BYTES = 64 << 20
-"""Largest dequantized matrix (bytes in the compute dtype) a product keeps for its own backward
-inside a checkpointed block (:func:`keeping_dequantized` without a budget); bigger ones are
-decoded again, chunk by chunk."""
 
 
 @dataclasses.dataclass
 class _Keeping:
-    largest: float
-    """Bytes of the largest matrix kept."""
+    largest: float | None
+    """Bytes of the largest matrix kept (None: the policy's ``keep_dequantized_bytes`` for its device)."""
     left: float
     """Bytes the products in the context may still keep together."""
     storage: list[torch.Tensor] | None = None
@@ -68,8 +60,8 @@ def keeping_dequantized(budget: int | None = None, storage: list[torch.Tensor] |
 
     Without ``budget``, for code that runs again in backward (a checkpointed block): its first
     forward's saved tensors are dropped, and those of the recomputation live only until the block's
-    backward, so one block's decoded matrices exist at a time; matrices above
-    ``KEEP_DEQUANTIZED_BYTES`` are decoded again. With ``budget`` (bytes), around a whole forward
+    backward, so one block's decoded matrices exist at a time; matrices above the policy's
+    ``keep_dequantized_bytes`` are decoded again. With ``budget`` (bytes), around a whole forward
     without checkpointing: the products keep matrices in the order they run until together they
     hold ``budget`` bytes, each until its own backward; the rest are decoded again.
 
@@ -80,7 +72,7 @@ def keeping_dequantized(budget: int | None = None, storage: list[torch.Tensor] |
     older graph's backward would raise autograd's in-place modification error, not compute wrong
     gradients).
     """
-    keeping = (_Keeping(KEEP_DEQUANTIZED_BYTES, math.inf, storage) if budget is None
+    keeping = (_Keeping(None, math.inf, storage) if budget is None
                else _Keeping(math.inf, budget, storage))
     token = _keeping.set(keeping)
     try:
@@ -94,7 +86,10 @@ def kept_dequantized(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: 
     """W (out, in) decoded in ``dtype`` when a product should keep it (see :func:`keeping_dequantized`), else
     None. For products whose input takes a gradient (the caller checks: a Function's forward runs without grad)."""
     keeping, nbytes = _keeping.get(), dequantized_nbytes(shape, dtype)
-    if keeping is None or nbytes > keeping.largest or nbytes > keeping.left:
+    if keeping is None:
+        return None
+    largest = policy.current(raw.device).keep_dequantized_bytes if keeping.largest is None else keeping.largest
+    if nbytes > largest or nbytes > keeping.left:
         return None
     keeping.left -= nbytes
     out = None
@@ -125,11 +120,17 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def rows_per_chunk(n_cols: int, dtype: torch.dtype, chunk_bytes: int | None = None) -> int:
+def rows_per_chunk(n_cols: int, dtype: torch.dtype, chunk_bytes: int) -> int:
     """Rows of a ``n_cols``-wide matrix whose dequantized copy fits in ``chunk_bytes``."""
-    budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return max(1, budget // (n_cols * itemsize))
+    return max(1, chunk_bytes // (n_cols * itemsize))
+
+
+def _row_chunks(n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device,
+                chunk_bytes: int | None) -> list[tuple[int, int]]:
+    """W's chunks of whole rows: ``chunk_bytes`` of decoded values each, or the policy's for ``device``."""
+    budget = policy.current(device).dequantize_chunk_bytes if chunk_bytes is None else chunk_bytes
+    return _chunks(n_rows, rows_per_chunk(n_cols, dtype, budget))
 
 
 def _chunks(n_rows: int, step: int) -> list[tuple[int, int]]:
@@ -150,7 +151,7 @@ def quant_mm_t(x2: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationT
     viewed as (out, row_nbytes); no autograd. ``decoded``: W decoded already (kept_dequantized), used in
     the same chunks, so the result is the same bit for bit."""
     n_out, dtype = raw.shape[0], x2.dtype
-    chunks = _chunks(n_out, rows_per_chunk(n_in, dtype, chunk_bytes))
+    chunks = _row_chunks(n_out, n_in, dtype, x2.device, chunk_bytes)
     if len(chunks) == 1:
         return mm_t(x2, _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype, decoded))  # (N, out)
     y = torch.empty(x2.shape[0], n_out, dtype=dtype, device=x2.device)  # (N, out)
@@ -165,7 +166,7 @@ def quant_mm(g: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType
     over row chunks in at least f32 (bf16 partial sums would lose bits), so a split bf16 product
     comes back in f32. ``decoded``: as for :func:`quant_mm_t`."""
     n_out, dtype = raw.shape[0], g.dtype
-    chunks = _chunks(n_out, rows_per_chunk(n_in, dtype, chunk_bytes))
+    chunks = _row_chunks(n_out, n_in, dtype, g.device, chunk_bytes)
     if len(chunks) == 1:
         return mm(g, _dequantize_rows(raw, ggml_type, 0, n_out, n_in, dtype, decoded))  # (N, in)
     acc_dtype = torch.promote_types(dtype, torch.float32)

@@ -40,7 +40,7 @@ class _QuantWeight(nn.Module):
         self.shape = tuple(int(n) for n in shape)
         self.register_buffer("raw", self._rows_view(raw))
         self.chunk_bytes: int | None = None
-        """Per-module override of ``quant.autograd.CHUNK_BYTES`` (None: the module-level value)."""
+        """Per-module override of the policy's ``dequantize_chunk_bytes`` (None: the policy's)."""
 
     def _rows_view(self, raw: torch.Tensor) -> torch.Tensor:
         if raw.dtype != torch.uint8:

@@ -23,12 +23,9 @@ from pathlib import Path
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ggtorch.ops import clib
+from ggtorch.ops import clib, policy
 
 log = logging.getLogger(__name__)
-
-ENABLED = True
-"""Decode the types :func:`native_types` lists with the C library on CPU; False keeps the torch decoders."""
 
 TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
                    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K})
@@ -68,9 +65,10 @@ def native_types() -> frozenset[GGMLQuantizationType]:
 
 
 def decodes(blocks: torch.Tensor, ggml_type: GGMLQuantizationType) -> bool:
-    """Whether :func:`decode` takes these blocks: CPU bytes in one piece, a type the library has, enabled."""
-    return (ENABLED and blocks.device.type == "cpu" and blocks.dtype == torch.uint8 and blocks.is_contiguous()
-            and ggml_type in native_types())
+    """Whether :func:`decode` takes these blocks: CPU bytes in one piece whose policy decodes in C, a type the
+    library has."""
+    return (blocks.device.type == "cpu" and policy.current(blocks.device).c_dequantize and blocks.dtype == torch.uint8
+            and blocks.is_contiguous() and ggml_type in native_types())
 
 
 OUT_DTYPES = (torch.float32, torch.bfloat16)

@@ -21,19 +21,15 @@ import torch
 from ggtorch.data import IGNORE_INDEX
 from ggtorch.lora import LoRALinear, frozen_float_weight
 from ggtorch.models.model import has_forward_hooks
-from ggtorch.ops import fused
+from ggtorch.ops import fused, policy
 from ggtorch.ops.matmul import add_mm_, mm, mm_t, uses_onednn
 from ggtorch.quant import dequantize
 from ggtorch.quant.autograd import compute_dtype, quant_embedding
 from ggtorch.quant.modules import QuantLinear
 from ggtorch.training.recompute import checkpoint
 
-CHUNK_BYTES = 4 << 20
-"""Bytes of f32 logits handled per chunk: large enough to amortize per-op overhead, small
-enough to stay in cache between the exp and the write of the gradient."""
 
-
-def _row_chunks(n_rows: int, n_cols: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+def _row_chunks(n_rows: int, n_cols: int, chunk_bytes: int) -> list[tuple[int, int]]:
     """(start, end) of each chunk of rows whose ``n_cols`` f32 values fill ``chunk_bytes`` (one row at least)."""
     step = max(1, chunk_bytes // (4 * n_cols))
     return [(r0, min(r0 + step, n_rows)) for r0 in range(0, n_rows, step)]
@@ -49,7 +45,7 @@ class _TokenCrossEntropy(torch.autograd.Function):
         safe = torch.where(valid, targets, 0)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
         with torch.autocast(logits.device.type, enabled=False):
-            for r0, r1 in _row_chunks(n, v):
+            for r0, r1 in _row_chunks(n, v, policy.current(logits.device).loss_chunk_bytes):
                 lse[r0:r1] = torch.logsumexp(logits[r0:r1].float(), dim=-1)
         picked = logits.gather(1, safe[:, None])[:, 0].float()
         ctx.save_for_backward(logits, lse, safe, valid)
@@ -61,7 +57,7 @@ class _TokenCrossEntropy(torch.autograd.Function):
         n, v = logits.shape
         g = grad_out.float() * valid  # (N,)
         grad = torch.empty(n, v, dtype=torch.float32, device=logits.device)
-        for r0, r1 in _row_chunks(n, v):
+        for r0, r1 in _row_chunks(n, v, policy.current(logits.device).loss_chunk_bytes):
             p = grad[r0:r1]  # (rows, V): softmax's own kernel, written in place (much faster than exp)
             torch.softmax(logits[r0:r1].float(), dim=-1, out=p)
             p.mul_(g[r0:r1, None]).scatter_add_(1, safe[r0:r1, None], -g[r0:r1, None])
@@ -92,24 +88,12 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
 
 # --- the output projection and the loss in one pass ---------------------------------------------
 
-FUSED_CHUNK_BYTES = 32 << 20
-"""f32 logits per chunk of :func:`output_cross_entropy` (rows x vocabulary columns x 4 bytes). With
-a LoRA on the output, chunks are whole rows: about 256 for a 32000-word vocabulary, where the
-chunk's GEMMs run near full speed (fewer rows slow the output matmul down), and those buffers are
-reused for every chunk of a call, except on oneDNN's path, whose logits are fresh per chunk (it has
-no out=). Without one, chunks are :data:`FUSED_ROWS` rows by a slab of :data:`SLAB_BYTES`."""
-
-FUSED_ROWS = 1024
-"""Rows per chunk of the vocabulary-slab path: enough for the output GEMMs' full speed."""
-
-SLAB_BYTES = 4 << 20
-"""f32 logits per chunk of the vocabulary-slab path (rows x slab columns x 4 bytes): small enough
-that the exp and the gradient's product read them from cache."""
-
-
-IN_PLACE_SOFTMAX_DEVICES = ("cpu", "cuda")
-"""Devices whose softmax may write its output over its input (tested on CPU; CUDA's kernels read
-each element before writing it); elsewhere the probabilities get a buffer of their own."""
+# Chunk sizes are the device policy's (ggtorch.ops.policy): with a LoRA on the output, chunks are whole rows of
+# head_chunk_bytes, about 256 rows for a 32000-word vocabulary, where the chunk's GEMMs run near full speed (fewer
+# rows slow the output matmul down), and those buffers are reused for every chunk of a call, except on oneDNN's
+# path, whose logits are fresh per chunk (it has no out=). Without one, chunks are slab_rows rows by a slab of
+# slab_bytes. Where the policy says a softmax may write over its input (CPU; CUDA's kernels read each element
+# before writing it) the probabilities take the logits' memory, elsewhere a buffer of their own.
 
 
 TINY_PROBABILITY = 2.0 ** -100
@@ -170,7 +154,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_x = torch.empty(n, c, dtype=f32, device=x.device) if need_grad else None
             grad_h = torch.empty(n, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
             grad_b = torch.zeros(v, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
-            step = max(1, FUSED_CHUNK_BYTES // (4 * v))
+            step = head_rows(v, x.device)
             # Chunk buffers live for the whole call: a fresh (rows, V) tensor per chunk is returned to
             # the OS and page-faulted back in every time (glibc gives such large blocks back at once).
             # oneDNN (f32 on CPU) has no out=, so its logits are fresh per chunk; the softmax is then
@@ -179,7 +163,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows_max = min(step, n)
             logits_buf = None if uses_onednn(xc, weight) else torch.empty(rows_max, v, dtype=dtype, device=x.device)
             f32_buf = None if dtype == f32 else torch.empty(rows_max, v, dtype=f32, device=x.device)
-            in_place = x.device.type in IN_PLACE_SOFTMAX_DEVICES
+            in_place = policy.current(x.device).in_place_softmax
             probs_buf = None if in_place or not need_grad else torch.empty(rows_max, v, dtype=f32, device=x.device)
 
             def logits_of(rows: slice | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,11 +209,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gx, ga, gb, None, None, None
 
 
-def slab_chunk(n_rows: int, n_embd: int) -> tuple[int, int]:
-    """(rows, vocabulary columns) of a chunk of :class:`_SlabCrossEntropy`; its slab of W is no bigger
-    than its logits."""
-    rows = min(n_rows, FUSED_ROWS)
-    return rows, max(1, SLAB_BYTES // (4 * max(rows, n_embd)))
+def slab_chunk(n_rows: int, n_embd: int, device: torch.device | str) -> tuple[int, int]:
+    """(rows, vocabulary columns) of a chunk of :class:`_SlabCrossEntropy` on ``device``; its slab of W is no
+    bigger than its logits."""
+    p = policy.current(device)
+    rows = min(n_rows, p.slab_rows)
+    return rows, max(1, p.slab_bytes // (4 * max(rows, n_embd)))
+
+
+def head_rows(n_vocab: int, device: torch.device | str) -> int:
+    """Tokens per chunk of the loss's whole-row paths (a LoRA on the output, a head of more than one projection):
+    as many rows of ``n_vocab`` f32 logits as the policy's ``head_chunk_bytes`` holds (what the memory estimate
+    counts)."""
+    return max(1, policy.current(device).head_chunk_bytes // (4 * n_vocab))
 
 
 class _SlabCrossEntropy(torch.autograd.Function):
@@ -240,7 +232,7 @@ class _SlabCrossEntropy(torch.autograd.Function):
     ``m`` grows; the gradient is that sum over ``s`` minus the target's row of W, so each slab of W is
     used once for both products and dropped. A quantized W is dequantized one slab at a time: neither
     the whole float W nor a (rows, V) block exists, and every chunk's GEMMs have all the batch's rows
-    (at most :data:`FUSED_ROWS`), which a 262,144-word vocabulary would otherwise cut to a few dozen.
+    (at most the policy's ``slab_rows``), which a 262,144-word vocabulary would otherwise cut to a few dozen.
     On CPU a slab's softmax is one pass in C (:func:`ggtorch.ops.fused.softmax_slab_`), whose row maxima
     move only when a logit rises well above them, so the sums are seldom rescaled; elsewhere torch's ops
     take the exact maxima, a pass over the slab per op.
@@ -261,7 +253,7 @@ class _SlabCrossEntropy(torch.autograd.Function):
             picked = torch.zeros(n, dtype=f32, device=x.device)
             acc = torch.zeros(n, c, dtype=f32, device=x.device) if need_grad else None
             rescale = torch.empty(n, dtype=f32, device=x.device)
-            rows, width = slab_chunk(n, c)
+            rows, width = slab_chunk(n, c, x.device)
             xc = None
             for v0 in range(0, n_vocab, width):
                 v1 = min(v0 + width, n_vocab)
@@ -387,7 +379,7 @@ def head_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
     """``cross_entropy(head(hidden), targets)`` for a head that is more than one projection (an output
     bias, gemma's final soft-capping), a chunk of tokens at a time: each chunk's logits exist only
     while it is computed, and again in backward (activation checkpointing), never (tokens, V) whole.
-    A chunk holds :data:`FUSED_CHUNK_BYTES` of f32 logits (the rows the memory estimate counts): each
+    A chunk holds :func:`head_rows` tokens (the rows the memory estimate counts): each
     chunk computes the whole head again, so fewer rows would repeat its product (and a quantized
     output's decoding) for nothing."""
     x = hidden.reshape(-1, hidden.shape[-1])
@@ -397,7 +389,8 @@ def head_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
         return cross_entropy(head(xc), tc, "sum")
 
     total = hidden.new_zeros((), dtype=torch.float32)
-    for r0, r1 in _row_chunks(x.shape[0], n_vocab, FUSED_CHUNK_BYTES):
+    step = head_rows(n_vocab, x.device)
+    for r0, r1 in ((r0, min(r0 + step, x.shape[0])) for r0 in range(0, x.shape[0], step)):
         if torch.is_grad_enabled():
             total = total + checkpoint(chunk_loss, x[r0:r1], t[r0:r1])
         else:

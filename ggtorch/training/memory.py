@@ -34,8 +34,8 @@ from ggtorch.models import names
 from ggtorch.models.attention import products_max_tokens, saved_keys_per_query
 from ggtorch.models.config import ModelConfig
 from ggtorch.models.loader import FLOAT_TYPES
-from ggtorch.quant.autograd import KEEP_DEQUANTIZED_BYTES
-from ggtorch.training.loss import FUSED_CHUNK_BYTES, slab_chunk
+from ggtorch.ops import policy
+from ggtorch.training.loss import head_rows, slab_chunk
 
 GIB = float(1 << 30)
 
@@ -96,7 +96,7 @@ def estimate_memory(base: GGUFFile, config: ModelConfig, *, batch: int, ctx: int
     if checkpointing:
         activations = config.n_layer * block_input + 2 * layer
         if keep_quantized:  # the recomputed block keeps its decoded matrices for their backward
-            activations += _kept_block_bytes(base, e)
+            activations += _kept_block_bytes(base, e, device)
     else:
         activations = config.n_layer * layer + layer
         if keep_quantized and keep_dequantized:
@@ -105,7 +105,7 @@ def estimate_memory(base: GGUFFile, config: ModelConfig, *, batch: int, ctx: int
     runtime = current_rss() + RUNTIME_GROWTH if device.type == "cpu" else 0
     slabs = lora is not None and not lora.rank_of("output")  # a frozen output: the vocabulary-slab loss
     return MemoryEstimate(runtime=runtime, weights=weights, trained=trained, activations=activations,
-                          loss=_loss_bytes(base, config, tokens, e, keep_quantized, slabs), device=str(device))
+                          loss=_loss_bytes(base, config, tokens, e, keep_quantized, slabs, device), device=str(device))
 
 
 def _held_bytes(base: GGUFFile, name: str, matrix_dtype: torch.dtype, embedding_dtype: torch.dtype | None,
@@ -151,10 +151,11 @@ def _decoded_matrix_bytes(base: GGUFFile, e: int, layer: int | None = None) -> l
     return sizes
 
 
-def _kept_block_bytes(base: GGUFFile, e: int) -> int:
+def _kept_block_bytes(base: GGUFFile, e: int, device: torch.device) -> int:
     """Bytes of the quantized matrices one checkpointed block keeps decoded during its backward:
-    the first block's, those within the size a product keeps."""
-    return sum(size for size in _decoded_matrix_bytes(base, e, layer=0) if size <= KEEP_DEQUANTIZED_BYTES)
+    the first block's, those within the size a product keeps (the device policy's)."""
+    largest = policy.current(device).keep_dequantized_bytes
+    return sum(size for size in _decoded_matrix_bytes(base, e, layer=0) if size <= largest)
 
 
 def _layer_bytes_per_token(c: ModelConfig, ctx: int, e: int, compute_dtype: torch.dtype,
@@ -169,7 +170,7 @@ def _layer_bytes_per_token(c: ModelConfig, ctx: int, e: int, compute_dtype: torc
         saved += (c.n_embd_q + c.n_embd_kv) * 2 * e
     if c.attn_softcap:
         saved += c.n_head * ctx * (4 + 4 + e)  # the capped scores, their softmax (f32) and the probabilities
-    elif device.type == "cpu" and ctx <= products_max_tokens(compute_dtype):
+    elif ctx <= products_max_tokens(compute_dtype, device):
         saved += int(c.n_head * saved_keys_per_query(ctx)) * e
     if c.n_expert:
         saved += c.n_expert_used * (c.n_embd + 3 * (c.n_ff_exp or c.n_ff)) * e + c.n_expert * 4
@@ -179,17 +180,18 @@ def _layer_bytes_per_token(c: ModelConfig, ctx: int, e: int, compute_dtype: torc
     return saved
 
 
-def _loss_bytes(base: GGUFFile, c: ModelConfig, tokens: int, e: int, keep_quantized: bool, slabs: bool) -> int:
+def _loss_bytes(base: GGUFFile, c: ModelConfig, tokens: int, e: int, keep_quantized: bool, slabs: bool,
+                device: torch.device) -> int:
     """The fused output projection + cross-entropy: the normed hidden states and their gradient, and
     with ``slabs`` (a frozen output, training.loss._SlabCrossEntropy) a chunk of logits, its exp in the
     compute dtype and a slab of W, else a chunk of whole logit rows (and its f32 copy) and a quantized
     output matrix dequantized for the call."""
     held = 3 * tokens * c.n_embd * 4
     if slabs:
-        rows, width = slab_chunk(tokens, c.n_embd)
+        rows, width = slab_chunk(tokens, c.n_embd, device)
         return held + rows * width * (4 + e) + width * c.n_embd * e
     out = base.tensors.get(names.gguf_name("output")) or base.tensors[names.gguf_name("token_embd")]
-    rows = max(1, min(tokens, FUSED_CHUNK_BYTES // (4 * c.n_vocab)))
+    rows = min(tokens, head_rows(c.n_vocab, device))
     held += rows * c.n_vocab * (4 + e)
     if keep_quantized and out.ggml_type not in FLOAT_TYPES and c.n_embd * e <= 4 * tokens:
         held += out.n_elements * e

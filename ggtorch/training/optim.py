@@ -31,6 +31,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from ggtorch.errors import BadFlag, flag
+from ggtorch.ops import policy
 
 _F = np.float32
 _PI_F = _F(3.14159265359)  # train.cpp writes pi as the float literal 3.14159265359f
@@ -210,10 +211,6 @@ class _Convergence:
     past: list[float] | None = None
 
 
-FUSED_DEVICES = ("cpu", "cuda")
-"""Devices whose AdamW update torch has as one fused kernel; elsewhere its per-op implementation."""
-
-
 class GGMLAdamW:
     """torch's AdamW update with ggml's schedule and global-norm clipping: steps exactly as ggml's AdamW.
 
@@ -242,7 +239,7 @@ class GGMLAdamW:
         self.groups = [([p for p, d in zip(self.params, decayed, strict=True) if d == wanted],
                         cfg.decay if wanted else 0.0) for wanted in (True, False)]
         """(parameters, weight decay): the ggml-decayed tensors and the others."""
-        self.fused = all(p.device.type in FUSED_DEVICES for p in self.params)
+        self.fused = all(policy.current(p.device).fused_adamw for p in self.params)
         """One kernel per tensor's update instead of a dozen ops (most of an optimizer step over a LoRA's or
         a small model's many small tensors). Both compute the update above; they differ only in float
         rounding (a few ulp), which the ggml tests' tolerance covers."""

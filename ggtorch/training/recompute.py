@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-RNG_DEVICE_TYPES = ("cuda", "mps", "xpu")
-"""Accelerators whose default generator a recomputation restores (``torch.<type>.get_rng_state``)."""
+from ggtorch.ops import policy
 
 
 class _Frame:
@@ -28,7 +27,8 @@ class _Frame:
         self.recomputed: dict[int, torch.Tensor] = {}
         """Index -> tensor of the last recomputation, each given to backward once."""
         devices = {a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
-        self.rng_devices = sorted((d for d in devices if d.type in RNG_DEVICE_TYPES), key=str)
+        # accelerators whose default generator a recomputation restores (torch.<type>.get_rng_state)
+        self.rng_devices = sorted((d for d in devices if policy.current(d).device_rng), key=str)
         self.rng_states = (torch.get_rng_state(), [_get_rng(d) for d in self.rng_devices])
         self.autocast = {t: (torch.get_autocast_dtype(t), torch.is_autocast_cache_enabled())
                          for t in {"cpu", *(d.type for d in devices)} if torch.is_autocast_enabled(t)}

@@ -42,9 +42,12 @@ from ggtorch.models.generate import llama_cpp_context
 from ggtorch.models.loader import build_llama, check_tensor_names
 from ggtorch.models.model import Block
 from ggtorch.models.tokenizer import Tokenizer
+from ggtorch.ops import policy
 from ggtorch.ops.dtypes import DTYPES, cpu_matmul_speed_vs_f32
 from ggtorch.ops.threads import follow_free_cores, pin_threads
+from ggtorch.quant import native
 from ggtorch.quant.autograd import keeping_dequantized
+from ggtorch.quant.modules import QuantEmbedding, QuantExperts, QuantLinear
 from ggtorch.training.config import DEFAULT_CHECKPOINT_IN, RunConfig
 from ggtorch.training.distributed import setup
 from ggtorch.training.memory import GIB, available_bytes, estimate_memory, ways_to_lower
@@ -124,6 +127,8 @@ class Run:
     data: DataStream
     val_batches: list[Batch]
     warnings: list[str]
+    notes: list[str]
+    """What the user should know about how the run computes (not a problem with it)."""
     counters: dict[str, int]
     """Samples, tokens and epochs trained, checkpointed with the optimizer state."""
     resumed_from: Path | None
@@ -135,6 +140,8 @@ class Run:
             pin_threads(c.threads)
         follow_free_cores()  # the first reading of the other processes' CPU use: the model loads meanwhile
         self.dist, self.device = setup(resolve_device(c.device), c.dist_backend)
+        self.policy = policy.current(self.device)
+        """The kernels and sizes the run computes with (ggtorch.ops.policy): the device's, or the one a caller set."""
         # under torchrun every rank trains the same order: rank 0's seed (drawn from the clock for -1)
         self.seed = self.dist.broadcast_int(c.seed if c.seed >= 0 else int(time.time()) & 0xFFFFFFFF, self.device)
         torch.manual_seed(self.seed)  # dropout masks; a resumed run restores the RNG state instead
@@ -198,6 +205,7 @@ class Run:
         if c.ctx > n_ctx_train:
             self.warnings.append(f"--ctx {c.ctx} is above the model's training context {n_ctx_train}; "
                                  "quality beyond it is not what the model learned")
+        self.notes = self._compute_notes()
         self.weights = kind(c, self.model, self.base, self.seed, self.device)
         self.optimizer = GGMLAdamW(self.weights.params, AdamConfig.from_finetune(c))
         self.counters = {"iteration": 0, "samples": 0, "tokens": 0, "epochs": 0}
@@ -206,6 +214,16 @@ class Run:
             self._resume(load_checkpoint(resume))
         if c.use_checkpointing:
             enable_block_checkpointing(self.model)
+
+    def _compute_notes(self) -> list[str]:
+        """A quantized base whose blocks the C decoders would take, when they could not be built here."""
+        held = {m.ggml_type for m in self.model.modules() if isinstance(m, (QuantLinear, QuantEmbedding, QuantExperts))}
+        held &= native.TYPES
+        if not held or not policy.current(self.device).c_dequantize or native.native_types():
+            return []
+        names = ", ".join(sorted(t.name for t in held))
+        return [f"no C compiler (cc) found, so the {names} blocks decode through torch, more slowly; install one "
+                "(Debian/Ubuntu: apt install gcc) and the next run builds the faster decoders"]
 
     def _check_compute_dtype(self) -> None:
         """Warn when --dtype bf16/f16 is slower than f32 on this CPU: autocast exists to make the products faster,

@@ -31,9 +31,8 @@ import torch
 from ggtorch.data import Batch
 from ggtorch.errors import GGTorchError, NonFiniteValues, OutOfMemory
 from ggtorch.io.checkpoint import save_checkpoint
+from ggtorch.ops import malloc, policy, threads
 from ggtorch.ops.dtypes import DTYPES
-from ggtorch.ops.malloc import keep_freed_memory
-from ggtorch.ops.threads import follow_free_cores
 from ggtorch.quant.autograd import keeping_dequantized
 from ggtorch.training.config import NAN_SKIP_LIMIT, RunConfig
 from ggtorch.training.distributed import RankFailed
@@ -114,10 +113,18 @@ class Trainer:
 
     def __init__(self, config: RunConfig, callbacks: Sequence[Callback] = (), *,
                  log_records: bool = True, records: Sequence[Mapping[str, Any]] | None = None,
-                 val_records: Sequence[Mapping[str, Any]] | None = None) -> None:
+                 val_records: Sequence[Mapping[str, Any]] | None = None, manage_process: bool = False) -> None:
         """``records``/``val_records``: train (and validate) on a list of dicts instead of
-        ``config.train_data``/``val_data`` (the record formats of docs/chat-data.md)."""
-        keep_freed_memory()  # steps reuse each other's pages instead of faulting them in again
+        ``config.train_data``/``val_data`` (the record formats of docs/chat-data.md).
+
+        ``manage_process``: tune the process for training as the ``ggtorch`` command does: glibc keeps the memory
+        a step frees for the next one (:mod:`ggtorch.ops.malloc`, for the process's life) and torch's thread
+        count follows the cores other processes leave free until :meth:`close` (:mod:`ggtorch.ops.threads`).
+        Without it a run leaves its process (a notebook's) as it found it."""
+        self.manage_process = manage_process
+        if manage_process:
+            malloc.keep_freed_memory()  # steps reuse each other's pages instead of faulting them in again
+            threads.start_following()
         self.config = config
         self.callbacks = list(callbacks)
         self.run = run = Run(config, records, val_records)
@@ -128,6 +135,7 @@ class Trainer:
         self.params, self.lora_config = run.weights.params, run.weights.lora_config
         self.optimizer, self.data, self.val_batches = run.optimizer, run.data, run.val_batches
         self.counters, self.warnings, self.resumed_from = run.counters, run.warnings, run.resumed_from
+        self.notes = run.notes
         self.forward_model = self.dist.wrap(self.model, self.device)
         """What the training step calls: ``self.model`` itself, or its DDP wrapper under torchrun."""
 
@@ -150,6 +158,11 @@ class Trainer:
     @property
     def iteration(self) -> int:
         return self.optimizer.iteration
+
+    @property
+    def allocator(self) -> str:
+        """The memory allocator this process runs on (``glibc``, ``jemalloc``, ...), as a run reports it."""
+        return malloc.current()
 
     @property
     def full(self) -> bool:
@@ -277,8 +290,12 @@ class Trainer:
         means, as ggml). DDP averages gradients over ranks, so each rank's part is scaled by
         world_size / global count; only the last micro-batch's backward synchronizes.
         """
+        with policy.using(self.run.policy):
+            return self._step()
+
+    def _step(self) -> StepResult:
         c = self.config
-        follow_free_cores()
+        threads.follow_free_cores()
         t0 = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad()
@@ -338,6 +355,10 @@ class Trainer:
         """Held-out loss: cross-entropy summed over the counted targets of all batches / their number."""
         if not self.val_batches:
             return None
+        with policy.using(self.run.policy):
+            return self._evaluate()
+
+    def _evaluate(self) -> float:
         self.model.eval()
         total, count = 0.0, 0
         for batch in self.val_batches[self.dist.rank::self.dist.world_size]:  # ranks share the work
@@ -452,6 +473,8 @@ class Trainer:
         exit, its reducer would free the gloo group (joining the group's threads) during finalization, where that
         can abort a run that succeeded ("terminate called without an active exception")."""
         self.log.close()
+        if self.manage_process:
+            threads.stop_following()
         if self.forward_model is not self.model:
             self.forward_model = self.model
             gc.collect()

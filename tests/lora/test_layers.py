@@ -358,7 +358,7 @@ def _lora_product_module(base_kind: str, seed: int) -> tuple[LoRALinear, torch.G
     return m, gen
 
 
-def _rank_r_products(kernel: str, monkeypatch) -> list[str]:
+def _rank_r_products(kernel: str, monkeypatch, cpu_policy) -> list[str]:
     """Route the one-node LoRA's rank-r products: ``lowrank`` through ggtorch.ops.lowrank's C loops (the
     calls are recorded in the returned list), ``torch`` through ggtorch.ops.matmul as sized, ``onednn``
     through oneDNN whatever the size (transposed operands too)."""
@@ -372,11 +372,11 @@ def _rank_r_products(kernel: str, monkeypatch) -> list[str]:
             fn = getattr(lowrank, name)
             monkeypatch.setattr(lowrank, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
         return calls
-    monkeypatch.setattr(lowrank, "ENABLED", False)
+    cpu_policy(c_lowrank=False)
     if kernel == "onednn":
         if matmul._onednn_linear() is None:
             pytest.skip("this torch build has no oneDNN")
-        monkeypatch.setattr(matmul, "ONEDNN_F32", True)
+        cpu_policy(onednn_f32=True)
         monkeypatch.setattr(matmul, "ONEDNN_MIN_MACS", 0)
         monkeypatch.setattr(matmul, "ONEDNN_MIN_DIM", 0)
     return calls
@@ -386,11 +386,11 @@ def _rank_r_products(kernel: str, monkeypatch) -> list[str]:
 @pytest.mark.parametrize("x_grad", [True, False])
 @pytest.mark.parametrize("rank_r_kernel", ["lowrank", "torch", "onednn"])
 def test_lora_product_against_the_formula_in_float64(base_kind: str, x_grad: bool, rank_r_kernel: str,
-                                                     monkeypatch) -> None:
+                                                     monkeypatch, cpu_policy) -> None:
     """One-node LoRA (delta added into the base's product, input gradients summed in place) vs
     y = x W^T + s (x A^T) B^T differentiated by autograd in float64, on 3-D input with s = 2, with the
     rank-r products in each of their kernels (:func:`_rank_r_products`)."""
-    calls = _rank_r_products(rank_r_kernel, monkeypatch)
+    calls = _rank_r_products(rank_r_kernel, monkeypatch, cpu_policy)
     m, gen = _lora_product_module(base_kind, seed=4)
     base, (n_out, n_in) = m.base, PRODUCT_SHAPE
     x = torch.randn(3, 50, n_in, generator=gen).requires_grad_(x_grad)
@@ -421,12 +421,14 @@ def test_lora_product_against_the_formula_in_float64(base_kind: str, x_grad: boo
         assert x.grad is None
 
 
-def test_ranks_past_the_c_loops_take_torch_s_products(monkeypatch) -> None:
-    """Up to lowrank.MAX_RANK the one-node LoRA's rank-r products run in ggtorch.ops.lowrank, past it in torch's."""
-    from ggtorch.ops import lowrank
+def test_ranks_past_the_c_loops_take_torch_s_products(monkeypatch, cpu_policy) -> None:
+    """Up to the policy's lowrank_max_rank the one-node LoRA's rank-r products run in ggtorch.ops.lowrank, past it
+    in torch's."""
+    from ggtorch.ops import policy
 
-    calls = _rank_r_products("lowrank", monkeypatch)
-    for rank, expected in ((lowrank.MAX_RANK, 6), (lowrank.MAX_RANK + 1, 0)):
+    calls = _rank_r_products("lowrank", monkeypatch, cpu_policy)
+    widest = policy.current("cpu").lowrank_max_rank
+    for rank, expected in ((widest, 6), (widest + 1, 0)):
         calls.clear()
         m = LoRALinear(_lora_bases(*PRODUCT_SHAPE)["Linear"], rank=rank)
         m(torch.randn(2, 8, PRODUCT_SHAPE[1], requires_grad=True)).sum().backward()
@@ -436,10 +438,10 @@ def test_ranks_past_the_c_loops_take_torch_s_products(monkeypatch) -> None:
 @pytest.mark.parametrize("base_kind", ["Linear", "Q4_0"])
 @pytest.mark.parametrize("rank_r_kernel", ["lowrank", "torch"])
 def test_lora_product_under_bf16_autocast_computes_as_autocast_does(base_kind: str, rank_r_kernel: str,
-                                                                    monkeypatch) -> None:
+                                                                    monkeypatch, cpu_policy) -> None:
     """Under autocast the one-node LoRA returns bf16, as F.linear would, with f32 gradients for
     f32 parameters and input, close to the two F.linear calls autocast runs."""
-    calls = _rank_r_products(rank_r_kernel, monkeypatch)
+    calls = _rank_r_products(rank_r_kernel, monkeypatch, cpu_policy)
     m, gen = _lora_product_module(base_kind, seed=5)
     base, (n_out, n_in) = m.base, PRODUCT_SHAPE
     x = torch.randn(2, 40, n_in, generator=gen, requires_grad=True)
@@ -485,11 +487,11 @@ def _shared_group(base_kind: str, seed: int) -> tuple[tuple[LoRALinear, ...], to
 @pytest.mark.parametrize("x_grad", [True, False])
 @pytest.mark.parametrize("rank_r_kernel", ["lowrank", "torch", "onednn"])
 def test_shared_input_lora_against_the_formula_in_float64(base_kind: str, x_grad: bool, rank_r_kernel: str,
-                                                          monkeypatch) -> None:
+                                                          monkeypatch, cpu_policy) -> None:
     """Layers reading one x (q, k, v) as one node: each output x W_i^T + s_i (x A_i^T) B_i^T and every gradient
     against autograd in float64; the rank-r products over the stacked A once per pass of x (one projection
     forward, one reduce for all A's gradients, one expand of x's gradient)."""
-    calls = _rank_r_products(rank_r_kernel, monkeypatch)
+    calls = _rank_r_products(rank_r_kernel, monkeypatch, cpu_policy)
     layers, gen = _shared_group(base_kind, seed=6)
     x = torch.randn(3, 50, PRODUCT_SHAPE[1], generator=gen).requires_grad_(x_grad)
     grads = [torch.randn(3, 50, width, generator=gen) for width in SHARED_WIDTHS]

@@ -1,8 +1,8 @@
 """Training attention as batched products (and through attention.c where it is built: every test runs both ways) against
 torch's own scaled_dot_product_attention in float64: outputs and gradients of q, k, v, causal, packed and
 non-causal masks, grouped-query heads, one block of queries and several (the last one partial); and the dispatch:
-the written-out paths only where PRODUCTS_MAX_TOKENS allows and a backward follows. gpt-oss's sinks through SDPA
-against the softmax with sinks written out."""
+the written-out paths only where the policy's written_attention_max_tokens allows and a backward follows.
+gpt-oss's sinks through SDPA against the softmax with sinks written out."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from ggtorch.models.attention import (
     BLOCK_ROWS,
     NARROW_COLUMNS,
-    PRODUCTS_MAX_TOKENS,
     _key_ends,
     attention,
 )
 from ggtorch.ops import attention as native
+from ggtorch.ops import policy
 
 SCALE = 0.125
 WRITTEN_OUT = ("_ProductAttentionBackward", "_AttentionBackward")
@@ -25,12 +25,17 @@ WRITTEN_OUT = ("_ProductAttentionBackward", "_AttentionBackward")
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["products", "c"])
-def in_c(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+def in_c(request: pytest.FixtureRequest, cpu_policy) -> bool:
     """Each test with attention.c off, and on where it is built."""
     if request.param and native._library() is None:
         pytest.skip("no C compiler to build attention.c")
-    monkeypatch.setattr(native, "NATIVE", request.param)
+    cpu_policy(c_attention=request.param)
     return request.param
+
+
+def max_tokens() -> int:
+    """The CPU policy's longest written-out training attention."""
+    return policy.current("cpu").written_attention_max_tokens
 
 
 def _written_out_node(dtype: torch.dtype, in_c: bool) -> str:
@@ -79,12 +84,12 @@ def _reference(tensors: list[torch.Tensor], grad_out: torch.Tensor, mask: torch.
 @pytest.mark.parametrize("masking", ["causal", "packed", "bidirectional"])
 @pytest.mark.parametrize("T", [64, 2 * BLOCK_ROWS + 44], ids=["one-block", "three-blocks"])
 def test_products_match_sdpa_in_float64(dtype: torch.dtype, heads: tuple[int, int], masking: str, T: int, D: int,
-                                        monkeypatch: pytest.MonkeyPatch, in_c: bool) -> None:
+                                        cpu_policy, in_c: bool) -> None:
     """f32: to f32 rounding. bf16: no further from float64 than torch's flash kernel in bf16 (the
     path it replaces), times 1.25. A bidirectional mask lets a block's queries see keys past its
     end, which the blocks must then include. Narrow f32 heads take the transposed products.
     (The length limit is lifted to T: the dispatch has its own tests.)"""
-    monkeypatch.setitem(PRODUCTS_MAX_TOKENS, dtype, T)
+    cpu_policy(written_attention_max_tokens=T)
     B = 2
     tensors = _qkv(B, heads[0], heads[1], T, D=D)
     grad_out = torch.randn(B, heads[0], T, D, generator=torch.Generator().manual_seed(1))
@@ -122,18 +127,14 @@ def test_each_block_meets_the_keys_its_queries_may_see() -> None:
 
 def test_the_products_path_and_flash_give_the_same_training_step_result() -> None:
     """Above the length limit the same call goes to flash; both agree (f32, causal, GQA)."""
-    T = PRODUCTS_MAX_TOKENS[torch.float32]
+    T = max_tokens()
     tensors = _qkv(1, 8, 2, T, q_scale=1.0)
     grad_out = torch.randn(1, 8, T, 64, generator=torch.Generator().manual_seed(2))
     results = []
     for limit in (T, T - 1):
-        old = PRODUCTS_MAX_TOKENS[torch.float32]
-        PRODUCTS_MAX_TOKENS[torch.float32] = limit
-        try:
+        with policy.using(policy.current("cpu").replace(written_attention_max_tokens=limit)):
             got, node = _run(lambda q, k, v: attention(q, k, v, scale=SCALE, causal=True), tensors,
                              torch.float32, grad_out)
-        finally:
-            PRODUCTS_MAX_TOKENS[torch.float32] = old
         results.append(got)
         assert (node in WRITTEN_OUT) == (limit == T), node
     for a, b in zip(*results, strict=True):
@@ -144,7 +145,7 @@ def test_the_products_path_and_flash_give_the_same_training_step_result() -> Non
 @pytest.mark.parametrize("D", [NARROW_COLUMNS // 2, 64, 256], ids=["narrow", "d64", "wide"])
 def test_the_length_limit_depends_on_dtype_only(dtype: torch.dtype, D: int) -> None:
     """Every head width takes the products up to its dtype's limit, and flash past it."""
-    limit = PRODUCTS_MAX_TOKENS[dtype]
+    limit = max_tokens()
     for T, products in ((limit, True), (limit + 1, False)):
         q, k, v = (t.to(dtype).requires_grad_() for t in _qkv(1, 2, 1, T, D=D))
         y = attention(q, k, v, scale=SCALE, causal=True)

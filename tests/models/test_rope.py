@@ -8,12 +8,11 @@ import torch
 
 from ggtorch.models import model
 from ggtorch.models.model import apply_rope, rope_angles_at, rope_pairs
-from ggtorch.ops import fused
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["torch", "fused.c"])
-def native(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    monkeypatch.setattr(fused, "NATIVE", request.param)
+def native(request: pytest.FixtureRequest, cpu_policy) -> bool:
+    cpu_policy(c_fused=request.param)
     return request.param
 
 

@@ -9,15 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ggtorch.ops import clib, fused
+from ggtorch.ops import clib, fused, policy
 from ggtorch.ops.fused import geglu, rms_norm, swiglu
 
 
 @pytest.fixture(params=[False, True], ids=["torch", "fused.c"])
-def native(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+def native(request: pytest.FixtureRequest, cpu_policy) -> bool:
     if request.param and not clib.compiler():
         pytest.skip("no C compiler")
-    monkeypatch.setattr(fused, "NATIVE", request.param)
+    cpu_policy(c_fused=request.param)
     return request.param
 
 
@@ -307,13 +307,11 @@ def test_rope_in_fused_c_equals_the_torch_ops_and_the_thread_count_does_not_matt
     assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r, strict=True))
     from ggtorch.models.model import apply_rope
 
-    fused.NATIVE = False
-    try:  # the same products and sums, each rounded (no FMA): bit-equal to the ops', f32 and bf16
+    with policy.using(policy.current("cpu").replace(c_fused=False)):
+        # the same products and sums, each rounded (no FMA): bit-equal to the ops', f32 and bf16
         for halves, ours in zip((False, True), results[0], strict=True):
             assert torch.equal(ours, apply_rope(x, cos, sin, halves))
             assert torch.equal(fused.rope(x.bfloat16(), cos, sin, halves), apply_rope(x.bfloat16(), cos, sin, halves))
-    finally:
-        fused.NATIVE = True
 
 
 def test_rope_leaves_wide_heads_and_strided_views_to_torch() -> None:

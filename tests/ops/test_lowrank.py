@@ -108,6 +108,7 @@ def test_operands_it_does_not_take() -> None:
         lowrank.project(f32, torch.randn(2, 31))
 
 
-def test_disabled_means_torch(monkeypatch) -> None:
-    monkeypatch.setattr(lowrank, "ENABLED", False)
-    assert not lowrank.takes(torch.randn(4, 32)) and not lowrank.available()
+def test_a_policy_without_the_c_loops_means_torch(cpu_policy) -> None:
+    assert lowrank.takes(torch.randn(4, 32))
+    cpu_policy(c_lowrank=False)
+    assert not lowrank.takes(torch.randn(4, 32)) and lowrank.available()

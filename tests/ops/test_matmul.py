@@ -10,17 +10,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from ggtorch.ops import matmul
+from ggtorch.ops import matmul, policy
 
 ONEDNN = torch.backends.mkldnn.is_available()
 MIN_MACS, MIN_DIM = matmul.ONEDNN_MIN_MACS, matmul.ONEDNN_MIN_DIM  # the shipped size rule (the fixture lifts it)
 
 
 @pytest.fixture(autouse=True)
-def _every_size_on_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+def _every_size_on_onednn(monkeypatch: pytest.MonkeyPatch, cpu_policy) -> None:
     """The oneDNN path on any CPU, small shapes included (the size rule and the per-vendor default
     have their own tests)."""
-    monkeypatch.setattr(matmul, "ONEDNN_F32", True)
+    cpu_policy(onednn_f32=True)
     monkeypatch.setattr(matmul, "ONEDNN_MIN_MACS", 0)
     monkeypatch.setattr(matmul, "ONEDNN_MIN_DIM", 0)
 
@@ -29,23 +29,23 @@ def _every_size_on_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
                                                  ("HygonGenuine", True), ("", True)])
 def test_f32_products_take_onednn_except_on_intel_cpus(vendor: str, onednn: bool,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """MKL is the faster f32 GEMM on Intel's CPUs, oneDNN on AMD's (bench/bench_gemm.py)."""
-    monkeypatch.setattr(matmul, "ONEDNN_F32", None)
-    monkeypatch.setattr(matmul, "cpu_vendor", lambda: vendor)
-    matmul.onednn_by_default.cache_clear()
+    """MKL is the faster f32 GEMM on Intel's CPUs, oneDNN on AMD's (bench/bench_gemm.py): the CPU policy's choice."""
+    monkeypatch.setattr(policy, "cpu_vendor", lambda: vendor)
+    policy.for_device.cache_clear()
     try:
-        assert matmul.onednn_by_default() is onednn
-        x, w = _randn(64, 768), _randn(768, 768, seed=1)
-        assert matmul.uses_onednn(x, w) is (onednn and ONEDNN)
-        _close_to_f64(matmul.mm_t(x, w), x.double() @ w.double().T)
+        assert policy.for_device("cpu").onednn_f32 is onednn
+        with policy.using(policy.for_device("cpu")):
+            x, w = _randn(64, 768), _randn(768, 768, seed=1)
+            assert matmul.uses_onednn(x, w) is (onednn and ONEDNN)
+            _close_to_f64(matmul.mm_t(x, w), x.double() @ w.double().T)
     finally:
-        matmul.onednn_by_default.cache_clear()
+        policy.for_device.cache_clear()
 
 
 def test_the_cpu_vendor_is_read() -> None:
     if not Path("/proc/cpuinfo").is_file() or "vendor_id" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("no vendor_id in /proc/cpuinfo")
-    assert matmul.cpu_vendor() in Path("/proc/cpuinfo").read_text() and matmul.cpu_vendor()
+    assert policy.cpu_vendor() in Path("/proc/cpuinfo").read_text() and policy.cpu_vendor()
 
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -127,14 +127,14 @@ def test_linear_gradients_equal_float64(grads: str) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's flags() touches tf32 too
-def test_linear_is_f_linear_where_onednn_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linear_is_f_linear_where_onednn_is_not_used(cpu_policy) -> None:
     x, w = _randn(6, 32), _randn(16, 32, seed=1)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast keeps its own kernel and dtype
         y = matmul.linear(x, w)
         assert y.dtype == torch.bfloat16 and torch.equal(y, F.linear(x, w))
     with torch.backends.mkldnn.flags(enabled=False):
         assert not matmul.uses_onednn(x, w) and torch.equal(matmul.linear(x, w), F.linear(x, w))
-    monkeypatch.setattr(matmul, "ONEDNN_F32", False)
+    cpu_policy(onednn_f32=False)
     assert not _onednn_ran(lambda: matmul.linear(x, w))
     assert torch.equal(matmul.linear(x, w), F.linear(x, w))
 

@@ -58,6 +58,7 @@ def test_a_busy_process_takes_a_thread_and_gives_it_back(monkeypatch: pytest.Mon
             pytest.skip("needs two CPUs")
         torch.set_num_threads(2)  # torch's default on a 2-core machine, whatever earlier tests set
         cores = _FreeCores()
+        cores.following = True  # what start_following() sets for the process (the ggtorch command does)
         child = _spinning_child(30)
         try:
             time.sleep(0.3)
@@ -84,7 +85,39 @@ def test_what_the_user_set_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
         torch.set_num_threads(2)
         cores = _FreeCores()
+        cores.following = True
         torch.set_num_threads(1)  # a notebook's own choice between two checks
         assert cores.follow() == 1 and cores.pinned
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.serial  # measures other processes' load on the CPUs
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
+def test_a_process_that_did_not_ask_keeps_its_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library call (a notebook's finetune) leaves torch's thread count alone unless the process asked to follow
+    the free cores; one that asked and stops gets torch's count back."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    saved = torch.get_num_threads()
+    try:
+        if len(os.sched_getaffinity(0)) < 2:
+            pytest.skip("needs two CPUs")
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads, "_state", None)
+        child = _spinning_child(30)
+        try:
+            threads.follow_free_cores()
+            time.sleep(threads.INTERVAL + 0.3)
+            assert threads.follow_free_cores() == 2 == torch.get_num_threads()  # not asked: untouched
+            threads.start_following()
+            threads.follow_free_cores()
+            time.sleep(threads.INTERVAL + 0.3)
+            assert threads.follow_free_cores() == 1 == torch.get_num_threads()
+            threads.stop_following()
+            assert torch.get_num_threads() == 2
+        finally:
+            child.kill()
+            child.wait()
     finally:
         torch.set_num_threads(saved)

@@ -145,12 +145,12 @@ def test_inside_keeping_dequantized_the_decoded_matrix_is_saved_and_backward_equ
 
 
 def test_a_budget_keeps_matrices_in_the_order_they_run_until_it_is_spent(ggml_quantize, ggml_to_float,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                         cpu_policy) -> None:
     """keeping_dequantized(budget): products keep W while what they keep together fits the budget (no
     per-matrix limit), the rest decode again in backward; gradients are the same bit for bit."""
     from ggtorch.quant import autograd
 
-    monkeypatch.setattr(autograd, "KEEP_DEQUANTIZED_BYTES", 0)  # the checkpointed blocks' limit plays no part
+    cpu_policy(keep_dequantized_bytes=0)  # the checkpointed blocks' limit plays no part
     shapes = [(32, 64), (64, 32), (16, 64)]  # decoded f32: 8 KiB each, then 4 KiB
     mats = [QuantLinear(_blocks(T.Q4_0, *shape, ggml_quantize, ggml_to_float)[0], T.Q4_0, shape) for shape in shapes]
     x, g = torch.randn(3, 64), torch.randn(3, 16)

@@ -18,7 +18,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from ggtorch.errors import BadGGUF, Unsupported
 from ggtorch.io.gguf import read_gguf
-from ggtorch.quant import SUPPORTED_TYPES, block_size, dequantize, native, row_nbytes, type_size
+from ggtorch.ops import policy
+from ggtorch.quant import SUPPORTED_TYPES, block_size, dequantize, row_nbytes, type_size
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -32,9 +33,9 @@ def _one_torch_thread():
 
 
 @pytest.fixture(params=["native", "torch"])
-def decoders(request, monkeypatch) -> str:
+def decoders(request, cpu_policy) -> str:
     """Which decoders ``dequantize`` takes on CPU: the native ones where they exist, or torch's only."""
-    monkeypatch.setattr(native, "ENABLED", request.param == "native")
+    cpu_policy(c_dequantize=request.param == "native")
     return request.param
 
 
@@ -250,17 +251,14 @@ def test_unsupported_type_names_type_and_tensor() -> None:
 
 @pytest.mark.parametrize("ggml_type", [T.F32, T.BF16, T.Q4_0, T.Q6_K, T.IQ2_XS], ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_into_out_is_the_same_values_in_out_s_memory(ggml_type: T, dtype: torch.dtype,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_into_out_is_the_same_values_in_out_s_memory(ggml_type: T, dtype: torch.dtype, cpu_policy) -> None:
     """``out=``: written in place (also over several decoding steps and for float types) with the
     values of a plain call; an ``out`` of the wrong size or dtype is refused before anything is written."""
-    import ggtorch.quant as quant
-
     shape = (6, 4 * block_size(ggml_type))
     raw = torch.from_numpy(random_blocks(ggml_type, shape, seed=3))
     ref = dequantize(raw, ggml_type, shape, dtype)
-    for values_per_step in (quant.CHUNK_VALUES, block_size(ggml_type) * 3):  # one step; several, one ragged
-        monkeypatch.setattr(quant, "CHUNK_VALUES", values_per_step)
+    for values_per_step in (policy.current("cpu").decode_step_values, block_size(ggml_type) * 3):  # one; several
+        cpu_policy(decode_step_values=values_per_step)
         out = torch.full((ref.numel(),), 7.0, dtype=dtype)
         got = dequantize(raw, ggml_type, shape, dtype, out=out)
         assert got.shape == shape and got.data_ptr() == out.data_ptr()

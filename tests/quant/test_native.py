@@ -18,7 +18,6 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-import ggtorch.quant as quant
 from ggtorch.quant import DEQUANTIZERS, dequantize, native
 from tests.quant.test_dequant import assert_bits_equal, random_blocks
 
@@ -33,8 +32,8 @@ infinities, NaN, and ordinary values."""
 
 
 @pytest.fixture(autouse=True)
-def _native_on(monkeypatch):
-    monkeypatch.setattr(native, "ENABLED", True)
+def _native_on(cpu_policy):
+    cpu_policy(c_dequantize=True)
 
 
 def _torch_decoded(raw: torch.Tensor, ggml_type: T) -> torch.Tensor:
@@ -80,10 +79,10 @@ def test_special_scales_decode_as_llama_cpp_does(ggml_type: T, ggml_to_float) ->
 
 @pytest.mark.parametrize("ggml_type", NATIVE, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_into_out_and_other_dtypes(ggml_type: T, dtype: torch.dtype, monkeypatch) -> None:
+def test_into_out_and_other_dtypes(ggml_type: T, dtype: torch.dtype, cpu_policy) -> None:
     """Into a given ``out`` or new memory, in f32, bf16 (rounded in C) and f16 (decoded in f32 chunks, each
     cast): the torch decoders' f32 values cast by torch."""
-    monkeypatch.setattr(quant, "CHUNK_VALUES", 3 * 256)  # several chunks, the last one short
+    cpu_policy(decode_step_values=3 * 256)  # several chunks, the last one short
     shape = (5, 7 * 256)
     raw = torch.from_numpy(random_blocks(ggml_type, shape, seed=5))
     expected = _torch_decoded(raw, ggml_type).to(dtype).reshape(shape)
@@ -122,8 +121,8 @@ def test_a_view_of_blocks_or_another_device_keeps_the_torch_decoders() -> None:
                        .reshape(4, 32))
 
 
-def test_disabled_means_the_torch_decoders(monkeypatch) -> None:
-    monkeypatch.setattr(native, "ENABLED", False)
+def test_a_policy_without_c_decoders_means_the_torch_decoders(monkeypatch, cpu_policy) -> None:
+    cpu_policy(c_dequantize=False)
     monkeypatch.setattr(native, "decode", lambda *a: pytest.fail("native.decode called while disabled"))
     raw = torch.from_numpy(random_blocks(T.Q4_K, (2, 256)))
     assert torch.equal(dequantize(raw, T.Q4_K, (2, 256)), _torch_decoded(raw, T.Q4_K).reshape(2, 256))

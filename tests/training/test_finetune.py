@@ -383,19 +383,18 @@ def _count_decoded_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.mark.parametrize("chunk_bytes", [None, 4096], ids=["whole matrices", "row chunks"])
 def test_checkpointing_decodes_a_quantized_base_twice_per_step_with_the_same_gradients(
-        stories_q8: Path, chunk_bytes: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+        stories_q8: Path, chunk_bytes: int | None, monkeypatch: pytest.MonkeyPatch, cpu_policy) -> None:
     """Inside a checkpointed block, each quantized matrix decoded by the recomputation is kept for its own
     backward: per step every block matrix is decoded twice (forward, recomputation), not three times, and
     the gradients are the same bit for bit (also when W is multiplied in row chunks)."""
     from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
     from ggtorch.models.loader import load_llama
     from ggtorch.models.model import Block
-    from ggtorch.quant import autograd
     from ggtorch.quant.modules import QuantLinear
     from ggtorch.training.trainer import enable_block_checkpointing
 
     if chunk_bytes is not None:
-        monkeypatch.setattr(autograd, "CHUNK_BYTES", chunk_bytes)  # 16 rows of 64 f32 values per chunk
+        cpu_policy(dequantize_chunk_bytes=chunk_bytes)  # 16 rows of 64 f32 values per chunk
     model = load_llama(stories_q8, keep_quantized=True).model
     attach_lora(model, LoraConfig(rank=2), seed=1)
     params = [p for _, p, _ in trainable_parameters(model)]
@@ -420,7 +419,7 @@ def test_checkpointing_decodes_a_quantized_base_twice_per_step_with_the_same_gra
         return [p.grad.clone() for p in params], decoded_rows[0]
 
     kept, kept_rows = step()
-    monkeypatch.setattr(autograd, "KEEP_DEQUANTIZED_BYTES", 0)  # decode again in backward, as before
+    cpu_policy(keep_dequantized_bytes=0)  # decode again in backward, as before
     again, again_rows = step()
     assert again_rows - kept_rows == block_rows - first_qkv_rows  # one decode of every other block matrix saved
     for a, b in zip(kept, again, strict=True):

@@ -11,7 +11,7 @@ from torch import nn
 
 from ggtorch.io.encode import quantize
 from ggtorch.lora import LoRALinear
-from ggtorch.ops import clib, fused
+from ggtorch.ops import clib, policy
 from ggtorch.quant import autograd as quant_autograd
 from ggtorch.quant.modules import QuantLinear
 from ggtorch.training import loss as loss_mod
@@ -19,10 +19,10 @@ from ggtorch.training.loss import cross_entropy, output_cross_entropy
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["torch", "fused.c"])
-def native(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+def native(request: pytest.FixtureRequest, cpu_policy) -> bool:
     if request.param and not clib.compiler():
         pytest.skip("no C compiler")
-    monkeypatch.setattr(fused, "NATIVE", request.param)
+    cpu_policy(c_fused=request.param)
     return request.param
 
 
@@ -36,8 +36,8 @@ def _case(n: int, v: int, n_ignored: int, seed: int = 0) -> tuple[torch.Tensor, 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("n_ignored", [0, 5])
-def test_equals_torch_cross_entropy(reduction: str, n_ignored: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loss_mod, "CHUNK_BYTES", 7 * 4 * 1000)  # 7 rows per chunk: a ragged last chunk
+def test_equals_torch_cross_entropy(reduction: str, n_ignored: int, cpu_policy) -> None:
+    cpu_policy(loss_chunk_bytes=7 * 4 * 1000)  # 7 rows per chunk: a ragged last chunk
     logits, targets = _case(40, 1000, n_ignored)
     ours_in = logits.clone().requires_grad_()
     ref_in = logits.clone().requires_grad_()
@@ -107,10 +107,9 @@ def _output(kind: str, lora: bool) -> nn.Module:
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_fused_output_loss_equals_logits_then_cross_entropy(kind: str, lora: bool, autocast: bool,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loss_mod, "FUSED_CHUNK_BYTES", 7 * 4 * N_VOCAB)  # with LoRA: 7 rows per chunk
-    monkeypatch.setattr(loss_mod, "FUSED_ROWS", 16)  # without: 16 rows by 54 columns
-    monkeypatch.setattr(loss_mod, "SLAB_BYTES", 7 * 4 * N_VOCAB)
+                                                           cpu_policy) -> None:
+    # with LoRA: 7 rows per chunk; without: 16 rows by 54 columns
+    cpu_policy(head_chunk_bytes=7 * 4 * N_VOCAB, slab_rows=16, slab_bytes=7 * 4 * N_VOCAB)
     output = _output(kind, lora)
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(3, 30, N_EMBD, generator=g)
@@ -143,16 +142,12 @@ def test_fused_output_loss_equals_logits_then_cross_entropy(kind: str, lora: boo
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("in_place", [True, False])
 def test_fused_output_loss_of_very_unlikely_targets(gap: float, lora: bool, in_place: bool,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                                    cpu_policy) -> None:
     """A target logit ``gap`` below the rest: past a gap of ~104 its f32 probability underflows
     (the loss as -log(p) would be inf); the loss and gradient must still be logsumexp's. Chunks of
     4 rows put such rows in later chunks too (their logits are recomputed by row index), with the
     softmax over the logits' buffer and (as on devices not known to allow that) beside it."""
-    monkeypatch.setattr(loss_mod, "FUSED_CHUNK_BYTES", 4 * 4 * N_VOCAB)
-    monkeypatch.setattr(loss_mod, "SLAB_BYTES", 4 * 4 * N_VOCAB)
-    monkeypatch.setattr(loss_mod, "FUSED_ROWS", 4)
-    if not in_place:
-        monkeypatch.setattr(loss_mod, "IN_PLACE_SOFTMAX_DEVICES", ())
+    cpu_policy(head_chunk_bytes=4 * 4 * N_VOCAB, slab_bytes=4 * 4 * N_VOCAB, slab_rows=4, in_place_softmax=in_place)
     output = _output("linear", lora)
     base = output.base if lora else output
     hidden = torch.zeros(1, 10, N_EMBD)
@@ -172,10 +167,11 @@ def test_fused_output_loss_of_very_unlikely_targets(gap: float, lora: bool, in_p
     torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_fused_output_loss_dequantizes_a_quantized_output_one_slab_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_output_loss_dequantizes_a_quantized_output_one_slab_at_a_time(monkeypatch: pytest.MonkeyPatch,
+                                                                               cpu_policy) -> None:
     """Without a LoRA on it, a quantized output matrix is never dequantized whole (Gemma's 262,144 rows
     would be 671 MB in f32): its slabs cover the vocabulary once, plus the targets' rows."""
-    monkeypatch.setattr(loss_mod, "SLAB_BYTES", 4 * 64 * 100)  # slabs of 100 vocabulary rows
+    cpu_policy(slab_bytes=4 * 64 * 100)  # slabs of 100 vocabulary rows
     decoded: list[tuple[int, ...]] = []
     real = loss_mod.dequantize
     for module in (loss_mod, quant_autograd):  # the slabs, then the targets' rows (quant_embedding)
@@ -255,7 +251,7 @@ def test_fused_output_loss_takes_a_lora_layer_only_through_its_linear_parts() ->
 
 @pytest.mark.parametrize("n_vocab", [32000, 262144])
 def test_a_head_of_more_than_one_projection_takes_the_estimated_rows_per_chunk(n_vocab: int) -> None:
-    """gemma's soft-capped head, a chunk of tokens at a time: as many tokens per chunk as FUSED_CHUNK_BYTES holds f32
+    """gemma's soft-capped head, a chunk of tokens at a time: as many tokens per chunk as head_chunk_bytes holds f32
     logit rows (32 at gemma's 262,144 words, 262 at llama's 32,000; the rows training.memory counts), so the head's
     product runs once per chunk, not once per token or two; its loss and gradients equal the whole head's."""
     gen = torch.Generator().manual_seed(3)
@@ -270,7 +266,7 @@ def test_a_head_of_more_than_one_projection_takes_the_estimated_rows_per_chunk(n
         calls.append(x.shape[0])
         return 30.0 * torch.tanh((x @ weight.T) / 30.0)
 
-    rows = loss_mod.FUSED_CHUNK_BYTES // (4 * n_vocab)
+    rows = policy.current("cpu").head_chunk_bytes // (4 * n_vocab)
     with torch.no_grad():
         loss_mod.head_cross_entropy(head, hidden, targets, n_vocab)
     assert calls == [rows] * (n_tokens // rows) + ([n_tokens % rows] if n_tokens % rows else [])

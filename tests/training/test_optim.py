@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from ggtorch.errors import BadFlag
-from ggtorch.training import optim
 from ggtorch.training.config import FinetuneConfig
 from ggtorch.training.optim import AdamConfig, GGMLAdamW, clip_global_norm_, learning_schedule
 
@@ -131,17 +130,17 @@ TOL = 1e-6  # absolute, on parameters of size ~1 after 50 steps of size ~alpha (
 
 
 # --- (1) 50 steps against the numpy ggml AdamW ----------------------------------------------------
-def _without_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def _without_fused_kernel(cpu_policy) -> None:
     """As on a device that has no fused AdamW kernel: torch's per-op implementation."""
-    monkeypatch.setattr(optim, "FUSED_DEVICES", ())
+    cpu_policy(fused_adamw=False)
 
 
 @pytest.mark.parametrize("kernel", ["fused", "default"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_fifty_steps_equal_ggml_adamw(name: str, kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fifty_steps_equal_ggml_adamw(name: str, kernel: str, cpu_policy) -> None:
     """torch's fused AdamW (CPU has it) and, where a device has none, its default implementation."""
     if kernel == "default":
-        _without_fused_kernel(monkeypatch)
+        _without_fused_kernel(cpu_policy)
     cfg = CONFIGS[name]
     grads = random_grads(50, gclip=cfg.gclip)
     params = make_params()
@@ -275,9 +274,9 @@ def _only_plain(obj: object) -> bool:
 
 @pytest.mark.parametrize("kernel", ["fused", "default"])
 @pytest.mark.parametrize("k", [0, 1, 7])
-def test_state_dict_resume_is_bit_exact(k: int, kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_state_dict_resume_is_bit_exact(k: int, kernel: str, cpu_policy) -> None:
     if kernel == "default":
-        _without_fused_kernel(monkeypatch)
+        _without_fused_kernel(cpu_policy)
     cfg = AdamConfig(alpha=1e-2, warmup=3, cos_decay_steps=8, enable_restart=True, opt_past=3,
                      opt_max_no_improvement=50)
     grads = random_grads(15)

@@ -1,0 +1,140 @@
+"""The one place ggtorch decides, per device, which kernel runs each op and what sizes the chunked ops work in.
+
+A :class:`Policy` is a small frozen record chosen for a device (:func:`for_device`): on CPU the C loops
+(decoders, LoRA's rank-r products, the fused norm/gated-unit/rope/softmax loops, training attention) and
+oneDNN's f32 products where they are faster, written-out attention for short training sequences, and the
+chunk and slab sizes of dequantization and the loss; on CUDA, MPS and other devices torch's own kernels. A
+module asks :func:`current` for the policy of its operands' device and follows it; no module keeps a switch
+of its own. A run (the Trainer) computes under its policy (:func:`using`), and a test that wants another path
+(torch's fallback of a C loop, a smaller chunk) sets a policy the same way instead of patching a module.
+
+Whether a C library could be built is not the policy's to say: an op whose policy allows its C loops still
+falls back to torch where the library is missing (no compiler, an unwritable cache; :mod:`ggtorch.ops.clib`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import platform
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One device's kernel choices and working sizes."""
+
+    device_type: str
+    """``cpu``, ``cuda``, ``mps``, ...: the device whose operands this policy is for."""
+
+    # --- which kernel runs each op ---------------------------------------------------------------------------------
+    c_dequantize: bool = False
+    """Q4_0, Q8_0, Q4_K, Q5_K and Q6_K blocks decode in one pass in ``quant/native.c``."""
+    c_lowrank: bool = False
+    """LoRA's rank-r products run in ``ops/lowrank.c``, one pass over each activation."""
+    c_fused: bool = False
+    """RMSNorm, SwiGLU/GeGLU, rope and the loss's slab softmax run in ``ops/fused.c``."""
+    c_attention: bool = False
+    """Training attention over short sequences runs in ``ops/attention.c`` (f32; bf16 where the CPU has bf16 dot
+    products)."""
+    onednn_f32: bool = False
+    """f32 matrix products run on oneDNN's inner product instead of torch.mm (MKL): faster on AMD's CPUs, slower
+    on Intel's (``bench/bench_gemm.py``)."""
+    written_attention_max_tokens: int = 0
+    """Training self-attention over at most this many tokens writes its scores out (in C, or as batched products a
+    block of queries at a time) instead of a flash kernel: faster on CPU up to there, at the price of the saved
+    probabilities (0: never)."""
+    written_attention_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+    """The dtypes whose attention may be written out."""
+    fused_adamw: bool = False
+    """torch has a fused AdamW kernel for this device (one launch for every parameter)."""
+    in_place_softmax: bool = False
+    """torch's softmax may write its output over its input on this device (the loss reuses the logits' memory)."""
+    complex_rope: bool = False
+    """Rope rotates through complex multiplication (torch's complex kernels exist here); else through sin/cos."""
+    device_rng: bool = False
+    """The device has an RNG state of its own that activation checkpointing saves and restores (dropout)."""
+
+    # --- working sizes ---------------------------------------------------------------------------------------------
+    lowrank_max_rank: int = 8
+    """Widest rank r the rank-r C loops take (lowrank.c's own limit): from 16 on, oneDNN's and BLAS's blocked kernels
+    (and bf16's dot-product instructions) are as fast or faster than one pass over the activation per four columns
+    of r."""
+    decode_step_values: int = 1 << 22
+    """Values dequantization decodes per step: big enough to amortize per-op overhead, small enough that a huge
+    tensor never needs several copies of itself; one step fills one f32 chunk of :attr:`dequantize_chunk_bytes`."""
+    dequantize_chunk_bytes: int = 16 << 20
+    """The dequantized temporary of a quantized product, per chunk of whole rows (bytes in the compute dtype): every
+    matrix of a 110M-shape layer and TinyLlama's attention matrices fit whole, and it stays below the 32 MiB from
+    which a ggtorch run's glibc maps every block afresh (:mod:`ggtorch.ops.malloc`)."""
+    keep_dequantized_bytes: int = 64 << 20
+    """Largest decoded matrix a product keeps for its own backward inside a checkpointed block; bigger ones are
+    decoded again, chunk by chunk."""
+    loss_chunk_bytes: int = 4 << 20
+    """f32 logits per chunk of the plain cross-entropy: large enough to amortize per-op overhead, small enough to
+    stay in cache between the exp and the write of the gradient."""
+    head_chunk_bytes: int = 32 << 20
+    """f32 logits per chunk of the loss's whole-row paths (a LoRA on the output; a head of more than one
+    projection): about 256 rows of a 32,000-word vocabulary, 32 of a 262,144-word one."""
+    slab_rows: int = 1024
+    """Rows per chunk of the loss's vocabulary-slab path: enough for the output GEMMs' full speed."""
+    slab_bytes: int = 4 << 20
+    """f32 logits per chunk of the vocabulary-slab path (rows x slab columns): small enough that the exp and the
+    gradient's product read them from cache."""
+    eval_head_bytes: int = 64 << 20
+    """f32 logits perplexity holds at once: a 262k-word vocabulary's (tokens x V) never exist whole."""
+
+    def replace(self, **changes: object) -> Policy:
+        """This policy with some choices changed (a test's, or a notebook's experiment)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...), or '' when unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()  # Windows names the vendor here; elsewhere an architecture
+
+
+@functools.cache
+def for_device(device_type: str) -> Policy:
+    """The policy ggtorch runs with on a device type: the C loops and written-out attention on CPU, oneDNN's f32
+    products on CPUs other than Intel's; torch's kernels elsewhere."""
+    if device_type == "cpu":
+        return Policy("cpu", c_dequantize=True, c_lowrank=True, c_fused=True, c_attention=True,
+                      onednn_f32="GenuineIntel" not in cpu_vendor(), written_attention_max_tokens=512,
+                      fused_adamw=True, in_place_softmax=True, complex_rope=True)
+    if device_type == "cuda":
+        return Policy("cuda", fused_adamw=True, in_place_softmax=True, complex_rope=True, device_rng=True)
+    return Policy(device_type, device_rng=device_type in ("mps", "xpu"))
+
+
+_active: contextvars.ContextVar[Policy | None] = contextvars.ContextVar("ggtorch_policy", default=None)
+
+
+def current(device: torch.device | str) -> Policy:
+    """The policy for operands on ``device``: the one :func:`using` set for its device type, else
+    :func:`for_device`'s."""
+    device_type = device if isinstance(device, str) else device.type
+    active = _active.get()
+    return active if active is not None and active.device_type == device_type else for_device(device_type)
+
+
+@contextlib.contextmanager
+def using(policy: Policy) -> Iterator[Policy]:
+    """Within, ops on ``policy.device_type`` follow ``policy``."""
+    token = _active.set(policy)
+    try:
+        yield policy
+    finally:
+        _active.reset(token)
