@@ -7,7 +7,7 @@ in child processes, one configuration each, and prints the median step time and 
 
 - ggtorch, quantized base kept quantized, block checkpointing, LoRA on attention and on every expert,
   with only routed experts computed (what ggtorch runs) and with every expert run on every token
-  (``MoE.routed_only = False``: the same numbers, E/k times the expert work);
+  (each MoE layer's ``_routed`` replaced here: the same numbers, E/k times the expert work);
 - ggtorch (quantized base, and ``--base-dtype f32``: dequantized on load) and the peer with LoRA on
   attention only (q, k, v, o: what peft can target on transformers' fused experts), the peer being
   transformers (which dequantizes the GGUF to f32 on load) + peft with gradient checkpointing, on the
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 COMMON = r"""
-import json, resource, statistics, sys, time
+import json, resource, statistics, sys, time, types
 import torch
 spec = json.loads(sys.argv[1])
 torch.set_num_threads(spec["threads"])
@@ -67,9 +67,14 @@ model = build_llama(f, ModelConfig.from_gguf(f), keep_quantized=spec["base"] == 
 no_experts = {k: 0 for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "token_embd", "output")}
 attach_lora(model, LoraConfig(rank=8, ranks=no_experts if spec["lora"] == "attention"
                               else {"token_embd": 0, "output": 0}), seed=0)
+def every_expert(moe, x, experts):  # (N, k, C): every expert on every token, the routed ones kept
+    N = x.shape[0]
+    y = moe._ffn(x.repeat(moe.n_expert, 1), [N] * moe.n_expert).reshape(moe.n_expert, N, -1)
+    return y[experts, torch.arange(N).unsqueeze(-1)]
+
 for m in model.modules():
-    if isinstance(m, MoE):
-        m.routed_only = spec["experts"] == "routed"
+    if isinstance(m, MoE) and spec["experts"] == "dense":
+        m._routed = types.MethodType(every_expert, m)
 enable_block_checkpointing(model)
 optimizer = GGMLAdamW(trainable_parameters(model), AdamConfig())
 

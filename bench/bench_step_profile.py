@@ -140,12 +140,18 @@ class OpTimer(TorchDispatchMode):
         seconds = time.perf_counter() - start
         name = func.overloadpacket.__name__
         shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
-        dims = product_dims(name, shapes)
-        kind = op_kind(name, func.is_view, dims, self.inside[0] if self.inside else None)
+        if func.namespace == "ggtorch":  # a C loop: its kind, whatever call it runs in
+            kind, label, flops = c_op(name)
+            if flops is not None:
+                self.tally.flops[kind] += flops(*args)
+        else:
+            dims = product_dims(name, shapes)
+            kind = op_kind(name, func.is_view, dims, self.inside[0] if self.inside else None)
+            if dims is not None:
+                self.tally.flops[kind] += 2.0 * math.prod(dims)
+            label = f"{name} {shapes[:3]}"
         self.tally.seconds[kind] += seconds
-        if dims is not None:
-            self.tally.flops[kind] += 2.0 * math.prod(dims)
-        self.tally.ops[(kind, f"{name} {shapes[:3]}")] += seconds
+        self.tally.ops[(kind, label)] += seconds
         self.tally.calls += 1
         return out
 
@@ -173,56 +179,50 @@ def marked(timer: OpTimer, kind: str, fn: Callable[..., Any], label: str = "outs
     return call
 
 
-FUSED_C = {**dict.fromkeys(("_native_rms_norm", "_native_rms_norm_backward", "_native_glu",
-                             "_native_glu_backward", "_native_rope"), "elementwise and reductions"),
-           "softmax_slab_": "softmax, exp, max"}
-"""ggtorch.ops.fused's calls into fused.c, each with its kind."""
+def _rank_r(x: torch.Tensor, small: torch.Tensor, *rest: Any) -> float:
+    """lowrank_project's and lowrank_reduce's multiply-adds × 2: x (N, K) with (r, K) or (N, r)."""
+    return 2.0 * x.shape[0] * x.shape[1] * min(small.shape)
 
-ATTENTION_C_PRODUCTS = {"forward": 2, "backward": 5}
-"""attention.c's calls (ggtorch.ops.attention's Function), with the products over a causal triangle each makes
-(backward computes the scores again)."""
+
+def _expand(y: torch.Tensor, h: torch.Tensor, *rest: Any) -> float:
+    """lowrank_expand_'s: y (N, M) += h (N, r) @ (r, M)."""
+    return 2.0 * y.numel() * h.shape[1]
+
+
+def _triangle(products: int, q: torch.Tensor, *rest: Any) -> float:
+    """attention.c's: ``products`` products over a causal triangle of q (B, H, T, D) (backward computes the scores
+    again)."""
+    B, H, T, D = q.shape
+    return products * 2.0 * B * H * D * T * (T + 1) / 2
+
+
+C_OPS: dict[str, tuple[str, Callable[..., float] | None]] = {
+    "dequantize_": ("dequantization", None),
+    "lowrank_project": ("low-rank products", _rank_r),
+    "lowrank_reduce": ("low-rank products", _rank_r),
+    "lowrank_expand_": ("low-rank products", _expand),
+    **dict.fromkeys(("rms_norm", "rms_norm_backward", "glu", "glu_backward", "rope"),
+                    ("elementwise and reductions", None)),
+    "softmax_slab_": ("softmax, exp, max", None),
+    "attention": ("attention products", partial(_triangle, 2)),
+    "attention_backward": ("attention products", partial(_triangle, 5)),
+}
+"""ggtorch's C loops (its ``ggtorch::`` torch ops: quant/native.c, ops/lowrank.c, ops/fused.c, ops/attention.c),
+each with its kind and, for products, its FLOPs."""
+
+
+def c_op(name: str) -> tuple[str, str, Callable[..., float] | None]:
+    """The kind, label and FLOPs of the ``ggtorch::`` op ``name``."""
+    kind, flops = C_OPS[name]
+    return kind, f"{name} (C loops)", flops
 
 
 @contextmanager
 def marking(timer: OpTimer) -> Iterator[None]:
-    """Inside, every dequantization the training path makes counts as dequantization, every low-rank product
-    of ggtorch.ops.lowrank (C loops: no aten op) as a low-rank product, with its multiply-adds, and fused.c's
-    RMSNorm, SwiGLU (GeGLU) and rope (C loops too) as elementwise work, its slabs of the loss's softmax as softmax,
-    attention.c's as attention products (the multiply-adds of the causal triangle's products)."""
-    from ggtorch.ops import attention, fused, lowrank
-
-    def rank_r(x: torch.Tensor, small: torch.Tensor, *rest: Any) -> float:  # (N, K) and (r, K) or (N, r)
-        return 2.0 * x.shape[0] * x.shape[1] * min(small.shape)
-
-    def expand(y: torch.Tensor, h: torch.Tensor, *rest: Any) -> float:  # y (N, M) += h (N, r) @ (r, M)
-        return 2.0 * y.numel() * h.shape[1]
-
-    saved = {name: getattr(lowrank, name) for name in ("project", "expand_", "reduce")}
-    for name, fn in saved.items():
-        setattr(lowrank, name, marked(timer, "low-rank products", fn, f"lowrank.{name} (C loops)",
-                                      expand if name == "expand_" else rank_r))
-    def triangle(products: int, ctx: Any, t: torch.Tensor, *rest: Any) -> float:  # t: q or grad_out (B, H, T, D)
-        B, H, T, D = t.shape
-        return products * 2.0 * B * H * D * T * (T + 1) / 2
-
-    saved_fused = {name: getattr(fused, name) for name in FUSED_C}
-    for name, fn in saved_fused.items():
-        setattr(fused, name, marked(timer, FUSED_C[name], fn, f"fused.{name.lstrip('_')} (C loops)"))
-    saved_attention = {name: getattr(attention._Attention, name) for name in ATTENTION_C_PRODUCTS}
-    for name, fn in saved_attention.items():
-        setattr(attention._Attention, name, staticmethod(marked(timer, "attention products", fn,
-                                                                f"attention.{name} (C loops)",
-                                                                partial(triangle, ATTENTION_C_PRODUCTS[name]))))
-    try:
-        with wrapping_dequantization(partial(marked, timer, "dequantization")):
-            yield
-    finally:
-        for name, fn in saved.items():
-            setattr(lowrank, name, fn)
-        for name, fn in saved_fused.items():
-            setattr(fused, name, fn)
-        for name, fn in saved_attention.items():
-            setattr(attention._Attention, name, staticmethod(fn))
+    """Inside, every dequantization the training path makes through torch's ops counts as dequantization (the C
+    loops are ``ggtorch::`` ops, which the timer counts by name)."""
+    with wrapping_dequantization(partial(marked, timer, "dequantization")):
+        yield
 
 
 @dataclass

@@ -342,15 +342,20 @@ def peak_rss_bytes() -> int:
 
 
 def finetune_config(spec: dict[str, Any]) -> Any:
-    """The FinetuneConfig both sides take their data (and ggtorch everything) from."""
+    """The FinetuneConfig both sides take their data (and ggtorch everything) from; its log goes to
+    ``spec["log_file"]``, else to a file of this process's own in the temporary folder (never the working folder,
+    which another run may share)."""
     from ggtorch.training.config import FinetuneConfig
+
+    log_file = spec.get("log_file") or str(Path(tempfile.gettempdir()) / f"ggtorch-bench-{os.getpid()}-log.jsonl")
 
     return FinetuneConfig(
         model_base=spec["model"], train_data=spec["text"], checkpoint_in="", checkpoint_out="", lora_out="",
         save_every=0, seed=1, ctx=spec["ctx"], batch=spec["batch"], threads=spec["threads"],
         adam_iter=spec["warmup"] + spec["steps"], use_checkpointing=spec["checkpointing"], dtype=spec["dtype"],
         lora_r=LORA_RANK, lora_alpha=LORA_RANK, rank_tok_embd=0, rank_out=0,
-        adam_alpha=LR, adam_decay=DECAY, adam_gclip=GCLIP, warmup=0, keep_dequantized_mib=spec.get("keep_mib", 0))
+        adam_alpha=LR, adam_decay=DECAY, adam_gclip=GCLIP, warmup=0, keep_dequantized_mib=spec.get("keep_mib", 0),
+        log_file=log_file)
 
 
 def child_ggtorch(spec: dict[str, Any], turns: Turns) -> dict[str, Any]:
@@ -404,9 +409,8 @@ def wrapping_dequantization(wrap: Callable[[Callable[..., Any]], Callable[..., A
     """While the block runs, every dequantization the training path makes (the quantized products, the
     quantized embedding's rows, the fused loss's output matrix) goes through ``wrap(dequantize)``."""
     from ggtorch.quant import autograd, modules
-    from ggtorch.training import loss
 
-    saved = {m: m.dequantize for m in (autograd, modules, loss)}
+    saved = {m: m.dequantize for m in (autograd, modules)}  # products and rows; whole matrices and loss slabs
     wrapped = wrap(saved[autograd])
     for m in saved:
         m.dequantize = wrapped

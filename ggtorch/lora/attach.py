@@ -93,7 +93,10 @@ def wrap(model: nn.Module, kind: str, bid: int | None, rank: int, alpha: float |
         module = LoRALinear(base, rank, alpha, dropout)
     module.gguf_name = names.gguf_name(kind, bid)
     parent_path, _, attr = path.rpartition(".")
-    setattr(model.get_submodule(parent_path) if parent_path else model, attr, module)
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, attr, module)
+    if isinstance(module, LoRALinear) and hasattr(parent, "group_forward"):
+        parent.group_forward = LoRALinear.forward_group  # its layers that read one input run as one node
     return module
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ggtorch.errors import Unsupported
-from ggtorch.lora.product import Products, _expert_products, _frozen_products, _LoRAProduct, shared_input_lora
+from ggtorch.lora.product import Products, _expert_products, _frozen_products, delta_only, lora_products
 from ggtorch.models.model import RMSNorm
 from ggtorch.ops.experts import Experts, grouped
 from ggtorch.quant.autograd import compute_dtype
@@ -102,29 +102,32 @@ class LoRALinear(_LoRA):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
             return self.base(x)
-        dtype = compute_dtype(x)
-        products = self._one_node_products(x, dtype)
-        if products is not None:
-            return _LoRAProduct.apply(x, self.lora_a, self.lora_b, self.scale, products, dtype)
+        together = LoRALinear.forward_group((self,), x)
+        if together is not None:
+            return together[0]
+        # the delta apart from the base's own forward: dropout on its input, a base that trains, or a
+        # half-precision base without autocast, whose delta stays in f32 (peft does the same)
         y = self.base(x)
-        x = self.dropout(x)
-        if not torch.is_autocast_enabled(x.device.type):
-            x = x.to(self.lora_a.dtype)  # a half-precision base still gets an f32 delta (peft does the same)
-        h = F.linear(x, self.lora_a)  # (..., r); under autocast in the autocast dtype
-        return y + (F.linear(h, self.lora_b.to(h.dtype)) * self.scale).to(y.dtype)
+        dtype = compute_dtype(x) if torch.is_autocast_enabled(x.device.type) else self.lora_a.dtype
+        (delta,) = lora_products(self.dropout(x), (float(self.scale),), (delta_only(*_linear_shape(self.base)),),
+                                 dtype, [self.lora_a, self.lora_b])
+        return y + delta.to(y.dtype)
 
     @staticmethod
-    def forward_shared(layers: tuple[LoRALinear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """The outputs of several LoRALinear layers that read the same x (ggtorch.models.model.shared_input: q, k
-        and v; gate and up) as one node, each layer's rank-r products over all the layers' A at once and its
-        input gradient summed there (ggtorch.lora.product._SharedInputLoRA); None when one of them does not
-        take the one-node product (merged, dropout, a base whose weight trains), and they run one by one."""
+    def forward_group(layers: tuple[LoRALinear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """The outputs of LoRALinear layers that read the same x (one layer; q, k and v; gate and up) as one node,
+        the layers' rank-r products over all their A at once and the input gradient summed there
+        (ggtorch.lora.product.lora_products); None when one of them does not take the one-node product (merged,
+        dropout, a base whose weight trains), and each runs its own forward. The models' ``group_forward`` hook
+        (attach_lora sets it on the modules whose projections it wraps)."""
+        if not all(isinstance(layer, LoRALinear) for layer in layers):
+            return None
         dtype = compute_dtype(x)
         products = [layer._one_node_products(x, dtype) for layer in layers]
         if any(p is None for p in products):
             return None
         pairs = [t for layer in layers for t in (layer.lora_a, layer.lora_b)]
-        return shared_input_lora(x, tuple(float(layer.scale) for layer in layers), tuple(products), dtype, pairs)
+        return lora_products(x, tuple(float(layer.scale) for layer in layers), tuple(products), dtype, pairs)
 
     def _one_node_products(self, x: torch.Tensor, dtype: torch.dtype) -> Products | None:
         """The frozen base's products when this layer's forward on x is the one-node product in ``dtype``; None
@@ -177,15 +180,17 @@ class LoRAExperts(_LoRA):
         a, b = self.lora_a.unbind(0), self.lora_b.unbind(0)
         frozen = isinstance(self.base, QuantExperts) or not self.base.weight.requires_grad
         dropout = self.training and isinstance(self.dropout, nn.Dropout)
+        scale = (float(self.scale),)
         if frozen and not dropout and (dtype == self.lora_a.dtype or torch.is_autocast_enabled(x.device.type)):
-            return grouped(x, counts, lambda e, rows: _LoRAProduct.apply(
-                rows, a[e], b[e], self.scale, _expert_products(self.base, e, dtype), dtype))
+            return grouped(x, counts, lambda e, rows: lora_products(
+                rows, scale, (_expert_products(self.base, e, dtype),), dtype, [a[e], b[e]])[0])
         y = self.base(x, counts)
-        x = self.dropout(x)
         if not torch.is_autocast_enabled(x.device.type):
-            x = x.to(self.lora_a.dtype)
-        delta = grouped(x, counts, lambda e, rows: F.linear(F.linear(rows, a[e]), b[e].to(rows.dtype)))
-        return y + (delta * self.scale).to(y.dtype)
+            dtype = self.lora_a.dtype
+        only = (delta_only(*_linear_shape(self.base)[1:]),)
+        delta = grouped(self.dropout(x), counts,
+                        lambda e, rows: lora_products(rows, scale, only, dtype, [a[e], b[e]])[0])
+        return y + delta.to(y.dtype)
 
     def delta_weight(self) -> torch.Tensor:
         return torch.bmm(self.lora_b.float(), self.lora_a.float()) * self.scale  # (E, out, in)

@@ -73,68 +73,12 @@ def frozen_float_weight(base: nn.Module, dtype: torch.dtype) -> torch.Tensor | N
     return None
 
 
-class _LoRAProduct(torch.autograd.Function):
-    """``base(x) + s·(x @ A.T) @ B.T`` for a frozen base, as one autograd node.
+# --- the rank-r half of a LoRA product: s·(x @ A.T) @ B.T and its gradients, written once ---------------------------
+# In ggtorch.ops.lowrank's C loops, which read each activation once (``native``, where the operands suit them too), or
+# in torch's products, the same formulas. The LoRA node below and the fused loss's output head
+# (ggtorch.training.loss) compute with these.
 
-    As two nodes, ``y + delta`` copies the base's output once more and backward sums two input
-    gradients of x (the base's and the delta's). Here the delta is added into the base's product
-    in place and its input gradient into the base's. Computed in ``dtype`` (the autocast dtype, or
-    x's), as autocast would compute the two F.linear calls; gradients come back in their tensors'
-    dtypes. On CPU the rank-r products run in ggtorch.ops.lowrank, which reads each activation
-    once (the products of :func:`_lowrank_products` are the same formulas); elsewhere they go
-    through ggtorch.ops.matmul.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,  # type: ignore[override]
-                products: Products, dtype: torch.dtype) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (N, in)
-            a_c, b_c = a.to(dtype), b.to(dtype)  # (r, in), (out, r)
-            native = _lowrank_products(x2, a_c)
-            h = lowrank.project(x2, a_c) if native else mm_t(x2, a_c)  # (N, r)
-            w = products.decode() if ctx.needs_input_grad[0] else None  # W kept for backward, or None
-            y = products.forward(x2, w)  # (N, out)
-            if native and lowrank.takes(y):
-                lowrank.expand_(y, h, b_c.T.contiguous(), scale)
-            else:
-                y.addmm_(h, b_c.T, alpha=scale)
-        ctx.save_for_backward(x2, h, a_c, b_c, w)
-        ctx.products, ctx.scale, ctx.x_meta = products, scale, (x.shape, x.dtype, a.dtype, b.dtype)
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):  # type: ignore[override]
-        x2, h, a_c, b_c, w = ctx.saved_tensors
-        x_shape, x_dtype, a_dtype, b_dtype = ctx.x_meta
-        grad_x = grad_a = grad_b = None
-        with torch.autocast(grad_y.device.type, enabled=False):
-            g = grad_y.reshape(-1, grad_y.shape[-1]).to(x2.dtype)  # (N, out)
-            native = _lowrank_products(x2, a_c, h)
-            if native:
-                g = g.contiguous()
-                grad_h = lowrank.project(g, b_c.T.contiguous(), ctx.scale)  # (N, r)
-            else:
-                grad_h = mm(g, b_c).mul_(ctx.scale)
-            if ctx.needs_input_grad[0]:
-                acc = ctx.products.input_grad(g, w)  # (N, in)
-                if native and lowrank.takes(acc, grad_h):
-                    lowrank.expand_(acc, grad_h, a_c)
-                else:
-                    acc.addmm_(grad_h.to(acc.dtype), a_c.to(acc.dtype))
-                grad_x = acc.to(x_dtype).view(x_shape)
-            if ctx.needs_input_grad[1]:
-                grad_a = (lowrank.reduce(x2, grad_h) if native
-                          else mm(grad_h.T.contiguous(), x2)).to(a_dtype)  # (r, in)
-            if ctx.needs_input_grad[2]:
-                if native:
-                    grad_b = lowrank.reduce(g, h, ctx.scale).T.contiguous().to(b_dtype)  # (out, r)
-                else:  # h.T @ g, then transposed: g.T @ h would hand MKL a transposed (N, out) operand, a slow case
-                    grad_b = mm(h.T.contiguous(), g).mul_(ctx.scale).T.contiguous().to(b_dtype)
-        return grad_x, grad_a, grad_b, None, None, None
-
-
-def _lowrank_products(x2: torch.Tensor, a: torch.Tensor, *others: torch.Tensor, layers: int = 1) -> bool:
+def rank_r_native(x2: torch.Tensor, a: torch.Tensor, *others: torch.Tensor, layers: int = 1) -> bool:
     """Whether the rank-r products of input rows ``x2`` and ``a`` (r, in) run in ggtorch.ops.lowrank: the operands
     its kind and r at most the policy's ``lowrank_max_rank`` per layer whose A are stacked in ``a``: each of its
     loops reads the activation from memory once for all ranks (the rest from cache), so a group of q, k and v at
@@ -142,41 +86,85 @@ def _lowrank_products(x2: torch.Tensor, a: torch.Tensor, *others: torch.Tensor, 
     return a.shape[0] <= layers * policy.current(x2.device).lowrank_max_rank and lowrank.takes(x2, a, *others)
 
 
+def down(x2: torch.Tensor, a: torch.Tensor, native: bool) -> torch.Tensor:
+    """h = x @ A.T (N, r), in x's dtype."""
+    return lowrank.project(x2, a) if native and lowrank.takes(x2, a) else mm_t(x2, a)
+
+
+def up_(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float, native: bool) -> torch.Tensor:
+    """y += s·h @ B.T in place (y (N, out), B (out, r)); returns y."""
+    if native and lowrank.takes(y):
+        return lowrank.expand_(y, h, b.T.contiguous(), scale)
+    return y.addmm_(h, b.T, alpha=scale)
+
+
+def grad_down(g: torch.Tensor, b: torch.Tensor, scale: float, native: bool) -> torch.Tensor:
+    """The gradient of h from the output's g (N, out): s·g @ B (N, r)."""
+    if native and lowrank.takes(g, b):
+        return lowrank.project(g, b.T.contiguous(), scale)
+    return mm(g, b).mul_(scale)
+
+
+def input_grad_(acc: torch.Tensor, grad_h: torch.Tensor, a: torch.Tensor, native: bool) -> torch.Tensor:
+    """acc += grad_h @ A in place: the delta's part of the input gradient; returns acc."""
+    grad_h, a = grad_h.to(acc.dtype), a.to(acc.dtype)
+    if native and lowrank.takes(acc, grad_h, a):
+        return lowrank.expand_(acc, grad_h, a)
+    return acc.addmm_(grad_h, a)
+
+
+def grad_a(x2: torch.Tensor, grad_h: torch.Tensor, native: bool) -> torch.Tensor:
+    """A's gradient grad_h.T @ x (r, in): f32 from the C loops, x's dtype from torch's."""
+    if native and lowrank.takes(x2, grad_h):
+        return lowrank.reduce(x2, grad_h)
+    return mm(grad_h.T.contiguous(), x2)
+
+
+def grad_b(g: torch.Tensor, h: torch.Tensor, scale: float, native: bool) -> torch.Tensor:
+    """B's gradient s·g.T @ h (out, r), contiguous."""
+    if native and lowrank.takes(g, h):
+        return lowrank.reduce(g, h, scale).T.contiguous()
+    # h.T @ g, then transposed: g.T @ h would hand MKL a transposed (N, out) operand, a slow case
+    return mm(h.T.contiguous(), g).mul_(scale).T.contiguous()
+
+
 SHARED_LAYERS = 3
 """Layers whose stacked A the shared-input product's rank-r loops take at a single layer's widest rank each."""
 
 
-class _SharedInputLoRA(torch.autograd.Function):
-    """``base_i(x) + s_i·(x @ A_i.T) @ B_i.T`` for layers over one frozen base each that read the same x (q, k
-    and v; gate and up), as one autograd node: the :class:`_LoRAProduct` of each, with x cast once, its
-    rank-r products made over the layers' stacked A ([A_0; A_1; ...]) so that each pass over x serves them
-    all (the projection forward, A's gradient), and the input gradient summed here, in f32 when x is f32,
-    with one pass of the stacked A's product, where separate layers' gradients come back one by one for
-    autograd to sum. ``pairs`` is A_0, B_0, A_1, B_1, ...
+class _LoRAProducts(torch.autograd.Function):
+    """``y_i = base_i(x) + s_i·(x @ A_i.T) @ B_i.T`` for one or more layers over a frozen base each that read the same
+    x (one LoRALinear; q, k and v; gate and up), as one autograd node.
+
+    As separate nodes, ``y + delta`` copies the base's output once more and backward sums the input gradients of x
+    (each base's and each delta's) one by one. Here each delta is added into its base's product in place, x is cast
+    once, the rank-r products are made over the layers' stacked A ([A_0; A_1; ...]) so that each pass over x serves
+    them all (the projection forward, A's gradient), and the input gradient is summed here: with one pass of the
+    stacked A's product, and in f32 when x is f32 and several layers' bf16 products add up. Computed in ``dtype``
+    (the autocast dtype, or x's), as autocast would compute the F.linear calls; gradients come back in their tensors'
+    dtypes. ``pairs`` is A_0, B_0, A_1, B_1, ...
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, scales: tuple[float, ...], products: tuple[Products, ...],  # type: ignore[override]
                 dtype: torch.dtype, *pairs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = len(products)
+        layers = 1 if n == 1 else SHARED_LAYERS
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (N, in)
             a_c = [a.to(dtype) for a in pairs[0::2]]  # (r_i, in)
             b_c = [b.to(dtype) for b in pairs[1::2]]  # (out_i, r_i)
-            a_all = torch.cat(a_c)  # (R, in)
-            native = _lowrank_products(x2, a_all, layers=SHARED_LAYERS)
-            h = lowrank.project(x2, a_all) if native else mm_t(x2, a_all)  # (N, R)
-            hs = [part.contiguous() for part in h.split([a.shape[0] for a in a_c], dim=1)]  # (N, r_i)
-            ws = [p.decode() if ctx.needs_input_grad[0] else None for p in products]
+            a_all = a_c[0] if n == 1 else torch.cat(a_c)  # (R, in)
+            native = rank_r_native(x2, a_all, layers=layers)
+            h = down(x2, a_all, native)  # (N, R)
+            hs = [h] if n == 1 else [part.contiguous() for part in h.split([a.shape[0] for a in a_c], dim=1)]
+            ws = [p.decode() if ctx.needs_input_grad[0] else None for p in products]  # W kept for backward, or None
             ys = []
             for p, w, h_i, b, s in zip(products, ws, hs, b_c, scales, strict=True):
-                y = p.forward(x2, w)  # (N, out_i)
-                if native and lowrank.takes(y):
-                    lowrank.expand_(y, h_i, b.T.contiguous(), s)
-                else:
-                    y.addmm_(h_i, b.T, alpha=s)
+                y = up_(p.forward(x2, w), h_i, b, s, native)  # (N, out_i)
                 ys.append(y.view(*x.shape[:-1], y.shape[-1]))
         ctx.save_for_backward(x2, a_all, *hs, *b_c, *(w for w in ws if w is not None))
-        ctx.products, ctx.scales, ctx.kept = products, scales, [w is not None for w in ws]
+        ctx.products, ctx.scales, ctx.kept, ctx.layers = products, scales, [w is not None for w in ws], layers
         ctx.x_meta = (x.shape, x.dtype, [a.dtype for a in pairs[0::2]], [b.dtype for b in pairs[1::2]])
         return tuple(ys)
 
@@ -191,43 +179,40 @@ class _SharedInputLoRA(torch.autograd.Function):
         grad_x = None
         grad_pairs: list[torch.Tensor | None] = []
         with torch.autocast(x2.device.type, enabled=False):
-            gs = [g.reshape(-1, g.shape[-1]).to(x2.dtype).contiguous() for g in grad_ys]  # (N, out_i)
-            native = _lowrank_products(x2, a_all, *hs, *gs, layers=SHARED_LAYERS)
-            grad_hs = [lowrank.project(g, b.T.contiguous(), s) if native else mm(g, b).mul_(s)
-                       for g, b, s in zip(gs, b_c, ctx.scales, strict=True)]  # (N, r_i)
-            grad_h = torch.cat(grad_hs, dim=1)  # (N, R)
+            gs = [g.reshape(-1, g.shape[-1]).to(x2.dtype) for g in grad_ys]  # (N, out_i)
+            native = rank_r_native(x2, a_all, *hs, layers=ctx.layers)
+            if native:
+                gs = [g.contiguous() for g in gs]
+            grad_hs = [grad_down(g, b, s, native) for g, b, s in zip(gs, b_c, ctx.scales, strict=True)]  # (N, r_i)
+            grad_h = grad_hs[0] if n == 1 else torch.cat(grad_hs, dim=1)  # (N, R)
             if needs[0]:
-                acc_dtype = torch.promote_types(x2.dtype, x_dtype)  # bf16 products summed in f32 for an f32 x
+                # one layer's input gradient in x2's dtype; several bf16 ones summed in f32 for an f32 x
+                acc_dtype = x2.dtype if n == 1 else torch.promote_types(x2.dtype, x_dtype)
                 acc = ctx.products[0].input_grad(gs[0], ws[0]).to(acc_dtype)  # (N, in)
                 for p, g, w in zip(ctx.products[1:], gs[1:], ws[1:], strict=True):
                     acc.add_(p.input_grad(g, w))
-                grad_h_acc, a_acc = grad_h.to(acc_dtype), a_all.to(acc_dtype)
-                if native and lowrank.takes(acc, grad_h_acc, a_acc):
-                    lowrank.expand_(acc, grad_h_acc, a_acc)
-                else:
-                    acc.addmm_(grad_h_acc, a_acc)
-                grad_x = acc.to(x_dtype).view(x_shape)
-            grad_a_all = None
-            if any(needs[4::2]):
-                grad_a_all = (lowrank.reduce(x2, grad_h) if native
-                              else mm(grad_h.T.contiguous(), x2))  # (R, in)
-            offsets = [0]
-            for h_i in hs:
-                offsets.append(offsets[-1] + h_i.shape[1])
+                grad_x = input_grad_(acc, grad_h, a_all, native).to(x_dtype).view(x_shape)
+            grad_a_all = grad_a(x2, grad_h, native) if any(needs[4::2]) else None  # (R, in)
+            offset = 0
             for i, (g, h_i, s) in enumerate(zip(gs, hs, ctx.scales, strict=True)):
-                grad_a = grad_b = None
-                if needs[4 + 2 * i]:
-                    grad_a = grad_a_all[offsets[i]:offsets[i + 1]].to(a_dtypes[i], copy=True)  # not a view
+                r = h_i.shape[1]
+                a_i = b_i = None
+                if needs[4 + 2 * i]:  # a copy of its rows, not a view into the stacked gradient
+                    a_i = grad_a_all[offset:offset + r].to(a_dtypes[i], copy=n > 1)
                 if needs[5 + 2 * i]:
-                    if native:
-                        grad_b = lowrank.reduce(g, h_i, s).T.contiguous().to(b_dtypes[i])  # (out_i, r_i)
-                    else:
-                        grad_b = mm(h_i.T.contiguous(), g).mul_(s).T.contiguous().to(b_dtypes[i])
-                grad_pairs += [grad_a, grad_b]
+                    b_i = grad_b(g, h_i, s, native).to(b_dtypes[i])  # (out_i, r_i)
+                grad_pairs += [a_i, b_i]
+                offset += r
         return (grad_x, None, None, None, *grad_pairs)
 
 
-def shared_input_lora(x: torch.Tensor, scales: tuple[float, ...], products: tuple[Products, ...],
-                      dtype: torch.dtype, pairs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The outputs of :class:`_SharedInputLoRA` (one per product) for layers reading x."""
-    return _SharedInputLoRA.apply(x, scales, products, dtype, *pairs)
+def lora_products(x: torch.Tensor, scales: tuple[float, ...], products: tuple[Products, ...],
+                  dtype: torch.dtype, pairs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The outputs ``base_i(x) + s_i·(x @ A_i.T) @ B_i.T`` of layers reading x, one per product, as one node."""
+    return _LoRAProducts.apply(x, scales, products, dtype, *pairs)
+
+
+def delta_only(n_out: int, n_in: int) -> Products:
+    """The products of a base that adds nothing (zeros), for a delta computed apart from its base's own forward: a
+    base that trains, dropout on the delta's input, a half-precision base whose delta stays in f32."""
+    return Products(lambda x, _: x.new_zeros(x.shape[0], n_out), lambda g, _: g.new_zeros(g.shape[0], n_in))

@@ -125,8 +125,7 @@ class ModelConfig:
             raise BadGGUF(f"head count {self.n_head} is not divisible by KV head count {self.n_head_kv}")
         if self.n_rot > self.head_dim or self.n_rot % 2:
             raise BadGGUF(f"rope dimension count {self.n_rot} must be even and at most the head size {self.head_dim}")
-        if (self.arch in ("llama", "qwen2", "qwen3", "mistral3", "smollm3", "gpt-oss", "granite")
-                and self.n_rot != self.head_dim):
+        if self.family.rope_whole_head and self.n_rot != self.head_dim:
             raise Unsupported(f"rope dimension count {self.n_rot} differs from the head size {self.head_dim}; "
                               f"llama.cpp's {self.arch} requires them equal")
         for name in ("rms_eps", "rope_freq_base", "rope_freq_scale", "rope_freq_base_swa", "rope_freq_scale_swa"):
@@ -154,7 +153,7 @@ class ModelConfig:
             raise BadGGUF(f"'{used}' = {self.n_expert_used} must be between 1 and '{count}' = {self.n_expert}")
         if self.n_expert:
             if self.n_ff_exp is None:
-                self.n_ff_exp = self.n_ff if self.arch == "llama" else self.n_ff // self.n_expert_used
+                self.n_ff_exp = self.n_ff if self.family.expert_width == "n_ff" else self.n_ff // self.n_expert_used
             if self.n_ff_shexp is None and self.family.shared_expert:
                 self.n_ff_shexp = self.n_ff
             for name in ("n_ff_exp", "n_ff_shexp"):
@@ -240,7 +239,7 @@ class ModelConfig:
             if value < 1:
                 raise BadGGUF(f"{f.path}: '{key(template)}' is {value}; a model has at least 1, so the file is "
                               "broken (re-download or re-convert it)")
-        n_vocab = optional(Keys.LLM.VOCAB_SIZE, None) if arch == "llama" else None
+        n_vocab = optional(Keys.LLM.VOCAB_SIZE, None) if family.vocab_size_key else None
         if n_vocab is None:
             tokens = f.get(Keys.Tokenizer.LIST)
             if tokens is None:
@@ -255,9 +254,10 @@ class ModelConfig:
                               "ggtorch supports equal ones")
 
         scaling_type = optional(Keys.Rope.SCALING_TYPE, "linear")
-        if scaling_type not in ("none", "linear", "yarn") and not (scaling_type == "longrope" and arch == "phi3"):
+        longrope = family.rope_factors == "long_short"
+        if scaling_type not in ("none", "linear", "yarn") and not (scaling_type == "longrope" and longrope):
             raise Unsupported(f"{f.path}: rope scaling type '{scaling_type}' is not supported (only none, linear, "
-                              + ("yarn; longrope for phi3)" if arch != "phi3" else "yarn and longrope)"))
+                              + ("yarn and longrope)" if longrope else "yarn; longrope for phi3)"))
         factor = optional(Keys.Rope.SCALING_FACTOR, None)
         if factor is None:
             factor = optional(ROPE_SCALE_LINEAR, 0.0)

@@ -118,14 +118,22 @@ class Family:
     large_layer_counts: tuple[int, ...] = ()
     """Layer counts of gemma's 27B models, whose attention scale llama.cpp takes as 1/sqrt(n_embd/n_head)
     instead of 1/sqrt(head_dim) (gemma_pytorch's ``query_pre_attn_scalar``)."""
+    rope_whole_head: bool = False
+    """llama.cpp's loader requires ``rope.dimension_count`` equal to the head size (it rotates every dim)."""
+    expert_width: Literal["n_ff", "n_ff_per_used"] = "n_ff_per_used"
+    """Default of ``expert_feed_forward_length`` when the file has none: n_ff (llama's Mixtral-style experts) or
+    n_ff / expert_used_count (the qwen MoE families)."""
+    vocab_size_key: bool = False
+    """The vocabulary size may come from ``vocab_size`` (llama's loader reads it); else from the token list."""
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(rope="norm", layer_biases=("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output",
-                                               "ffn_gate", "ffn_up", "ffn_down"), experts="optional"),
-    "qwen2": Family(rope="neox", output_bias=True),
+                                               "ffn_gate", "ffn_up", "ffn_down"), experts="optional",
+                    rope_whole_head=True, expert_width="n_ff", vocab_size_key=True),
+    "qwen2": Family(rope="neox", output_bias=True, rope_whole_head=True),
     "qwen2moe": Family(rope="neox", experts="required", normalize_expert_weights=False, shared_expert=True),
-    "qwen3": Family(rope="neox", qk_norm=True),
+    "qwen3": Family(rope="neox", qk_norm=True, rope_whole_head=True),
     "qwen3moe": Family(rope="neox", qk_norm=True, experts="required"),
     "gemma2": Family(rope="neox", post_norms=True, embedding_scale=True, activation="gelu", attn_softcap=50.0,
                      final_softcap=30.0, swa_period=2, swa_window=4096, swa_rope_base="global",
@@ -135,14 +143,15 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(rope="neox", fused_up=True, query_prescale=True, rope_factors="long_short"),
     "mistral3": Family(rope="norm", layer_biases=("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output",
                                                   "ffn_gate", "ffn_up", "ffn_down"), yarn_keys=True,
-                       attn_temperature=True),
-    "smollm3": Family(rope="norm", no_rope_step=4),
+                       attn_temperature=True, rope_whole_head=True),
+    "smollm3": Family(rope="norm", no_rope_step=4, rope_whole_head=True),
     "granite": Family(rope="norm", layer_biases=("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output",
-                                                 "ffn_gate", "ffn_up", "ffn_down"), multipliers=True),
+                                                 "ffn_gate", "ffn_up", "ffn_down"), multipliers=True,
+                      rope_whole_head=True),
     "gpt-oss": Family(rope="neox", activation="swiglu_oai", swa_period=2, swa_rope_base="global", experts="required",
                       layer_biases=("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate_inp",
                                     "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
                       normalize_expert_weights=False, expert_gating="softmax_weight", attn_sinks=True,
-                      ffn_norm="attn_post_norm"),
+                      ffn_norm="attn_post_norm", rope_whole_head=True),
 }
 """``general.architecture`` -> its row. Architectures not listed are refused by name."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +27,7 @@ from ggtorch.models.attention import attention
 from ggtorch.models.config import ModelConfig
 from ggtorch.ops import fused, policy
 from ggtorch.ops.experts import Experts
-from ggtorch.ops.fused import geglu, recompute_outputs, rms_norm, swiglu
+from ggtorch.ops.fused import geglu, rms_norm, swiglu
 from ggtorch.ops.matmul import Linear
 
 
@@ -60,8 +59,7 @@ def rope_angles_at(positions: torch.Tensor, n_rot: int, freq_base: float, freq_s
     grows by 1 + 0.1 ln(1 / freq_scale).
     """
     theta_scale = _f32(freq_base) ** (_f32(-2.0) / n_rot)
-    steps = torch.full((*positions.shape, n_rot // 2), float(theta_scale), dtype=torch.float32,
-                       device=positions.device)
+    steps = theta_scale.to(positions.device).expand(*positions.shape, n_rot // 2).clone()
     steps[..., 0] = positions.to(torch.float32)
     theta_extrap = torch.cumprod(steps, dim=-1)  # (..., n_rot/2)
     if freq_factors is not None:
@@ -72,7 +70,8 @@ def rope_angles_at(positions: torch.Tensor, n_rot: int, freq_base: float, freq_s
         pair = torch.arange(n_rot // 2, dtype=torch.float32, device=positions.device)
         ramp_mix = (1 - ((pair - low) / max(0.001, high - low)).clamp(0, 1)) * ext_factor
         theta = theta * (1 - ramp_mix) + theta_extrap * ramp_mix
-        attn_factor = float(_f32(attn_factor) * (1 + _f32(0.1) * torch.log(1 / _f32(freq_scale))))
+        mscale = (_f32(attn_factor) * (1 + _f32(0.1) * torch.log(1 / _f32(freq_scale)))).to(positions.device)
+        return torch.cos(theta) * mscale, torch.sin(theta) * mscale
     cos, sin = torch.cos(theta), torch.sin(theta)
     if attn_factor != 1.0:
         cos, sin = cos * attn_factor, sin * attn_factor
@@ -112,9 +111,9 @@ def attention_temperature(positions: torch.Tensor, beta: float, floor_scale: int
     """Llama 4's per-position query scale 1 + beta ln(floor(p / floor_scale) + 1), as llama-graph.cpp's
     llm_graph_input_attn_temp fills it: the floor in f32, the rest in double (f32 on MPS, which has no
     double), stored as f32."""
-    wide = torch.float32 if positions.device.type == "mps" else torch.float64
+    wide = policy.current(positions.device).wide_dtype
     steps = torch.floor(positions.to(torch.float32) / floor_scale).to(wide)
-    return (torch.log(steps + 1.0) * float(_f32(beta)) + 1.0).float()
+    return (torch.log(steps + 1.0) * _f32(beta).to(steps) + 1.0).float()
 
 
 def _f32(value: float) -> torch.Tensor:
@@ -264,15 +263,18 @@ def has_forward_hooks(module: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
-def shared_input(layers: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``tuple(layer(x) for layer in layers)`` for layers that read the same x (q, k and v; gate and up).
+GroupForward = Callable[[tuple[nn.Module, ...], torch.Tensor], "tuple[torch.Tensor, ...] | None"]
+"""A module's ``group_forward`` hook: the outputs of its layers that read one input, or None to call them one by
+one."""
 
-    A layer type that computes such a group in one go (LoRALinear: its rank-r products read x once for
-    all of them) has a static ``forward_shared(layers, x)`` returning the outputs, or None when it cannot
-    this time; layers of other types, or watched by forward hooks, are called one by one."""
-    kind = type(layers[0])
-    together = getattr(kind, "forward_shared", None)
-    if together is not None and all(type(m) is kind and not has_forward_hooks(m) for m in layers):
+
+def shared_input(owner: nn.Module, layers: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tuple(layer(x) for layer in layers)`` for layers of ``owner`` that read the same x (q, k and v; gate and
+    up), or what ``owner.group_forward(layers, x)`` returns for them: a hook whoever replaced those layers may set
+    (a wrapper that computes them in one go, reading x once for all), None by default or when it cannot this time.
+    Layers watched by forward hooks are called one by one, so each hook sees its call."""
+    together: GroupForward | None = owner.group_forward
+    if together is not None and not any(has_forward_hooks(m) for m in layers):
         outputs = together(layers, x)
         if outputs is not None:
             return outputs
@@ -288,6 +290,8 @@ class Attention(nn.Module):
         c = config
         self.n_head, self.n_head_kv, self.head_dim = c.n_head, c.n_head_kv, c.head_dim
         self.widths = (c.n_embd_q, c.n_embd_kv, c.n_embd_kv)
+        self.group_forward: GroupForward | None = None
+        """How q, k and v run together (:func:`shared_input`); None: one by one."""
         if c.fused_qkv:
             self.qkv = Linear(c.n_embd, sum(self.widths), bias=False)
             self.qkv_bias = _bias(c, "attn_qkv", sum(self.widths))
@@ -318,7 +322,7 @@ class Attention(nn.Module):
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if hasattr(self, "qkv"):
             return _with_bias(self.qkv(x), self.qkv_bias).split(self.widths, dim=-1)
-        q, k, v = shared_input((self.q, self.k, self.v), x)
+        q, k, v = shared_input(self, (self.q, self.k, self.v), x)
         return _with_bias(q, self.q_bias), _with_bias(k, self.k_bias), _with_bias(v, self.v_bias)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -404,6 +408,8 @@ class MLP(nn.Module):
         shared = n_ff is not None
         n_ff = c.n_ff if n_ff is None else n_ff
         self.fused = c.family.fused_up
+        self.group_forward: GroupForward | None = None
+        """How gate and up run together (:func:`shared_input`); None: one by one."""
         if not self.fused:
             self.gate = Linear(c.n_embd, n_ff, bias=False)
             self.gate_bias = None if shared else _bias(c, "ffn_gate", n_ff)
@@ -417,7 +423,7 @@ class MLP(nn.Module):
         if self.fused:
             gate, up = self.up(x).chunk(2, dim=-1)
         else:
-            gate, up = shared_input((self.gate, self.up), x)
+            gate, up = shared_input(self, (self.gate, self.up), x)
             gate, up = _with_bias(gate, self.gate_bias), _with_bias(up, self.up_bias)
         hidden = geglu(gate, up) if self.gelu else swiglu(gate, up)
         return _with_bias(self.down(hidden), self.down_bias)
@@ -433,10 +439,8 @@ class MoE(nn.Module):
     weighted sum of those experts' gated FFNs, each with its own biases if the file has them. Gradients
     reach x through the experts and through the weights (the router's softmax), not through the choice.
 
-    Only routed experts run (``routed_only``): the token rows are grouped by expert once, each expert
-    multiplies its own rows (ggtorch.ops.experts.grouped) and the results go back to their tokens.
-    ``routed_only = False`` runs every expert on every token and keeps the routed results: the same
-    numbers at n_expert / n_expert_used times the cost, the baseline the MoE benchmark compares with.
+    Only routed experts run: the token rows are grouped by expert once, each expert multiplies its own rows
+    (ggtorch.ops.experts.grouped) and the results go back to their tokens.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -455,7 +459,6 @@ class MoE(nn.Module):
         self.normalize = c.family.normalize_expert_weights
         self.gating = c.family.expert_gating
         self.activation = swiglu_oai if c.family.activation == "swiglu_oai" else swiglu
-        self.routed_only = True
         self.shared: MLP | None = None
         if c.family.shared_expert:
             assert c.n_ff_shexp is not None
@@ -483,10 +486,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, C)
         weights, experts = self.route(x)
-        if self.routed_only:
-            y = self._routed(x, experts)
-        else:
-            y = self._dense(x, experts)  # (N, k, C)
+        y = self._routed(x, experts)  # (N, k, C)
         out = (y.float() * weights.unsqueeze(-1)).sum(dim=1)  # (N, C), f32 as llama.cpp's ggml_mul
         if self.shared is not None:
             gate = torch.sigmoid((x.float() @ self.shared_gate.float()).unsqueeze(-1))  # (N, 1)
@@ -513,12 +513,6 @@ class MoE(nn.Module):
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return y[back].reshape(N, k, -1)
-
-    def _dense(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """(N, k, C) as :meth:`_routed`, with every expert run on every token."""
-        N = x.shape[0]
-        y = self._ffn(x.repeat(self.n_expert, 1), [N] * self.n_expert).reshape(self.n_expert, N, -1)  # (E, N, C)
-        return y[experts, torch.arange(N, device=x.device).unsqueeze(-1)]  # (N, k, C)
 
 
 def _expert_bias(y: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None) -> torch.Tensor:
@@ -601,6 +595,10 @@ class Transformer(nn.Module):
         self.n_ctx = c.n_ctx_orig_yarn
         """The context the model runs with: above ``n_ctx_orig`` LongRoPE takes its long factors,
         as llama.cpp decides from its context size. Generation and training set it."""
+        self.block_wrapper: Callable[..., torch.Tensor] | None = None
+        """How each block is called: ``block_wrapper(block, x, rope, kv, start_pos, mask, positions)`` in place of
+        ``block(...)`` when set (training's activation checkpointing wraps the call; a profiler could); None: the
+        block itself."""
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Transformer:
         """After .to()/.cuda(): a tied output shares the embedding's raw blocks again.
@@ -689,11 +687,13 @@ class Transformer(nn.Module):
             x = x * self.config.embedding_multiplier
         rope, rope_swa = self._ropes(start_pos, T, x.device, positions)
         mask = None if segments is None else segment_mask(segments)
-        with recompute_outputs() if torch.is_grad_enabled() else nullcontext():
-            for i, block in enumerate(self.layers):
-                kv = (cache.k[i], cache.v[i]) if cache is not None else None
-                layer_rope = rope_swa if block.sliding and rope_swa is not None else rope
+        for i, block in enumerate(self.layers):
+            kv = (cache.k[i], cache.v[i]) if cache is not None else None
+            layer_rope = rope_swa if block.sliding and rope_swa is not None else rope
+            if self.block_wrapper is None:
                 x = block(x, layer_rope, kv, start_pos, mask, positions)  # (B, T, C)
+            else:
+                x = self.block_wrapper(block, x, layer_rope, kv, start_pos, mask, positions)
         if cache is not None:
             cache.length += T
         x = self.output_norm(x)

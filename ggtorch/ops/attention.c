@@ -23,6 +23,7 @@
 #include <stdlib.h>
 
 #include "vec.h"
+#include "attention.h"
 
 #define MR 8      /* rows of a product tile */
 #define BLOCK 64  /* query rows per pass of a backward task over its head */
@@ -674,7 +675,6 @@ static int backward_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
 }
 #endif
 
-/* Whether the library computes bf16 attention (the compiler targets the CPU's bf16 dot products) */
 int ggtorch_attention_bf16(void) {
 #if defined(__AVX512BF16__) && defined(GGTORCH_SHUFFLES)
     return 1;
@@ -685,8 +685,6 @@ int ggtorch_attention_bf16(void) {
 
 static strides strides_of(const int64_t *s) { return (strides){s[0], s[1], s[2]}; }
 
-/* softmax(q k^T · scale, masked) v into out, each row's log-sum-exp into lse (B, H, T); `st` holds the
- * strides of q, k, v, out (3 each). Returns 0, or 1 when a task's buffers could not be allocated. */
 int ggtorch_attention(const void *q, const void *k, const void *v, void *out, float *lse, int64_t B, int64_t H,
                       int64_t Hkv, int64_t T, int64_t D, const int64_t *st, const uint8_t *allowed, int64_t mask_s,
                       float scale, int bf16, int threads) {
@@ -700,10 +698,6 @@ int ggtorch_attention(const void *q, const void *k, const void *v, void *out, fl
                    strides_of(st + 9), allowed, mask_s, scale, threads);
 }
 
-/* The gradients of q, k and v from out's gradient; `st` holds the strides of q, k, v, out, grad_out, grad_q,
- * grad_k, grad_v (3 each), `part` room for 2·B·H·T·D floats (each query head's key and value gradients) when
- * Hkv < H (unused, and may be NULL, when every query head has its own key and value heads).
- * Returns 0, or 1 when a task's buffers could not be allocated. */
 int ggtorch_attention_backward(const void *q, const void *k, const void *v, const void *out, const void *gout,
                                const float *lse, void *gq, void *gk, void *gv, float *part, int64_t B, int64_t H,
                                int64_t Hkv, int64_t T, int64_t D, const int64_t *st, const uint8_t *allowed,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,13 +41,25 @@ MAX_TOKENS = 512
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    return clib.load_declared(SOURCE, FLAGS, {
-        "ggtorch_attention": (i32, [p, p, p, p, p, i64, i64, i64, i64, i64, p, p, i64, f32, i32, i32]),
-        "ggtorch_attention_backward": (i32, [p, p, p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, p, p, i64, f32,
-                                             i32, i32]),
-        "ggtorch_attention_bf16": (i32, []),
-    })
+    return clib.load_declared(SOURCE, FLAGS)
+
+
+_built: tuple[bool, bool] | None = None
+"""(attention.c is built, it computes bf16), asked once: a module global, which torch.compile reads as a
+constant."""
+
+
+def _builds() -> tuple[bool, bool]:
+    global _built
+    if _built is None:
+        lib = _library()
+        _built = (lib is not None, lib is not None and bool(lib.ggtorch_attention_bf16()))
+    return _built
+
+
+def built() -> bool:
+    """Whether attention.c is built and loaded."""
+    return _builds()[0]
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
@@ -64,15 +77,13 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
             and (mask is None or (mask.dtype == torch.bool and _shared_by_heads(mask, q))))
 
 
-@functools.cache
 def _bf16_built() -> bool:
-    lib = _library()
-    return lib is not None and bool(lib.ggtorch_attention_bf16())
+    return _builds()[1]
 
 
 def dtype_taken(dtype: torch.dtype) -> bool:
     """f32 wherever the library is built; bf16 where it was built for the CPU's bf16 dot products (AVX512-BF16)."""
-    return _library() is not None and (dtype == torch.float32 or (dtype == torch.bfloat16 and _bf16_built()))
+    return built() and (dtype == torch.float32 or (dtype == torch.bfloat16 and _bf16_built()))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -83,7 +94,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
     A head whose size is not a multiple of :data:`HEAD_MULTIPLE` (stories260K's 8) runs padded with zero columns:
     they add exact zeros to every score, and their outputs and gradients are cut off."""
-    return _Attention.apply(q, k, v, mask, scale)
+    width = q.shape[-1]
+    pad = -width % HEAD_MULTIPLE
+    if pad:
+        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+    rows, mask_stride = _mask_rows(mask, q) if mask is not None else (None, 0)
+    out, _ = _attention_op(q, k, v, rows, mask_stride, scale)
+    return out[..., :width] if pad else out
 
 
 def _as_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -122,48 +139,85 @@ def _heads_last(B: int, H: int, T: int, D: int, like: torch.Tensor) -> torch.Ten
     return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-        width = q.shape[-1]
-        ctx.pad = -width % HEAD_MULTIPLE
-        if ctx.pad:
-            q, k, v = (F.pad(t, (0, ctx.pad)) for t in (q, k, v))
-        B, H, T, D = q.shape
-        Hkv = k.shape[1]
-        out = _heads_last(B, H, T, D, q)
-        lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-        rows, mask_stride = _mask_rows(mask, q) if mask is not None else (None, 0)
-        strides = _strides(q, k, v, out)
-        _check(_library().ggtorch_attention(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H, Hkv, T, D,
-            strides.data_ptr(), None if rows is None else rows.data_ptr(), mask_stride, scale,
-            q.dtype == torch.bfloat16, torch.get_num_threads()))
-        ctx.save_for_backward(q, k, v, out, lse, rows)
-        ctx.scale, ctx.mask_stride = scale, mask_stride
-        return out[..., :width] if ctx.pad else out
+# --- attention.c's functions as torch ops (what torch.compile and FakeTensor see), with their autograd formula -------
+# Registered with torch.library's define/impl (a torch.library.custom_op would import torch._dynamo on its first call).
 
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
-        q, k, v, out, lse, rows = ctx.saved_tensors
-        B, H, T, D = q.shape
-        Hkv = k.shape[1]
-        g = grad_out.to(q.dtype)
-        if ctx.pad:
-            g = F.pad(g, (0, ctx.pad))
-        if g.stride(-1) != 1 or any(s % 2 for s in g.stride()[:3]):
-            g = g.contiguous()
-        grad_q, grad_k, grad_v = _heads_last(B, H, T, D, q), _heads_last(B, Hkv, T, D, k), _heads_last(B, Hkv, T, D, v)
-        strides = _strides(q, k, v, out, g, grad_q, grad_k, grad_v)
-        part = None  # each query head's dK, dV, summed over the heads that share a key head; else the heads' own
-        if H != Hkv:
-            part = torch.empty(2 * B * H * T * D, dtype=torch.float32, device=q.device)
-        _check(_library().ggtorch_attention_backward(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), g.data_ptr(), lse.data_ptr(), grad_q.data_ptr(),
-            grad_k.data_ptr(), grad_v.data_ptr(), None if part is None else part.data_ptr(), B, H, Hkv, T, D,
-            strides.data_ptr(), None if rows is None else rows.data_ptr(), ctx.mask_stride, ctx.scale,
-            q.dtype == torch.bfloat16, torch.get_num_threads()))
-        if ctx.pad:
-            return grad_q[..., :-ctx.pad], grad_k[..., :-ctx.pad], grad_v[..., :-ctx.pad], None, None
-        return grad_q, grad_k, grad_v, None, None
+torch.library.define("ggtorch::attention", "(Tensor q, Tensor k, Tensor v, Tensor? mask_rows, int mask_stride, "
+                                           "float scale) -> (Tensor, Tensor)")
+torch.library.define("ggtorch::attention_backward", "(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor g, "
+                                                    "Tensor? mask_rows, int mask_stride, float scale) "
+                                                    "-> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.impl("ggtorch::attention", "cpu")
+def _attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_rows: torch.Tensor | None,
+                   mask_stride: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention.c's forward for a head of a multiple of HEAD_MULTIPLE: the output, (B, H, T, D) stored as (B, T,
+    H, D), and each row's log-sum-exp (B, H, T) f32."""
+    B, H, T, D = q.shape
+    out = _heads_last(B, H, T, D, q)
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    strides = _strides(q, k, v, out)
+    _check(_library().ggtorch_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H, k.shape[1], T, D,
+        strides.data_ptr(), None if mask_rows is None else mask_rows.data_ptr(), mask_stride, scale,
+        q.dtype == torch.bfloat16, torch.get_num_threads()))
+    return out, lse
+
+
+@torch.library.register_fake("ggtorch::attention")
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_rows: torch.Tensor | None, mask_stride: int,
+      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, T, D = q.shape
+    return _heads_last(B, H, T, D, q), q.new_empty(B, H, T, dtype=torch.float32)
+
+
+def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    q, k, v, rows, mask_stride, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], rows)
+    ctx.scale, ctx.mask_stride = scale, mask_stride
+
+
+def _attention_backward(ctx: Any, grad_out: torch.Tensor, _grad_lse: torch.Tensor) -> tuple[Any, ...]:
+    q, k, v, out, lse, rows = ctx.saved_tensors
+    g = grad_out.to(q.dtype)
+    if g.stride(-1) != 1 or any(s % 2 for s in g.stride()[:3]):
+        g = g.contiguous()
+    grad_q, grad_k, grad_v = _attention_backward_op(q, k, v, out, lse, g, rows, ctx.mask_stride, ctx.scale)
+    return grad_q, grad_k, grad_v, None, None, None
+
+
+torch.library.register_autograd("ggtorch::attention", _attention_backward, setup_context=_attention_setup)
+
+
+@torch.library.impl("ggtorch::attention_backward", "cpu")
+def _attention_backward_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                            g: torch.Tensor, mask_rows: torch.Tensor | None, mask_stride: int,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention.c's gradients of q, k and v from the output's gradient ``g``, laid out as the output is."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    grad_q, grad_k, grad_v = _heads_last(B, H, T, D, q), _heads_last(B, Hkv, T, D, k), _heads_last(B, Hkv, T, D, v)
+    strides = _strides(q, k, v, out, g, grad_q, grad_k, grad_v)
+    part = None  # each query head's dK, dV, summed over the heads that share a key head; else the heads' own
+    if H != Hkv:
+        part = torch.empty(2 * B * H * T * D, dtype=torch.float32, device=q.device)
+    _check(_library().ggtorch_attention_backward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), g.data_ptr(), lse.data_ptr(), grad_q.data_ptr(),
+        grad_k.data_ptr(), grad_v.data_ptr(), None if part is None else part.data_ptr(), B, H, Hkv, T, D,
+        strides.data_ptr(), None if mask_rows is None else mask_rows.data_ptr(), mask_stride, scale,
+        q.dtype == torch.bfloat16, torch.get_num_threads()))
+    return grad_q, grad_k, grad_v
+
+
+@torch.library.register_fake("ggtorch::attention_backward")
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
+      mask_rows: torch.Tensor | None, mask_stride: int,
+      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    return _heads_last(B, H, T, D, q), _heads_last(B, Hkv, T, D, k), _heads_last(B, Hkv, T, D, v)
+
+
+_attention_op = torch.ops.ggtorch.attention.default
+_attention_backward_op = torch.ops.ggtorch.attention_backward.default

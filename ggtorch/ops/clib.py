@@ -182,21 +182,56 @@ def load(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
 Signature = tuple[Any, list[Any]]
 """A library function's ctypes result type and argument types."""
 
+C_TYPES: dict[str, Any] = {"void": None, "int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
+                           "double": ctypes.c_double}
+"""The C types of the libraries' signatures, as ctypes declares them; every pointer is a ``c_void_p`` (a tensor's
+``data_ptr()``, or None for NULL)."""
 
-def load_declared(source: Path, flags: tuple[str, ...], signatures: dict[str, Signature]) -> ctypes.CDLL | None:
-    """:func:`load`, with each named function's result and argument types declared (``signatures``), as every
-    caller needs them before its first call; None as :func:`load` returns it."""
+_PROTOTYPE = re.compile(r"^([A-Za-z_][\w ]*?)\s*\b(ggtorch_\w+)\s*\(([^)]*)\)\s*;", re.MULTILINE)
+
+
+def _ctype(declaration: str, where: str) -> Any:
+    """The ctypes type of one C declaration (``const float *rstd``, ``int64_t n``, ``void``)."""
+    text = re.sub(r"\bconst\b", " ", declaration)
+    if "*" in text:
+        return ctypes.c_void_p
+    words = text.split()
+    base = words[0] if len(words) <= 2 and words else ""
+    if base not in C_TYPES:
+        raise ValueError(f"{where}: '{declaration.strip()}' is not one of the C types {sorted(C_TYPES)} or a pointer")
+    return C_TYPES[base]
+
+
+def prototypes(header: Path) -> dict[str, Signature]:
+    """Each ``ggtorch_*`` function a library's header declares, as ctypes types: the one place a C function's
+    signature is written (the library's source includes the header, so the compiler holds the definition to it,
+    and tests/ops/test_clib.py checks the header against every library)."""
+    text = re.sub(r"/\*.*?\*/", " ", header.read_text(), flags=re.DOTALL)
+    found: dict[str, Signature] = {}
+    for restype, name, params in _PROTOTYPE.findall(text):
+        where = f"{header.name}: {name}"
+        args = [] if params.strip() in ("", "void") else [_ctype(a, where) for a in params.split(",")]
+        found[name] = (_ctype(restype, where), args)
+    return found
+
+
+def load_declared(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """:func:`load`, with each function of the source's header (``name.h`` beside ``name.c``) given its result
+    and argument types (:func:`prototypes`), as every caller needs them before its first call; None as
+    :func:`load` returns it."""
     lib = load(source, flags)
     if lib is not None:
-        for name, (restype, argtypes) in signatures.items():
+        for name, (restype, argtypes) in prototypes(source.with_suffix(".h")).items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
     return lib
 
 
 def written(t: torch.Tensor) -> torch.Tensor:
-    """Record that a library wrote into ``t`` in place, as torch's in-place ops record it (its version counter):
-    a graph that saved ``t`` for backward then refuses it, as after ``copy_``, instead of using changed values."""
+    """Record that a library wrote into ``t`` in place, as torch's in-place ops record it (its version counter): a
+    graph that saved ``t`` for backward then refuses it, as after ``copy_``, instead of using changed values. The
+    mutating ``ggtorch::`` ops call it on what they write (their schema tells torch.compile; this tells eager
+    autograd)."""
     if not t.is_inference():
         increment_version(t)
     return t

@@ -13,6 +13,7 @@
  * depend on the number of threads. Built and loaded by ggtorch/ops/fused.py (ggtorch/ops/clib.py).
  */
 #include "vec.h"
+#include "fused.h"
 
 #define CHUNK 2048 /* elements per task of the elementwise loops: a multiple of L */
 #define MIN_PARALLEL 16384 /* below this many elements a call runs on the caller's thread */
@@ -280,14 +281,11 @@ ROPE(float, f32, ld_f32, st_f32)
 ROPE(uint16_t, bf16, ld_bf16, st_bf16)
 #endif
 
-/* out = act(g) * u over n elements, f32 or bf16 (`bf16` not 0): silu (SwiGLU), or with `gelu` GELU's tanh
- * approximation (GeGLU). */
 void ggtorch_glu(const void *g, const void *u, void *out, int64_t n, int gelu, int bf16, int threads) {
     if (bf16) gelu ? glu_bf16(g, u, out, n, 1, threads) : glu_bf16(g, u, out, n, 0, threads);
     else gelu ? glu_f32(g, u, out, n, 1, threads) : glu_f32(g, u, out, n, 0, threads);
 }
 
-/* The gradients of act(g) * u for the output's gradient `grad`; grad_g or grad_u may be NULL. */
 void ggtorch_glu_backward(const void *g, const void *u, const void *grad, void *grad_g, void *grad_u, int64_t n,
                           int gelu, int bf16, int threads) {
     if (bf16) gelu ? glu_backward_bf16(g, u, grad, grad_g, grad_u, n, 1, threads)
@@ -296,22 +294,18 @@ void ggtorch_glu_backward(const void *g, const void *u, const void *grad, void *
               : glu_backward_f32(g, u, grad, grad_g, grad_u, n, 0, threads);
 }
 
-/* RMSNorm of rows × C values x (f32 or bf16) with f32 gain w: out in x's dtype, rstd (rows) f32. */
 void ggtorch_rms_norm(const void *x, const float *w, void *out, float *rstd, int64_t rows, int64_t C, float eps,
                       int bf16, int threads) {
     if (bf16) rms_norm_bf16(x, w, out, rstd, rows, C, eps, threads);
     else rms_norm_f32(x, w, out, rstd, rows, C, eps, threads);
 }
 
-/* The input gradient of RMSNorm for the output's gradient `grad` (x's dtype), from the forward's rstd. */
 void ggtorch_rms_norm_backward(const void *x, const float *w, const float *rstd, const void *grad, void *grad_x,
                                int64_t rows, int64_t C, int bf16, int threads) {
     if (bf16) rms_norm_backward_bf16(x, w, rstd, grad, grad_x, rows, C, threads);
     else rms_norm_backward_f32(x, w, rstd, grad, grad_x, rows, C, threads);
 }
 
-/* One slab of the online softmax over logits x (f32 or bf16, in place; see SOFTMAX_SLAB). Returns how many rows'
- * sums were rescaled (rescale[i] != 1). */
 int64_t ggtorch_softmax_slab(void *x, int64_t rows, int64_t width, int64_t ld, const int64_t *targets, int64_t v0,
                              float *run_max, float *run_sum, float *picked, float *rescale, float headroom, int bf16,
                              int threads) {
@@ -322,9 +316,6 @@ int64_t ggtorch_softmax_slab(void *x, int64_t rows, int64_t width, int64_t ld, c
     return moved;
 }
 
-/* Rope of x (rows = B * T, H heads of 2 * half values; f32 or bf16) into out (x's dtype) by the angles' cos and
- * sin (f32: T rows, or one per row of x with `per_row`); `sign` -1 rotates back (the backward). Returns 0, or -1
- * for heads wider than ROPE_MAX_D or in a build without rope (ggtorch_rope_built). */
 int ggtorch_rope(const void *x, const float *cos, const float *sin, void *out, int64_t rows, int64_t T, int64_t H,
                  int64_t half, int halves, int per_row, float sign, int bf16, int threads) {
 #ifdef GGTORCH_SHUFFLES
@@ -339,7 +330,6 @@ int ggtorch_rope(const void *x, const float *cos, const float *sin, void *out, i
 #endif
 }
 
-/* 1 when this build has rope (the compiler has __builtin_shufflevector), else 0. */
 int ggtorch_rope_built(void) {
 #ifdef GGTORCH_SHUFFLES
     return 1;

@@ -11,6 +11,7 @@
  * the number of threads. Built and loaded by ggtorch/ops/lowrank.py (ggtorch/ops/clib.py).
  */
 #include "vec.h"
+#include "lowrank.h"
 
 #define RB 4 /* rows of the small matrix per pass (the registers one pass accumulates in) */
 #define TILE 64 /* columns per tile of lowrank_reduce: 4 vectors */
@@ -143,14 +144,12 @@
 KERNELS(float, f32, ld_f32, st_f32, f32_of_f32, set_f32)
 KERNELS(uint16_t, bf16, ld_bf16, st_bf16, f32_of_bf16, set_bf16)
 
-/* out (N, r) = s * x (N, K) @ m (r, K).T, in x's dtype (bf16 when `bf16` is not 0, else f32). */
 void ggtorch_lowrank_project(const void *x, const void *m, void *out, int64_t N, int64_t K, int r, float s,
                              int bf16, int threads) {
     if (bf16) project_bf16(x, m, out, N, K, r, s, threads);
     else project_f32(x, m, out, N, K, r, s, threads);
 }
 
-/* y (N, M) += s * h (N, r) @ mt (r, M), all in one dtype; r at most MAX_R (returns -1 past it). */
 int ggtorch_lowrank_expand(void *y, const void *h, const void *mt, int64_t N, int64_t M, int r, float s, int bf16,
                            int threads) {
     if (r > MAX_R) return -1;
@@ -159,7 +158,6 @@ int ggtorch_lowrank_expand(void *y, const void *h, const void *mt, int64_t N, in
     return 0;
 }
 
-/* g (r, K) = s * h (N, r).T @ x (N, K), in f32 whatever the operands' dtype. */
 void ggtorch_lowrank_reduce(const void *x, const void *h, float *g, int64_t N, int64_t K, int r, float s, int bf16,
                             int threads) {
     if (bf16) reduce_bf16(x, h, g, N, K, r, s, threads);

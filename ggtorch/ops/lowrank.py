@@ -30,17 +30,19 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    operands = [p, p, p, i64, i64, i32, f32, i32, i32]
-    return clib.load_declared(SOURCE, FLAGS, {
-        "ggtorch_lowrank_project": (None, operands), "ggtorch_lowrank_reduce": (None, operands),
-        "ggtorch_lowrank_expand": (ctypes.c_int, operands),  # -1: r past the C loops' widest
-    })
+    return clib.load_declared(SOURCE, FLAGS)
+
+
+_built: bool | None = None
 
 
 def available() -> bool:
-    """Whether the library is built (or can be: there is a C compiler and a cache folder to build it in)."""
-    return _library() is not None
+    """Whether the library is built (or can be: there is a C compiler and a cache folder to build it in). Asked
+    once: a module global, which torch.compile reads as a constant."""
+    global _built
+    if _built is None:
+        _built = _library() is not None
+    return _built
 
 
 def takes(*tensors: torch.Tensor) -> bool:
@@ -50,26 +52,14 @@ def takes(*tensors: torch.Tensor) -> bool:
     first = tensors[0]
     return (first.device.type == "cpu" and policy.current(first.device).c_lowrank and first.dtype in DTYPES
             and all(t.device.type == "cpu" and t.dtype == first.dtype and t.is_contiguous() for t in tensors)
-            and _library() is not None)
-
-
-def _run(name: str, operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n: int, k: int, r: int,
-         scale: float, bf16: bool) -> int | None:
-    """``ggtorch_lowrank_<name>`` of lowrank.c on three tensors' data, (n, k, r), on torch's intra-op thread count."""
-    lib = _library()
-    assert lib is not None
-    return getattr(lib, f"ggtorch_lowrank_{name}")(*(t.data_ptr() for t in operands), n, k, r, scale, bf16,
-                                                     torch.get_num_threads())
+            and available())
 
 
 def project(x: torch.Tensor, m: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """``scale · x @ m.T`` for x (N, K) and m (r, K), in their dtype: the (N, r) projection of an activation."""
-    (n, k), r = x.shape, m.shape[0]
-    if m.shape[1] != k:
+    if m.shape[1] != x.shape[1]:
         raise ValueError(f"project: x is {tuple(x.shape)} and m {tuple(m.shape)}")
-    out = torch.empty(n, r, dtype=x.dtype)
-    _run("project", (x, m, out), n, k, r, scale, x.dtype == torch.bfloat16)
-    return out
+    return _project(x, m, scale)
 
 
 def expand_(y: torch.Tensor, h: torch.Tensor, mt: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -77,16 +67,68 @@ def expand_(y: torch.Tensor, h: torch.Tensor, mt: torch.Tensor, scale: float = 1
     (n, m), r = y.shape, h.shape[1]
     if h.shape[0] != n or mt.shape != (r, m):
         raise ValueError(f"expand_: y is {tuple(y.shape)}, h {tuple(h.shape)} and mt {tuple(mt.shape)}")
-    if _run("expand", (y, h, mt), n, m, r, scale, y.dtype == torch.bfloat16) != 0:
-        raise ValueError(f"expand_: rank {r} is wider than lowrank.c takes")
-    return clib.written(y)
+    _expand_(y, h, mt, scale)
+    return y
 
 
 def reduce(x: torch.Tensor, h: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """``scale · h.T @ x`` for x (N, K) and h (N, r), in f32 whatever their dtype: a rank-r gradient."""
-    (n, k), r = x.shape, h.shape[1]
-    if h.shape[0] != n:
+    if h.shape[0] != x.shape[0]:
         raise ValueError(f"reduce: x is {tuple(x.shape)} and h {tuple(h.shape)}")
-    out = torch.empty(r, k, dtype=torch.float32)
-    _run("reduce", (x, h, out), n, k, r, scale, x.dtype == torch.bfloat16)
+    return _reduce(x, h, scale)
+
+
+# --- lowrank.c's functions as torch ops (what torch.compile and FakeTensor see); callers check the operands ---
+# Registered with torch.library's define/impl: a torch.library.custom_op imports torch._dynamo on its first call
+# (seconds of every command's start) and costs several times the dispatch.
+
+torch.library.define("ggtorch::lowrank_project", "(Tensor x, Tensor m, float scale) -> Tensor")
+torch.library.define("ggtorch::lowrank_expand_", "(Tensor(a!) y, Tensor h, Tensor mt, float scale) -> ()")
+torch.library.define("ggtorch::lowrank_reduce", "(Tensor x, Tensor h, float scale) -> Tensor")
+
+
+@torch.library.impl("ggtorch::lowrank_project", "cpu")
+def _project_cpu(x: torch.Tensor, m: torch.Tensor, scale: float) -> torch.Tensor:
+    (n, k), r = x.shape, m.shape[0]
+    out = torch.empty(n, r, dtype=x.dtype)
+    _library().ggtorch_lowrank_project(x.data_ptr(), m.data_ptr(), out.data_ptr(), n, k, r, scale,
+                                       x.dtype == torch.bfloat16, torch.get_num_threads())
     return out
+
+
+@torch.library.register_fake("ggtorch::lowrank_project")
+def _(x: torch.Tensor, m: torch.Tensor, scale: float) -> torch.Tensor:
+    return x.new_empty(x.shape[0], m.shape[0])
+
+
+@torch.library.impl("ggtorch::lowrank_expand_", "cpu")
+def _expand_cpu(y: torch.Tensor, h: torch.Tensor, mt: torch.Tensor, scale: float) -> None:
+    (n, m), r = y.shape, h.shape[1]
+    if _library().ggtorch_lowrank_expand(y.data_ptr(), h.data_ptr(), mt.data_ptr(), n, m, r, scale,
+                                         y.dtype == torch.bfloat16, torch.get_num_threads()) != 0:
+        raise ValueError(f"expand_: rank {r} is wider than lowrank.c takes")
+    clib.written(y)
+
+
+@torch.library.register_fake("ggtorch::lowrank_expand_")
+def _(y: torch.Tensor, h: torch.Tensor, mt: torch.Tensor, scale: float) -> None:
+    return None
+
+
+@torch.library.impl("ggtorch::lowrank_reduce", "cpu")
+def _reduce_cpu(x: torch.Tensor, h: torch.Tensor, scale: float) -> torch.Tensor:
+    (n, k), r = x.shape, h.shape[1]
+    out = torch.empty(r, k, dtype=torch.float32)
+    _library().ggtorch_lowrank_reduce(x.data_ptr(), h.data_ptr(), out.data_ptr(), n, k, r, scale,
+                                      x.dtype == torch.bfloat16, torch.get_num_threads())
+    return out
+
+
+@torch.library.register_fake("ggtorch::lowrank_reduce")
+def _(x: torch.Tensor, h: torch.Tensor, scale: float) -> torch.Tensor:
+    return x.new_empty(h.shape[1], x.shape[1], dtype=torch.float32)
+
+
+_project = torch.ops.ggtorch.lowrank_project.default
+_expand_ = torch.ops.ggtorch.lowrank_expand_.default
+_reduce = torch.ops.ggtorch.lowrank_reduce.default

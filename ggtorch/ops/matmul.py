@@ -17,7 +17,6 @@ loss) define their own backward; ``linear`` and ``Linear`` (the float base layer
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,20 +32,30 @@ llama's matrices at any row count and on LoRA's rank-r products of a llama's act
 
 
 @functools.cache
-def _onednn_linear() -> Callable[..., torch.Tensor] | None:
-    """torch's oneDNN inner product (``y = x @ w.T``), or None when this build has none."""
+def _onednn_works() -> bool:
+    """Whether this torch build has oneDNN's inner product (``y = x @ w.T``) and it computes one: probed once."""
     try:
-        op = torch.ops.mkldnn._linear_pointwise
-        probe = op(torch.ones(1, 2), torch.ones(3, 2), None, "none", [None], "")
+        probe = _onednn_mm_t(torch.ones(1, 2), torch.ones(3, 2))
     except (AttributeError, RuntimeError):
-        return None
-    if not torch.equal(probe, torch.full((1, 3), 2.0)):
-        return None
-    return functools.partial(_call, op)
+        return False
+    return torch.equal(probe, torch.full((1, 3), 2.0))
 
 
-def _call(op: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return op(x, w, None, "none", [None], "")
+_onednn: bool | None = None
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN's inner product. Asked once: a module global, which torch.compile reads
+    as a constant."""
+    global _onednn
+    if _onednn is None:
+        _onednn = _onednn_works()
+    return _onednn
+
+
+def _onednn_mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """oneDNN's ``x @ w.T``."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
 
 
 def uses_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -54,16 +63,14 @@ def uses_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and w.device.type == "cpu" and policy.current(x.device).onednn_f32
             and x.dtype == torch.float32 and w.dtype == torch.float32
             and max(w.shape) >= ONEDNN_MIN_DIM and x.numel() * w.shape[0] >= ONEDNN_MIN_MACS
-            and torch.backends.mkldnn.enabled and _onednn_linear() is not None)
+            and torch.backends.mkldnn.enabled and onednn_available())
 
 
 def mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for x (..., in) and w (out, in); no autograd."""
     if uses_onednn(x, w):
-        op = _onednn_linear()
-        assert op is not None
         with torch.no_grad():
-            return op(x, w)
+            return _onednn_mm_t(x, w)
     return torch.matmul(x, w.T)
 
 

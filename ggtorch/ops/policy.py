@@ -15,9 +15,7 @@ falls back to torch where the library is missing (no compiler, an unwritable cac
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
-import functools
 import platform
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,6 +58,11 @@ class Policy:
     """Rope rotates through complex multiplication (torch's complex kernels exist here); else through sin/cos."""
     device_rng: bool = False
     """The device has an RNG state of its own that activation checkpointing saves and restores (dropout)."""
+    wide_dtype: torch.dtype = torch.float64
+    """Where ggml and llama.cpp compute in double (the gradient norm's sum of squares, Llama 4's attention
+    temperature): float64, or float32 on a device without it (MPS)."""
+    dist_backend: str = "gloo"
+    """torch.distributed's backend for ranks on this device: NCCL between GPUs, gloo elsewhere."""
 
     # --- working sizes ---------------------------------------------------------------------------------------------
     lowrank_max_rank: int = 8
@@ -106,35 +109,51 @@ def cpu_vendor() -> str:
     return platform.processor()  # Windows names the vendor here; elsewhere an architecture
 
 
-@functools.cache
+_by_device: dict[str, Policy] = {}
+
+
 def for_device(device_type: str) -> Policy:
-    """The policy ggtorch runs with on a device type: the C loops and written-out attention on CPU, oneDNN's f32
-    products on CPUs other than Intel's; torch's kernels elsewhere."""
+    """The policy ggtorch runs with on a device type (chosen once per process): the C loops and written-out
+    attention on CPU, oneDNN's f32 products on CPUs other than Intel's; torch's kernels elsewhere."""
+    chosen = _by_device.get(device_type)
+    if chosen is None:
+        chosen = _by_device[device_type] = choose(device_type)
+    return chosen
+
+
+def choose(device_type: str) -> Policy:
+    """The policy for a device type, decided now from what this machine is (:func:`for_device` keeps the first)."""
     if device_type == "cpu":
         return Policy("cpu", c_dequantize=True, c_lowrank=True, c_fused=True, c_attention=True,
                       onednn_f32="GenuineIntel" not in cpu_vendor(), written_attention_max_tokens=512,
                       fused_adamw=True, in_place_softmax=True, complex_rope=True)
     if device_type == "cuda":
-        return Policy("cuda", fused_adamw=True, in_place_softmax=True, complex_rope=True, device_rng=True)
-    return Policy(device_type, device_rng=device_type in ("mps", "xpu"))
+        return Policy("cuda", fused_adamw=True, in_place_softmax=True, complex_rope=True, device_rng=True,
+                      dist_backend="nccl")
+    if device_type == "mps":
+        return Policy("mps", device_rng=True, wide_dtype=torch.float32)
+    return Policy(device_type, device_rng=device_type == "xpu")
 
 
-_active: contextvars.ContextVar[Policy | None] = contextvars.ContextVar("ggtorch_policy", default=None)
+_active: Policy | None = None
+"""The policy :func:`using` set, or None. A plain module global, which torch.compile reads (and guards on) as it
+traces; one per process, as a process runs one training at a time."""
 
 
 def current(device: torch.device | str) -> Policy:
     """The policy for operands on ``device``: the one :func:`using` set for its device type, else
     :func:`for_device`'s."""
     device_type = device if isinstance(device, str) else device.type
-    active = _active.get()
+    active = _active
     return active if active is not None and active.device_type == device_type else for_device(device_type)
 
 
 @contextlib.contextmanager
 def using(policy: Policy) -> Iterator[Policy]:
-    """Within, ops on ``policy.device_type`` follow ``policy``."""
-    token = _active.set(policy)
+    """Within, ops on ``policy.device_type`` follow ``policy`` (nested calls restore the outer one)."""
+    global _active
+    outer, _active = _active, policy
     try:
         yield policy
     finally:
-        _active.reset(token)
+        _active = outer

@@ -23,7 +23,6 @@ Functions switch autocast off inside and cast explicitly, on any device; ``torch
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -49,8 +48,9 @@ class _Keeping:
     """Matrices kept so far in the context."""
 
 
-_keeping: contextvars.ContextVar[_Keeping | None] = contextvars.ContextVar("ggtorch_keeping_dequantized",
-                                                                          default=None)
+_keeping: _Keeping | None = None
+"""The innermost :func:`keeping_dequantized`'s state, or None: a module global, which torch.compile reads as it
+traces (a ContextVar it cannot)."""
 
 
 @contextlib.contextmanager
@@ -72,20 +72,20 @@ def keeping_dequantized(budget: int | None = None, storage: list[torch.Tensor] |
     older graph's backward would raise autograd's in-place modification error, not compute wrong
     gradients).
     """
-    keeping = (_Keeping(None, math.inf, storage) if budget is None
-               else _Keeping(math.inf, budget, storage))
-    token = _keeping.set(keeping)
+    global _keeping
+    outer, _keeping = _keeping, (_Keeping(None, math.inf, storage) if budget is None
+                                 else _Keeping(math.inf, budget, storage))
     try:
         yield
     finally:
-        _keeping.reset(token)
+        _keeping = outer
 
 
 def kept_dequantized(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, int],
                      dtype: torch.dtype) -> torch.Tensor | None:
     """W (out, in) decoded in ``dtype`` when a product should keep it (see :func:`keeping_dequantized`), else
     None. For products whose input takes a gradient (the caller checks: a Function's forward runs without grad)."""
-    keeping, nbytes = _keeping.get(), dequantized_nbytes(shape, dtype)
+    keeping, nbytes = _keeping, dequantized_nbytes(shape, dtype)
     if keeping is None:
         return None
     largest = policy.current(raw.device).keep_dequantized_bytes if keeping.largest is None else keeping.largest

@@ -84,6 +84,14 @@ class QuantLinear(_QuantWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quant_linear(x, self.raw, self.ggml_type, self.shape, self.chunk_bytes)
 
+    def weight_rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [start, end) of W decoded in ``dtype`` (end - start, in): a slab of an output projection."""
+        return dequantize(self.raw[start:end], self.ggml_type, (end - start, self.in_features), dtype)
+
+    def rows_at(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """W's rows at ``ids`` decoded in ``dtype``, only those (the target words' rows of an output projection)."""
+        return quant_embedding(ids, self.raw, self.ggml_type, self.shape, dtype)
+
 
 class QuantEmbedding(_QuantWeight):
     """Row lookup in W (n_vocab, n_embd) kept as ggml blocks; only the looked-up rows are decoded."""

@@ -12,6 +12,7 @@
  * the caches.
  */
 #include "../ops/vec.h"
+#include "native.h"
 
 #define QK_K 256
 
@@ -165,11 +166,6 @@ static void decode_share(decoder fn, const uint8_t *src, void *dst, int64_t n, i
     }
 }
 
-/* Decode n_blocks blocks of ggml type `ggml_type` from src into dst (n_blocks * block size values: f32, or
- * bf16 when `bf16` is not 0) on `threads` threads of the OpenMP runtime the library is linked to (torch's:
- * native.py links the one the process has loaded, so its workers, spinning after the last product, take the
- * blocks at once instead of competing with new threads for the cores), or on the caller's thread in a build
- * without OpenMP. Returns 0, or -1 when the type is not one of TYPES (the caller decodes it another way). */
 int ggtorch_dequantize(int ggml_type, const uint8_t *src, void *dst, int64_t n_blocks, int threads, int bf16) {
     int t = 0;
     while (t < N_TYPES && TYPES[t].ggml_type != ggml_type) ++t;
@@ -190,7 +186,6 @@ int ggtorch_dequantize(int ggml_type, const uint8_t *src, void *dst, int64_t n_b
     return 0;
 }
 
-/* The ggml types this library decodes, for native.py to check against its TYPES. */
 int ggtorch_native_types(int *out, int capacity) {
     for (int t = 0; t < N_TYPES && t < capacity; ++t) out[t] = TYPES[t].ggml_type;
     return N_TYPES;

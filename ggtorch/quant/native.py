@@ -41,11 +41,7 @@ and sum contracted into an FMA, so every value is computed as ggml's scalar code
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The built library, building it first when needed; None when there is no compiler or it fails."""
-    c_int, ptr = ctypes.c_int, ctypes.c_void_p
-    return clib.load_declared(SOURCE, FLAGS, {
-        "ggtorch_dequantize": (c_int, [c_int, ptr, ptr, ctypes.c_int64, c_int, c_int]),
-        "ggtorch_native_types": (c_int, [ctypes.POINTER(c_int), c_int]),
-    })
+    return clib.load_declared(SOURCE, FLAGS)
 
 
 @functools.cache
@@ -55,7 +51,7 @@ def native_types() -> frozenset[GGMLQuantizationType]:
     if lib is None:
         return frozenset()
     ids = (ctypes.c_int * 16)()
-    n = lib.ggtorch_native_types(ids, len(ids))
+    n = lib.ggtorch_native_types(ctypes.addressof(ids), len(ids))
     built = frozenset(GGMLQuantizationType(ids[i]) for i in range(min(n, len(ids))))
     if built != TYPES:  # native.c's table and TYPES disagree: trust neither
         log.info("ggtorch: %s decodes %s, not %s; quantized matrices decode through torch", SOURCE.name,
@@ -64,11 +60,23 @@ def native_types() -> frozenset[GGMLQuantizationType]:
     return built
 
 
+_decoded: frozenset[int] | None = None
+
+
+def decodes_type(ggml_type: GGMLQuantizationType) -> bool:
+    """Whether the library (built here) decodes ``ggml_type``. Asked once: a module global, which torch.compile
+    reads as a constant."""
+    global _decoded
+    if _decoded is None:
+        _decoded = frozenset(int(t) for t in native_types())
+    return int(ggml_type) in _decoded
+
+
 def decodes(blocks: torch.Tensor, ggml_type: GGMLQuantizationType) -> bool:
     """Whether :func:`decode` takes these blocks: CPU bytes in one piece whose policy decodes in C, a type the
     library has."""
     return (blocks.device.type == "cpu" and policy.current(blocks.device).c_dequantize and blocks.dtype == torch.uint8
-            and blocks.is_contiguous() and ggml_type in native_types())
+            and blocks.is_contiguous() and decodes_type(ggml_type))
 
 
 OUT_DTYPES = (torch.float32, torch.bfloat16)
@@ -85,9 +93,29 @@ def decode(blocks: torch.Tensor, ggml_type: GGMLQuantizationType, out: torch.Ten
             or out.numel() != blocks.shape[0] * block_size):
         raise ValueError(f"out must be a contiguous float32 or bfloat16 CPU tensor of {blocks.shape[0] * block_size} "
                          "values")
+    dequantize_(blocks, int(ggml_type), out)
+    return out
+
+
+# native.c's decoders as a torch op (what torch.compile and FakeTensor see), registered with torch.library's
+# define/impl (a torch.library.custom_op would import torch._dynamo on its first call)
+torch.library.define("ggtorch::dequantize_", "(Tensor blocks, int ggml_type, Tensor(a!) out) -> ()")
+
+
+@torch.library.impl("ggtorch::dequantize_", "cpu")
+def _dequantize_cpu(blocks: torch.Tensor, ggml_type: int, out: torch.Tensor) -> None:
     lib = _library()
     assert lib is not None
-    if lib.ggtorch_dequantize(int(ggml_type), blocks.data_ptr(), out.data_ptr(), blocks.shape[0],
-                              torch.get_num_threads(), out.dtype == torch.bfloat16) != 0:
-        raise ValueError(f"the native decoders have no {ggml_type.name}")
-    return clib.written(out)
+    if lib.ggtorch_dequantize(ggml_type, blocks.data_ptr(), out.data_ptr(), blocks.shape[0], torch.get_num_threads(),
+                              out.dtype == torch.bfloat16) != 0:
+        raise ValueError(f"the native decoders have no {GGMLQuantizationType(ggml_type).name}")
+    clib.written(out)
+
+
+@torch.library.register_fake("ggtorch::dequantize_")
+def _(blocks: torch.Tensor, ggml_type: int, out: torch.Tensor) -> None:
+    return None
+
+
+dequantize_ = torch.ops.ggtorch.dequantize_.default
+"""``out`` takes the values of ``blocks`` (checked by :func:`decode`)."""

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ggtorch.errors import BadFlag, GGTorchError
+from ggtorch.ops import policy
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("gloo", "nccl", "mpi", "xccl")
@@ -171,7 +172,7 @@ def data_parallel(model: torch.nn.Module, device: torch.device) -> DistributedDa
 
 
 def default_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    return policy.current(device).dist_backend
 
 
 def rank_device(device: torch.device, local_rank: int, world_size: int) -> torch.device:

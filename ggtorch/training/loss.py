@@ -20,11 +20,11 @@ import torch
 
 from ggtorch.data import IGNORE_INDEX
 from ggtorch.lora import LoRALinear, frozen_float_weight
+from ggtorch.lora.product import down, grad_a, grad_b, grad_down, input_grad_, rank_r_native, up_
 from ggtorch.models.model import has_forward_hooks
 from ggtorch.ops import fused, policy
 from ggtorch.ops.matmul import add_mm_, mm, mm_t, uses_onednn
-from ggtorch.quant import dequantize
-from ggtorch.quant.autograd import compute_dtype, quant_embedding
+from ggtorch.quant.autograd import compute_dtype
 from ggtorch.quant.modules import QuantLinear
 from ggtorch.training.recompute import checkpoint
 
@@ -147,13 +147,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             valid = targets != IGNORE_INDEX
             safe = torch.where(valid, targets, 0)
             h = b = None
-            if lora:
-                b = lora_b.to(dtype)
-                h = xc @ lora_a.to(dtype).T  # (N, r)
+            native = False
+            if lora:  # the LoRA product's rank-r half (ggtorch.lora.product), a chunk of rows at a time
+                a, b = lora_a.to(dtype), lora_b.to(dtype)
+                native = rank_r_native(xc, a)
+                h = down(xc, a, native)  # (N, r)
             total = torch.zeros((), dtype=f32, device=x.device)
             grad_x = torch.empty(n, c, dtype=f32, device=x.device) if need_grad else None
             grad_h = torch.empty(n, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
-            grad_b = torch.zeros(v, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
+            grads_b = torch.zeros(v, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
             step = head_rows(v, x.device)
             # Chunk buffers live for the whole call: a fresh (rows, V) tensor per chunk is returned to
             # the OS and page-faulted back in every time (glibc gives such large blocks back at once).
@@ -168,9 +170,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
             def logits_of(rows: slice | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
                 logits = mm_t(xc[rows], weight) if out is None else torch.matmul(xc[rows], weight.T, out=out)
-                if lora:
-                    logits.add_(h[rows] @ b.T, alpha=scale)
-                return logits  # (rows, V)
+                return up_(logits, h[rows], b, scale, native) if lora else logits  # (rows, V)
 
             for r0 in range(0, n, step):
                 r1 = min(r0 + step, n)
@@ -188,13 +188,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     p = logits.copy_(p)  # the logits are spent: their buffer takes p in the compute dtype
                 grad_x[r0:r1] = mm(p, weight)
                 if lora:
-                    grad_h[r0:r1] = (p @ b).float() * scale
-                    grad_b += (p.T @ h[r0:r1]).float() * scale
-            grad_a = None
+                    grad_h[r0:r1] = grad_down(p, b, scale, native)
+                    grads_b += grad_b(p, h[r0:r1], scale, native)
+            grads_a = None
             if need_grad and lora:
-                grad_a = grad_h.T @ x.float()  # (r, C)
-                grad_x += grad_h @ lora_a.float()
-        ctx.save_for_backward(grad_x, grad_a, grad_b)
+                x32 = x.float()
+                grads_a = grad_a(x32, grad_h, native).float()  # (r, C)
+                input_grad_(grad_x, grad_h, lora_a.float(), native)
+        ctx.save_for_backward(grad_x, grads_a, grads_b)
         ctx.dtypes = (x.dtype, None if lora_a is None else lora_a.dtype, None if lora_b is None else lora_b.dtype)
         return total
 
@@ -318,10 +319,9 @@ def _output_parts(output: torch.nn.Module, x: torch.Tensor
     base, lora_a, lora_b, scale = parts
     dtype = compute_dtype(x)
     if isinstance(base, QuantLinear):
-        n_vocab, n_embd = base.shape
-        if n_embd * torch.empty((), dtype=dtype).element_size() > 4 * x.shape[0]:
+        if base.in_features * torch.empty((), dtype=dtype).element_size() > 4 * x.shape[0]:
             return None
-        weight = dequantize(base.raw, base.ggml_type, base.shape, dtype)
+        weight = base.dequantized_weight(dtype)
     else:
         weight = frozen_float_weight(base, dtype)
         if weight is None:
@@ -336,9 +336,8 @@ def _weight_slabs(output: torch.nn.Module, x: torch.Tensor
     frozen_float_weight takes only the plain linear types)."""
     dtype = compute_dtype(x)
     if isinstance(output, QuantLinear):
-        raw, ggml_type, (n_vocab, n_embd) = output.raw, output.ggml_type, output.shape
-        return (n_vocab, lambda v0, v1: dequantize(raw[v0:v1], ggml_type, (v1 - v0, n_embd), dtype),
-                lambda ids: quant_embedding(ids, raw, ggml_type, output.shape, dtype))
+        return (output.out_features, lambda v0, v1: output.weight_rows(v0, v1, dtype),
+                lambda ids: output.rows_at(ids, dtype))
     weight = frozen_float_weight(output, dtype)
     if weight is None:
         return None

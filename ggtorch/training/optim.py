@@ -187,7 +187,7 @@ def clip_global_norm_(grads: Sequence[torch.Tensor], gclip: float) -> torch.Tens
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
     first = next(iter(by_device))
-    acc = torch.float32 if first.type == "mps" else torch.float64
+    acc = policy.current(first).wide_dtype
     norms = [torch.stack(torch._foreach_norm(gs, 2, dtype=acc)).to(first) for gs in by_device.values()]
     total = torch.linalg.vector_norm(torch.cat(norms), 2)
     # gclip/norm >= 1 exactly when norm <= gclip: clamping to 1 multiplies by 1.0, a no-op

@@ -8,7 +8,6 @@ on any rank stops every rank, reported once.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import tempfile
@@ -40,7 +39,7 @@ from ggtorch.lora import LoraConfig
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.generate import llama_cpp_context
 from ggtorch.models.loader import build_llama, check_tensor_names
-from ggtorch.models.model import Block
+from ggtorch.models.model import Block, Transformer
 from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.ops import policy
 from ggtorch.ops.dtypes import DTYPES, cpu_matmul_speed_vs_f32
@@ -80,33 +79,38 @@ products measures about 0.3 for bf16 and 0.01 for f16)."""
 
 
 def enable_block_checkpointing(model: torch.nn.Module) -> int:
-    """Recompute each transformer Block in backward instead of storing its activations.
+    """Recompute each transformer Block in backward instead of storing its activations; returns the blocks.
 
-    Done per instance from the trainer, so ``models/`` knows nothing about training and module
-    names (and so adapter and checkpoint names) stay unchanged. The block runs inside
-    ``keeping_dequantized``: its recomputation keeps each quantized matrix it decodes for that
-    matrix's backward, so a quantized base is decoded twice per step instead of three times.
+    Set through each Transformer's ``block_wrapper`` hook, so ``models/`` knows nothing about training and module
+    names (and so adapter and checkpoint names) stay unchanged. The block runs inside ``keeping_dequantized``: its
+    recomputation keeps each quantized matrix it decodes for that matrix's backward, so a quantized base is
+    decoded twice per step instead of three times.
     """
     n = 0
     for module in model.modules():
-        if isinstance(module, Block) and "forward" not in module.__dict__:
-            module.forward = functools.partial(checkpoint, functools.partial(_keeping_dequantized, module))
-            n += 1
+        if isinstance(module, Transformer):
+            module.block_wrapper = checkpointed_block
+            n += len(module.layers)
     return n
+
+
+def checkpointed_block(block: Block, *args: Any, **kwargs: Any) -> Any:
+    """``block(*args, **kwargs)`` under activation checkpointing, keeping its decoded matrices for backward."""
+    return checkpoint(_keeping_dequantized, block, *args, **kwargs)
 
 
 def _keeping_dequantized(block: Block, *args: Any, **kwargs: Any) -> Any:
     with keeping_dequantized():
-        return type(block).forward(block, *args, **kwargs)
+        return block(*args, **kwargs)
 
 
 def disable_block_checkpointing(model: torch.nn.Module) -> int:
-    """Undo :func:`enable_block_checkpointing`: each Block stores its activations again."""
+    """Undo :func:`enable_block_checkpointing`: each Block stores its activations again; returns the blocks."""
     n = 0
     for module in model.modules():
-        if isinstance(module, Block) and "forward" in module.__dict__:
-            del module.forward
-            n += 1
+        if isinstance(module, Transformer) and module.block_wrapper is checkpointed_block:
+            module.block_wrapper = None
+            n += len(module.layers)
     return n
 
 

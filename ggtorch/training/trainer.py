@@ -31,7 +31,7 @@ import torch
 from ggtorch.data import Batch
 from ggtorch.errors import GGTorchError, NonFiniteValues, OutOfMemory
 from ggtorch.io.checkpoint import save_checkpoint
-from ggtorch.ops import malloc, policy, threads
+from ggtorch.ops import fused, malloc, policy, threads
 from ggtorch.ops.dtypes import DTYPES
 from ggtorch.quant.autograd import keeping_dequantized
 from ggtorch.training.config import NAN_SKIP_LIMIT, RunConfig
@@ -279,8 +279,11 @@ class Trainer:
     def _forward(model: torch.nn.Module, batch: Batch, hidden_only: bool = False) -> torch.Tensor:
         """Logits of a batch on the model's device (packed rows pass their positions and segments).
 
-        ``hidden_only``: the normed hidden states instead, for ``output_cross_entropy``."""
-        return model(batch.inputs, positions=batch.positions, segments=batch.segments, hidden_only=hidden_only)
+        ``hidden_only``: the normed hidden states instead, for ``output_cross_entropy``. With gradients, the outputs
+        of RMSNorm and the gated units that backward needs are made again from their inputs instead of kept
+        (:func:`ggtorch.ops.fused.recompute_outputs`)."""
+        with fused.recompute_outputs() if torch.is_grad_enabled() else nullcontext():
+            return model(batch.inputs, positions=batch.positions, segments=batch.segments, hidden_only=hidden_only)
 
     def step(self) -> StepResult:
         """One optimizer step over ``grad_acc`` micro-batches (on every rank under torchrun).

@@ -7,6 +7,7 @@ import copy
 import logging
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -374,7 +375,7 @@ def _rank_r_products(kernel: str, monkeypatch, cpu_policy) -> list[str]:
         return calls
     cpu_policy(c_lowrank=False)
     if kernel == "onednn":
-        if matmul._onednn_linear() is None:
+        if not matmul.onednn_available():
             pytest.skip("this torch build has no oneDNN")
         cpu_policy(onednn_f32=True)
         monkeypatch.setattr(matmul, "ONEDNN_MIN_MACS", 0)
@@ -396,7 +397,7 @@ def test_lora_product_against_the_formula_in_float64(base_kind: str, x_grad: boo
     x = torch.randn(3, 50, n_in, generator=gen).requires_grad_(x_grad)
     grad_y = torch.randn(3, 50, n_out, generator=gen)
     y = m(x)
-    assert type(y.grad_fn).__name__ == "_LoRAProductBackward"
+    assert type(y.grad_fn).__name__ == "_LoRAProductsBackward"
     y.backward(grad_y)
     if rank_r_kernel == "lowrank":  # forward: project, expand; backward: project, [expand], reduce twice
         assert sorted(calls) == sorted(["project", "expand_", "project", "reduce", "reduce"]
@@ -453,7 +454,7 @@ def test_lora_product_under_bf16_autocast_computes_as_autocast_does(base_kind: s
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if fused:
                 y = m(x)
-                assert type(y.grad_fn).__name__ == "_LoRAProductBackward"
+                assert type(y.grad_fn).__name__ == "_LoRAProductsBackward"
             else:
                 y = F.linear(x, w) + F.linear(F.linear(x, m.lora_a), m.lora_b) * m.scale
         assert y.dtype == torch.bfloat16
@@ -483,6 +484,15 @@ def _shared_group(base_kind: str, seed: int) -> tuple[tuple[LoRALinear, ...], to
     return tuple(layers), gen
 
 
+OWNER = SimpleNamespace(group_forward=LoRALinear.forward_group)
+"""An Attention or MLP as attach_lora leaves it: LoRA's one-node product as its ``group_forward`` hook."""
+
+
+def _nodes(outputs: tuple[torch.Tensor, ...]) -> int:
+    """How many autograd nodes made ``outputs``: 1 when they came from one node."""
+    return len({id(y.grad_fn) for y in outputs})
+
+
 @pytest.mark.parametrize("base_kind", ["Linear", "Q4_0", "Q4_0 chunked"])
 @pytest.mark.parametrize("x_grad", [True, False])
 @pytest.mark.parametrize("rank_r_kernel", ["lowrank", "torch", "onednn"])
@@ -495,8 +505,8 @@ def test_shared_input_lora_against_the_formula_in_float64(base_kind: str, x_grad
     layers, gen = _shared_group(base_kind, seed=6)
     x = torch.randn(3, 50, PRODUCT_SHAPE[1], generator=gen).requires_grad_(x_grad)
     grads = [torch.randn(3, 50, width, generator=gen) for width in SHARED_WIDTHS]
-    ys = shared_input(layers, x)
-    assert {type(y.grad_fn).__name__ for y in ys} == {"_SharedInputLoRABackward"}
+    ys = shared_input(OWNER, layers, x)
+    assert {type(y.grad_fn).__name__ for y in ys} == {"_LoRAProductsBackward"}
     torch.autograd.backward(ys, grads)
     if rank_r_kernel == "lowrank":  # forward: 1 project, 3 expands; backward: 3 projects, [1 expand], 1 + 3 reduces
         assert sorted(calls) == sorted(["project"] * 4 + ["expand_"] * (3 + x_grad) + ["reduce"] * 4), calls
@@ -535,7 +545,7 @@ def test_shared_input_lora_computes_as_its_layers_one_by_one(autocast: bool) -> 
         for m in layers:
             m.lora_a.grad = m.lora_b.grad = None
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            ys = shared_input(layers, x) if together else tuple(m(x) for m in layers)
+            ys = shared_input(OWNER, layers, x) if together else tuple(m(x) for m in layers)
         torch.autograd.backward(ys, [g.to(ys[0].dtype) for g in grads])
         results.append(([y.detach() for y in ys], [x.grad] + [p.grad for m in layers for p in (m.lora_a, m.lora_b)]))
     (ys, got), (ys_ref, want) = results
@@ -554,21 +564,22 @@ def test_shared_input_calls_layers_one_by_one_where_one_node_does_not_apply() ->
     want = [m(x) for m in layers]
     seen = []
     handle = layers[1].register_forward_hook(lambda module, args, out: seen.append(module))
-    got = shared_input(layers, x)
+    got = shared_input(OWNER, layers, x)
     handle.remove()
     assert seen == [layers[1]]
-    assert [type(y.grad_fn).__name__ for y in got] == ["_LoRAProductBackward"] * 3
+    assert _nodes(got) == 3  # one node each
     mixed = (layers[0], layers[1].base)
-    got_mixed = shared_input(mixed, x)
+    got_mixed = shared_input(OWNER, mixed, x)
     torch.testing.assert_close(got_mixed[1], layers[1].base(x))
+    assert shared_input(SimpleNamespace(group_forward=None), layers, x) and _nodes(got) == 3  # no hook: one by one
     layers[2].merge()
-    assert shared_input(layers, x)[0].grad_fn.__class__.__name__ == "_LoRAProductBackward"
+    assert _nodes(shared_input(OWNER, layers, x)) == 3
     layers[2].unmerge()
     layers[0].dropout = nn.Dropout(0.5)
-    assert shared_input(layers, x)[1].grad_fn.__class__.__name__ == "_LoRAProductBackward"
+    assert _nodes(shared_input(OWNER, layers, x)) == 3
     layers[0].eval()
-    together = shared_input(layers, x)
-    assert type(together[0].grad_fn).__name__ == "_SharedInputLoRABackward"
+    together = shared_input(OWNER, layers, x)
+    assert _nodes(together) == 1 and type(together[0].grad_fn).__name__ == "_LoRAProductsBackward"
     for y, w in zip(together, want, strict=True):
         torch.testing.assert_close(y, w, rtol=1e-6, atol=1e-6 * float(w.detach().abs().max()))
 
@@ -580,7 +591,7 @@ def test_lora_keeps_two_nodes_where_the_base_trains_or_dropout_is_on() -> None:
     base = nn.Linear(16, 8, bias=False)
     m = LoRALinear(base, rank=2)
     y = m(torch.randn(5, 16))
-    assert type(y.grad_fn).__name__ != "_LoRAProductBackward"
+    assert type(y.grad_fn).__name__ != "_LoRAProductsBackward"
     y.sum().backward()
     assert base.weight.grad is not None and base.weight.grad.abs().sum() > 0
     base.weight.requires_grad_(False)
@@ -592,11 +603,11 @@ def test_lora_keeps_two_nodes_where_the_base_trains_or_dropout_is_on() -> None:
     doubled = Doubled(16, 8, bias=False).requires_grad_(False)
     x = torch.randn(5, 16)
     y = LoRALinear(doubled, rank=2)(x)
-    assert type(y.grad_fn).__name__ != "_LoRAProductBackward"
+    assert type(y.grad_fn).__name__ != "_LoRAProductsBackward"
     torch.testing.assert_close(y, 2 * F.linear(x, doubled.weight))  # B = 0: the base's own output
     m = LoRALinear(base, rank=2, dropout=0.5)
-    assert type(m.train()(torch.randn(5, 16)).grad_fn).__name__ != "_LoRAProductBackward"
-    assert type(m.eval()(torch.randn(5, 16)).grad_fn).__name__ == "_LoRAProductBackward"
+    assert type(m.train()(torch.randn(5, 16)).grad_fn).__name__ != "_LoRAProductsBackward"
+    assert type(m.eval()(torch.randn(5, 16)).grad_fn).__name__ == "_LoRAProductsBackward"
 
 
 def test_linear_parts_are_the_forwards_product_or_none() -> None:

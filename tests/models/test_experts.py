@@ -8,6 +8,7 @@ equal those of a token-by-token formula written separately.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,10 +44,21 @@ def routing_margins(model: Transformer, tokens: list[int]) -> torch.Tensor:
     return torch.stack(gaps).min(dim=0).values
 
 
+def every_expert(moe: MoE, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """(N, k, C) as MoE._routed computes it, with every expert run on every token and the routed ones kept."""
+    N = x.shape[0]
+    y = moe._ffn(x.repeat(moe.n_expert, 1), [N] * moe.n_expert).reshape(moe.n_expert, N, -1)  # (E, N, C)
+    return y[experts, torch.arange(N, device=x.device).unsqueeze(-1)]
+
+
 def set_routed_only(model: torch.nn.Module, routed_only: bool) -> None:
+    """Each MoE layer computes its routed experts only (its own code), or every expert (:func:`every_expert`)."""
     for m in model.modules():
         if isinstance(m, MoE):
-            m.routed_only = routed_only
+            if routed_only:
+                m.__dict__.pop("_routed", None)
+            else:
+                m._routed = types.MethodType(every_expert, m)
 
 
 @pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe", "llama_moe"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -83,9 +84,10 @@ def test_an_edited_header_rebuilds_the_library(cache, tmp_path) -> None:
 @pytest.mark.skipif(not clib.compiler(), reason="no C compiler")
 def test_load_declared_sets_each_function_s_types(cache, tmp_path) -> None:
     source = tmp_path / "half.c"
-    source.write_text("double ggtorch_test_half(double x) { return x / 2; }\n")
-    lib = clib.load_declared(source, (), {"ggtorch_test_half": (ctypes.c_double, [ctypes.c_double])})
-    assert lib.ggtorch_test_half(3) == 1.5  # undeclared, ctypes would pass an int and read an int back
+    (tmp_path / "half.h").write_text("/* halves */\ndouble ggtorch_test_half(const double *unused, double x);\n")
+    source.write_text('#include "half.h"\ndouble ggtorch_test_half(const double *unused, double x) { return x / 2; }\n')
+    lib = clib.load_declared(source, ())
+    assert lib.ggtorch_test_half(None, 3) == 1.5  # undeclared, ctypes would pass an int and read an int back
 
 
 @pytest.mark.skipif(not clib.compiler(), reason="no C compiler")
@@ -154,3 +156,91 @@ def test_a_read_only_cache_folder_trains_through_torch_with_one_line(tmp_path, s
     assert len(said) == 1 and str(folder) in said[0] and "XDG_CACHE_HOME" in said[0], proc.stderr
     assert "Traceback" not in proc.stderr
     assert list(folder.iterdir()) == []
+
+
+# --- the libraries' signatures: declared once, in each library's header, and held to the C definitions ----------
+
+def _libraries() -> list[Path]:
+    from ggtorch.ops import attention, fused, lowrank
+    from ggtorch.quant import native
+
+    return [native.SOURCE, lowrank.SOURCE, fused.SOURCE, attention.SOURCE]
+
+
+LIBRARIES = {path.name: path for path in _libraries()}
+
+DEFINITION = re.compile(r"^(?!static\b)[A-Za-z_][\w ]*?\b(ggtorch_\w+)\s*\([^;{]*\)\s*\{", re.MULTILINE)
+"""An exported function's definition in a library's source: not static, a body follows."""
+
+
+@pytest.mark.parametrize("name", LIBRARIES)
+def test_every_exported_function_has_its_prototype_in_the_header(name: str) -> None:
+    source = LIBRARIES[name]
+    defined = set(DEFINITION.findall(source.read_text()))
+    declared = set(clib.prototypes(source.with_suffix(".h")))
+    assert defined and defined == declared
+    assert f'#include "{source.stem}.h"' in source.read_text()
+
+
+def _syntax_check(source: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*clib.compiler(), "-fsyntax-only", str(source)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def _copy_sources(tmp_path: Path) -> Path:
+    """ggtorch's C sources and headers (ops/ and quant/: native.c includes ../ops/vec.h) under ``tmp_path``."""
+    package = LIBRARIES["native.c"].parents[1]
+    for folder in ("ops", "quant"):
+        (tmp_path / folder).mkdir()
+        for path in (package / folder).iterdir():
+            if path.suffix in (".c", ".h"):
+                shutil.copy(path, tmp_path / folder / path.name)
+    return tmp_path
+
+
+@pytest.mark.skipif(not clib.compiler(), reason="no C compiler")
+@pytest.mark.parametrize("name", LIBRARIES)
+def test_the_compiler_holds_each_definition_to_the_header_python_reads(name: str, tmp_path: Path) -> None:
+    """Python's ctypes types come from the header (clib.prototypes); the source includes it, so a definition that
+    differs from it in any argument or the result does not build: each prototype changed, one at a time, is
+    refused."""
+    folder = _copy_sources(tmp_path)
+    source = folder / LIBRARIES[name].parent.name / name
+    header = source.with_suffix(".h")
+    assert _syntax_check(source).returncode == 0, _syntax_check(source).stderr
+    text = header.read_text()
+    names = list(clib.prototypes(header))
+    for fn in names:
+        at = text.index(f" {fn}(")
+        end = text.index(";", at)
+        proto = text[at:end]
+        # one argument's type changed: the first int64_t becomes an int, else an int a float, else one more argument
+        changed = (proto.replace("int64_t", "int", 1) if "int64_t" in proto
+                   else proto.replace("int ", "float ", 1) if "int " in proto
+                   else proto.replace("(void)", "(int extra)"))
+        header.write_text(text[:at] + changed + text[end:])
+        result = _syntax_check(source)
+        assert result.returncode != 0 and "conflicting types" in result.stderr, (fn, changed)
+    header.write_text(text)
+
+
+@pytest.mark.skipif(not clib.compiler(), reason="no C compiler")
+def test_each_c_type_is_as_wide_as_its_ctypes_type(tmp_path: Path) -> None:
+    """What clib maps each header type to is what the compiler makes of it: the same size (a pointer too)."""
+    program = tmp_path / "sizes.c"
+    kinds = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float, "double": ctypes.c_double,
+             "const void *": ctypes.c_void_p, "float *": ctypes.c_void_p}
+    assert {name: clib.C_TYPES[name] for name in ("int", "int64_t", "float", "double")} == {
+        name: kinds[name] for name in ("int", "int64_t", "float", "double")}
+    lines = "".join(f'    printf("%zu\\n", sizeof({c}));\n' for c in kinds)
+    program.write_text(f"#include <stdint.h>\n#include <stdio.h>\nint main(void) {{\n{lines}    return 0;\n}}\n")
+    subprocess.run([*clib.compiler(), str(program), "-o", str(tmp_path / "sizes")], check=True, timeout=120)
+    sizes = subprocess.run([str(tmp_path / "sizes")], capture_output=True, text=True, check=True).stdout.split()
+    assert [int(n) for n in sizes] == [ctypes.sizeof(t) for t in kinds.values()]
+
+
+def test_a_header_type_clib_does_not_know_is_refused(tmp_path: Path) -> None:
+    header = tmp_path / "odd.h"
+    header.write_text("int ggtorch_odd(const void *x, uint8_t flag);\n")
+    with pytest.raises(ValueError, match="uint8_t flag"):
+        clib.prototypes(header)

@@ -4,6 +4,7 @@ and in their own dtype, through torch's ops and through fused.c (the ``native`` 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def test_rms_norm_forward_is_bit_identical_to_the_op_by_op_form(native: bool) ->
     if native:  # its own order of the sum of squares: within a few f32 steps, and recomputed bit-identically
         out = rms_norm(x, w, 1e-5)
         torch.testing.assert_close(out, reference_rms_norm(x, w, 1e-5), rtol=4e-7, atol=1e-7)
-        _, rstd = fused._native_rms_norm(x, w, 1e-5)
+        _, rstd = fused._rms_norm_op(x, w, 1e-5)
         assert torch.equal(out, fused._normed(x, w, rstd, x.dtype))
     else:
         assert torch.equal(rms_norm(x, w, 1e-5), reference_rms_norm(x, w, 1e-5))
@@ -156,10 +157,10 @@ def test_fused_c_results_do_not_depend_on_the_thread_count(dtype: torch.dtype) -
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            out, rstd = fused._native_rms_norm(gate, w, 1e-6)
+            out, rstd = fused._rms_norm_op(gate, w, 1e-6)
             results.append([fused._glu(gate, up, False), fused._glu(gate, up, True), out,
-                            fused._native_rms_norm_backward(gate, w, rstd, dy),
-                            *fused._native_glu_backward(gate, up, dy, True, True, True)])
+                            fused._rms_norm_backward_op(gate, w, rstd, dy),
+                            *fused._glu_backward_op(gate, up, dy, True, True, True)])
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r, strict=True))
@@ -191,9 +192,10 @@ def test_fused_functions_keep_less_for_backward(native: bool) -> None:
     assert sum(n for n in sizes if n == x.numel()) == x.numel()
 
 
-def _lora_grads(model: torch.nn.Module, tokens: torch.Tensor, autocast: bool) -> list[torch.Tensor]:
+def _lora_grads(model: torch.nn.Module, tokens: torch.Tensor, autocast: bool, recompute: bool) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+            fused.recompute_outputs() if recompute else nullcontext():
         logits = model(tokens)
     logits.float().logsumexp(-1).sum().backward()
     return [p.grad.clone() for p in model.parameters() if p.requires_grad]
@@ -202,9 +204,8 @@ def _lora_grads(model: torch.nn.Module, tokens: torch.Tensor, autocast: bool) ->
 @pytest.mark.parametrize("autocast", [False, True])
 def test_recomputed_outputs_give_bit_identical_gradients_and_are_not_kept(monkeypatch: pytest.MonkeyPatch,
                                                                           autocast: bool, native: bool) -> None:
-    """Llama.forward saves rms_norm/swiglu outputs as recipes; backward must not notice."""
-    from contextlib import nullcontext
-
+    """A forward inside recompute_outputs (the training step's) saves rms_norm/swiglu outputs as recipes; backward
+    must not notice."""
     from ggtorch.lora import LoraConfig, attach_lora
     from ggtorch.models import model as llama
     from ggtorch.models.config import LlamaConfig
@@ -224,13 +225,13 @@ def test_recomputed_outputs_give_bit_identical_gradients_and_are_not_kept(monkey
     recipes = []
     real_pack = fused._pack
     monkeypatch.setattr(fused, "_pack", lambda t: recipes.append(real_pack(t)) or recipes[-1])
-    with_recompute = _lora_grads(model, tokens, autocast)
-    if not autocast:  # per layer: the norms' outputs (q, k and v's node; gate and up's), SwiGLU's (down)
-        assert sum(isinstance(r, tuple) for r in recipes) == 2 * 3
+    with_recompute = _lora_grads(model, tokens, autocast, recompute=True)
+    if not autocast:  # per layer: the norms' outputs (q, k and v's node; gate and up's), SwiGLU's (down); and the
+        # output norm's (the output's LoRA)
+        assert sum(isinstance(r, tuple) for r in recipes) == 2 * 3 + 1
     else:  # autocast saves its bf16 copies of the norms' outputs; SwiGLU's bf16 output is a recipe
         assert sum(isinstance(r, tuple) for r in recipes) == 2
-    monkeypatch.setattr(llama, "recompute_outputs", nullcontext)
-    kept = _lora_grads(model, tokens, autocast)
+    kept = _lora_grads(model, tokens, autocast, recompute=False)
     assert all(torch.equal(a, b) for a, b in zip(with_recompute, kept, strict=True))
 
 

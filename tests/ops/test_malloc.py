@@ -61,32 +61,34 @@ def _glibc_process_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
-def _rounds(mode: str, env: dict[str, str], model: Path, text: Path) -> dict:
+def _rounds(mode: str, env: dict[str, str], model: Path, text: Path, folder: Path) -> dict:
+    """The rounds in a process of their own, in ``folder`` (a run's default outputs go to its working folder)."""
     proc = subprocess.run([sys.executable, "-c", ROUNDS, mode, str(model), str(text)], capture_output=True,
-                          text=True, timeout=300, env=env)
+                          text=True, timeout=300, env=env, cwd=folder)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
 
 
 @pytest.mark.parametrize("mode", ["kept", "trainer"])
-def test_a_run_stops_faulting_in_the_memory_it_freed(mode: str, stories260k: Path, texts: dict[str, Path]) -> None:
+def test_a_run_stops_faulting_in_the_memory_it_freed(mode: str, stories260k: Path, texts: dict[str, Path],
+                                                     tmp_path: Path) -> None:
     env = _glibc_process_env()
-    run = _rounds(mode, env, stories260k, texts["train"])
+    run = _rounds(mode, env, stories260k, texts["train"], tmp_path)
     assert run["kept"] in (True, {"asked": True, "threads_kept": True})
     # later rounds reuse the pages of the first: at most the heap grows now and then by a tensor that a
     # small live object left no room for (it keeps what it grew), never a round's worth every round
     assert sum(run["faults"][1:]) < PAGES_OF_A_ROUND // 2
 
 
-def test_a_library_run_leaves_the_process_as_it_was(stories260k: Path, texts: dict[str, Path]) -> None:
+def test_a_library_run_leaves_the_process_as_it_was(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
     """A notebook's ``ggtorch.finetune`` (manage_process=False) sets no malloc threshold and no thread count."""
-    run = _rounds("library", _glibc_process_env(), stories260k, texts["train"])
+    run = _rounds("library", _glibc_process_env(), stories260k, texts["train"], tmp_path)
     assert run["kept"] == {"asked": False, "threads_kept": True}
 
 
-def test_the_users_own_malloc_settings_win(stories260k: Path, texts: dict[str, Path]) -> None:
+def test_the_users_own_malloc_settings_win(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
     env = {**_glibc_process_env(), "MALLOC_TRIM_THRESHOLD_": "1"}  # fixes the mmap threshold at 128 KiB too
-    run = _rounds("kept", env, stories260k, texts["train"])
+    run = _rounds("kept", env, stories260k, texts["train"], tmp_path)
     assert run["kept"] is False
     assert min(run["faults"][2:]) > PAGES_OF_A_ROUND * 0.9  # every tensor mmapped and unmapped: all faulted again
 

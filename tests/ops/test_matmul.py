@@ -31,15 +31,12 @@ def test_f32_products_take_onednn_except_on_intel_cpus(vendor: str, onednn: bool
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """MKL is the faster f32 GEMM on Intel's CPUs, oneDNN on AMD's (bench/bench_gemm.py): the CPU policy's choice."""
     monkeypatch.setattr(policy, "cpu_vendor", lambda: vendor)
-    policy.for_device.cache_clear()
-    try:
-        assert policy.for_device("cpu").onednn_f32 is onednn
-        with policy.using(policy.for_device("cpu")):
-            x, w = _randn(64, 768), _randn(768, 768, seed=1)
-            assert matmul.uses_onednn(x, w) is (onednn and ONEDNN)
-            _close_to_f64(matmul.mm_t(x, w), x.double() @ w.double().T)
-    finally:
-        policy.for_device.cache_clear()
+    chosen = policy.choose("cpu")
+    assert chosen.onednn_f32 is onednn
+    with policy.using(chosen):
+        x, w = _randn(64, 768), _randn(768, 768, seed=1)
+        assert matmul.uses_onednn(x, w) is (onednn and ONEDNN)
+        _close_to_f64(matmul.mm_t(x, w), x.double() @ w.double().T)
 
 
 def test_the_cpu_vendor_is_read() -> None:

@@ -353,13 +353,17 @@ def test_block_checkpointing_on_and_off_gives_the_same_gradients(stories260k: Pa
         model(ids).float().logsumexp(-1).sum().backward()
         return [p.grad.clone() for p in params]
 
+    calls = []
+    for b in blocks:
+        b.register_forward_hook(lambda m, args, out: calls.append(m))
     plain = grads()
+    assert len(calls) == len(blocks)
     assert enable_block_checkpointing(model) == len(blocks) > 0
-    assert all("forward" in b.__dict__ for b in blocks)
     checkpointed = grads()
-    assert disable_block_checkpointing(model) == len(blocks)
-    assert not any("forward" in b.__dict__ for b in blocks) and disable_block_checkpointing(model) == 0
+    assert len(calls) == 2 * len(blocks) + len(blocks)  # each block again in backward
+    assert disable_block_checkpointing(model) == len(blocks) and disable_block_checkpointing(model) == 0
     again = grads()
+    assert len(calls) == 4 * len(blocks)
     for a, b, c in zip(plain, checkpointed, again, strict=True):
         assert a.abs().max() > 0
         torch.testing.assert_close(b, a, rtol=0, atol=0)

@@ -13,6 +13,7 @@ from ggtorch.io.encode import quantize
 from ggtorch.lora import LoRALinear
 from ggtorch.ops import clib, policy
 from ggtorch.quant import autograd as quant_autograd
+from ggtorch.quant import modules as quant_modules
 from ggtorch.quant.modules import QuantLinear
 from ggtorch.training import loss as loss_mod
 from ggtorch.training.loss import cross_entropy, output_cross_entropy
@@ -173,8 +174,8 @@ def test_fused_output_loss_dequantizes_a_quantized_output_one_slab_at_a_time(mon
     would be 671 MB in f32): its slabs cover the vocabulary once, plus the targets' rows."""
     cpu_policy(slab_bytes=4 * 64 * 100)  # slabs of 100 vocabulary rows
     decoded: list[tuple[int, ...]] = []
-    real = loss_mod.dequantize
-    for module in (loss_mod, quant_autograd):  # the slabs, then the targets' rows (quant_embedding)
+    real = quant_modules.dequantize
+    for module in (quant_modules, quant_autograd):  # the slabs (QuantLinear.weight_rows), the targets' rows
         monkeypatch.setattr(module, "dequantize",
                             lambda raw, t, shape, dtype: decoded.append(shape) or real(raw, t, shape, dtype))
     output = _output("quant", lora=False)
