@@ -24,35 +24,17 @@ speed drifts by 10-25% within minutes, which a single short run per configuratio
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-COMMON = r"""
-import json, resource, statistics, sys, time, types
-import torch
-spec = json.loads(sys.argv[1])
-torch.set_num_threads(spec["threads"])
-gen = torch.Generator().manual_seed(0)
+from step_rounds import print_table, run_rounds  # noqa: E402  (this folder's sibling)
 
-def measure(step):
-    times, loss = [], None
-    for i in range(spec["steps"] + 1):
-        tokens = torch.randint(0, spec["n_vocab"], (spec["batch"], spec["ctx"] + 1), generator=gen)
-        start = time.perf_counter()
-        loss = step(tokens)
-        if i:
-            times.append(time.perf_counter() - start)
-    print(json.dumps({"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                      "step_s": statistics.median(times), "loss": loss}))
-"""
-
-GGTORCH = COMMON + r"""
+GGTORCH = r"""
 from ggtorch.io.gguf import read_gguf
 from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
 from ggtorch.models.config import ModelConfig
@@ -88,7 +70,7 @@ def step(tokens):
 measure(step)
 """
 
-PEER = COMMON + r"""
+PEER = r"""
 from pathlib import Path
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
@@ -136,12 +118,6 @@ def build(folder: Path, ftype: str) -> tuple[Path, dict[str, int]]:
     return path, {"n_vocab": 32000, "head_dim": 64, "n_ff_exp": 1024}
 
 
-def fastest(runs: list[dict[str, float]]) -> dict[str, float]:
-    """A configuration's figure over its rounds: the fastest round's step time, and the highest peak RSS of
-    any round (memory does not drift with the machine's speed; the highest is what a user must have)."""
-    return {"step_s": min(r["step_s"] for r in runs), "peak_rss_gib": max(r["peak_rss_gib"] for r in runs)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ftype", default="Q4_K_M")
@@ -154,30 +130,22 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
-    rounds: dict[str, list[dict[str, float]]] = {c[0]: [] for c in CONFIGS}
+    children = {label: (child, experts, lora, base) for label, child, experts, lora, base in CONFIGS}
     with tempfile.TemporaryDirectory(prefix="ggtorch-bench-moe-") as tmp:
         path, dims = build(Path(tmp), args.ftype)
         size = path.stat().st_size / 2**20
-        for _ in range(args.rounds):
-            for label, child, experts, lora, base in CONFIGS:
-                spec = {"model": str(path), "batch": args.batch, "ctx": args.ctx, "steps": args.steps,
-                        "threads": args.threads, "experts": experts, "lora": lora, "base": base, **dims}
-                out = subprocess.run([sys.executable, "-c", child, json.dumps(spec)], capture_output=True,
-                                     text=True, cwd=ROOT)
-                if out.returncode:
-                    sys.exit(f"{label} failed:\n{out.stderr[-3000:]}")
-                rounds[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    results = {label: fastest(runs) for label, runs in rounds.items()}
+
+        def spec_of(label: str) -> dict[str, object]:
+            _, experts, lora, base = children[label]
+            return {"model": str(path), "batch": args.batch, "ctx": args.ctx, "steps": args.steps,
+                    "threads": args.threads, "experts": experts, "lora": lora, "base": base, **dims}
+
+        rounds = run_rounds([(label, c[0]) for label, c in children.items()], spec_of, args.rounds)
     tokens = args.batch * args.ctx
     print(f"qwen3moe, 16 experts top 2, {args.ftype} ({size:.0f} MiB file), batch {args.batch} x ctx {args.ctx}, "
           f"{args.threads} threads, median of {args.steps} steps per process, fastest of {args.rounds} "
           "alternating rounds\n")
-    print("| configuration | s/step | tok/s | peak RSS GiB |\n|---|---:|---:|---:|")
-    for label, r in results.items():
-        print(f"| {label} | {r['step_s']:.2f} | {tokens / r['step_s']:.0f} | {r['peak_rss_gib']:.2f} |")
-    print("\ns/step of every round, in the order run:")
-    for label, runs in rounds.items():
-        print(f"- {label}: " + ", ".join(f"{r['step_s']:.2f}" for r in runs))
+    results = print_table(rounds, tokens)
     (routed, dense, ours, ours_f32, peer) = (results[c[0]] for c in CONFIGS)
     print(f"\nrouted-only vs every expert: {dense['step_s'] / routed['step_s']:.2f}x the speed, "
           f"{routed['peak_rss_gib'] / dense['peak_rss_gib']:.0%} of the peak RSS")

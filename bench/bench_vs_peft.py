@@ -1042,7 +1042,8 @@ def plan(case: Case, spec: dict[str, Any], row: dict[str, Any], sides: list[str]
     return _Pending(case, spec, row, measured, runs)
 
 
-KEPT_COMMANDS = ("bench/bench_moe.py", "bench/bench_step_profile.py", "bench/bench_distributed.py")
+KEPT_COMMANDS = ("bench/bench_moe.py", "bench/bench_step_profile.py", "bench/bench_distributed.py",
+                 "bench/bench_hybrid.py")
 """Benchmarks whose sections of BENCHMARKS.md another command writes: a rerun of this one keeps them."""
 
 

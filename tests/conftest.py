@@ -15,7 +15,7 @@ import torch
 from ggtorch.ops import policy
 from ggtorch.ops.threads import pin_threads
 from tests.fixtures import SHAKESPEARE, STORIES260K
-from tests.helpers import fcntl, run_folder
+from tests.helpers import fcntl, made_once, run_folder
 from tests.llama_cpp_files import LlamaCppFilesUnavailable, llama_cpp_folder
 from tests.llama_models import RandomLlamaShape, plain_cpu_reference, quantize_with_llama_cpp, write_random_llama
 
@@ -164,19 +164,24 @@ def random_llama(tmp_path_factory: pytest.TempPathFactory, spm_vocab: Path) -> C
 def family_model(tmp_path_factory: pytest.TempPathFactory, llama_cpp: Path) -> Callable[..., Path]:
     """``family_model("qwen3", ftype="Q4_K_M")`` → path of a GGUF of a preset of tests/families.py.
 
-    The F32 file is written by gguf-py once per preset; each quantized variant is made from it by
-    llama.cpp once per session.
+    The F32 file is written by gguf-py once per preset and run; each quantized variant is made from it by
+    llama.cpp once per run: the workers share them (a preset's folder is made by the first that needs it while the
+    other waits; writing Qwen's 151k-token vocabulary with gguf-py alone takes seconds).
     """
     from tests.families import write_preset
 
     cache: dict[tuple[str, str], Path] = {}
-    root = tmp_path_factory.mktemp("families")
 
     def make(name: str, ftype: str = "F32") -> Path:
-        if (name, "F32") not in cache:
-            cache[name, "F32"] = write_preset(name, root)
         if (name, ftype) not in cache:
-            cache[name, ftype] = quantize_with_llama_cpp(cache[name, "F32"], root / f"{name}-{ftype}.gguf", ftype)
+            with made_once(tmp_path_factory, f"family-{name}") as folder:
+                f32 = folder / f"{name}-f32.gguf"
+                if not f32.exists():  # written beside, then renamed: a file there is whole
+                    write_preset(name, folder / "partial").rename(f32)
+                path = f32 if ftype == "F32" else folder / f"{name}-{ftype}.gguf"
+                if not path.exists():
+                    quantize_with_llama_cpp(f32, folder / "partial.gguf", ftype).rename(path)
+            cache[name, ftype] = path
         return cache[name, ftype]
 
     return make

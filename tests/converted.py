@@ -31,11 +31,19 @@ def _converter_env() -> dict[str, str]:
 
 def convert(script: Path, hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
     """Run llama.cpp's converter on ``hf_dir`` (its gguf-py first on sys.path, as the script arranges)."""
-    run = subprocess.run([sys.executable, str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype],
+    run = subprocess.run([sys.executable, str(script), str(hf_dir), *_arguments(hf_dir, out, outtype)],
                          capture_output=True, text=True, env=_converter_env())
     if run.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py {hf_dir.name} failed:\n{run.stderr[-4000:]}")
     return out
+
+
+def _arguments(hf_dir: Path, out: Path, outtype: str) -> list[str]:
+    """The converter's options for ``hf_dir``: ``--no-mtp`` for a Qwen3.5 checkpoint, which transformers saves without
+    the next-token-prediction block the converter otherwise requires (a released checkpoint carries one)."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    no_mtp = ["--no-mtp"] if config.get("model_type") in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5") else []
+    return ["--outfile", str(out), "--outtype", outtype, *no_mtp]
 
 
 _FORKING_CONVERTER = r"""
@@ -90,7 +98,7 @@ class Converter:
             if self.proc.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"{self.script} did not import; run it by hand to see why")
         log = out.with_name(out.name + ".log")
-        self.proc.stdin.write(json.dumps([[str(hf_dir), "--outfile", str(out), "--outtype", outtype], str(log)]) + "\n")
+        self.proc.stdin.write(json.dumps([[str(hf_dir), *_arguments(hf_dir, out, outtype)], str(log)]) + "\n")
         self.proc.stdin.flush()
         if int(self.proc.stdout.readline()) != 0:
             raise RuntimeError(f"convert_hf_to_gguf.py {hf_dir.name} failed:\n{log.read_text()[-4000:]}")
@@ -174,6 +182,34 @@ def _gpt_oss():  # -> PretrainedConfig
                         tie_word_embeddings=False)
 
 
+def _qwen35():  # -> PretrainedConfig
+    from transformers import Qwen3_5TextConfig
+
+    # Qwen3.5's hybrid at small widths: layers 0-2 Gated DeltaNet with 2 key heads and 4 value heads (so the
+    # converter reorders value heads for ggml's broadcast), layer 3 gated attention, half of each 32-wide head
+    # rotated in interleaved sections 3/3/2 (the released 11/11/10 scaled), tied as the small releases are.
+    return Qwen3_5TextConfig(vocab_size=QWEN_N_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                             linear_conv_kernel_dim=4, max_position_embeddings=256, tie_word_embeddings=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.5,
+                                              "mrope_section": [3, 3, 2], "mrope_interleaved": True})
+
+
+def _qwen35moe():  # -> PretrainedConfig
+    from transformers import Qwen3_5MoeTextConfig
+
+    # _qwen35's layers with top-2 of 8 routed experts and a gated shared expert in each, untied as the MoE releases
+    return Qwen3_5MoeTextConfig(vocab_size=QWEN_N_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=8,
+                                num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                 "partial_rotary_factor": 0.5, "mrope_section": [3, 3, 2],
+                                                 "mrope_interleaved": True})
+
+
 GPT_OSS_ROUTER_DIMS = 32
 """Hidden values only gpt-oss's router reads (tests/families.py's Shape.router_dims)."""
 
@@ -219,6 +255,8 @@ HF_FAMILIES: dict[str, tuple[str, Callable, dict[str, int] | None]] = {
     "qwen2": ("Qwen2ForCausalLM", _qwen2, None),
     "qwen3": ("Qwen3ForCausalLM", _qwen3, None),
     "gpt_oss": ("GptOssForCausalLM", _gpt_oss, None),
+    "qwen35": ("Qwen3_5ForCausalLM", _qwen35, None),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", _qwen35moe, None),
 }
 EMBEDDING_GAIN = 10.0
 """On the init's std of 0.02: logits with a std of a few units, so argmax is not a coin flip."""

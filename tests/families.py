@@ -92,6 +92,15 @@ class Shape:
     path reads exactly (get_rows), so its activation rounding moves top-k choices only through the norm's common
     scale; a larger router_gain cannot do this, the rounding moves the logits by a share of that same gain
     (0: the router reads everything)."""
+    delta_net: tuple[int, int, int, int] = (2, 4, 16, 4)
+    """qwen35's Gated DeltaNet layers: (key heads, value heads, head width, convolution taps)."""
+    full_attention_interval: int | None = None
+    """qwen35: ``full_attention_interval`` (None: key absent, llama.cpp's 4)."""
+    rope_sections: tuple[int, ...] = (3, 3, 2, 0)
+    """qwen35: ``rope.dimension_sections`` (the released 11 11 10 0 scaled to 8 pairs: every pair turns; 3 3 1 1
+    leaves pair 5 at the 4th position, 0 for text)."""
+    nextn_layers: int = 0
+    """qwen35: next-token-prediction blocks written after the trunk (``nextn_predict_layers``)."""
     extra_kv: dict = field(default_factory=dict)
     """More metadata written as-is (key -> python value; ints become u32, floats f32)."""
 
@@ -172,6 +181,18 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
     # attention.scale (1/16, not 1/sqrt(16)), logits divided by logit_scale; head_dim is never written. Small
     # embeddings (as muP-trained ones are) so the blocks' scaled outputs move the residual stream; output rows of gain
     # 24 over granite.logit_scale 8 give logits of std ~3
+    # Qwen3.5 (qwen35): layers 0-2 Gated DeltaNet (2 key heads, 4 value heads of 16: a value head reads key head
+    # h mod 2), layer 3 gated attention with q/k norms, partial multi-section rope (16 of 32 dims), tied like the
+    # 0.8B-9B releases, and one MTP block after the trunk that llama.cpp's main graph skips
+    "qwen35": ("qwen35", "stories", Shape(n_layer=4, head_dim=32, n_rot=16, rope_freq_base=1e7, tied_output=True,
+                                          nextn_layers=1)),
+    # Qwen3.5/3.6-35B-A3B style (qwen35moe): the same hybrid with top-2 of 8 routed experts (normalized weights)
+    # and a sigmoid-gated shared expert in every layer, llama's 32k vocabulary; rope sections that leave one pair
+    # unturned; as gpt_oss, a router that reads only dims no layer writes (quantization's rounding, amplified by the
+    # DeltaNet layers' norms, would flip its top-2 otherwise)
+    "qwen35moe": ("qwen35moe", "llama-spm", Shape(n_layer=4, head_dim=32, n_rot=16, rope_freq_base=1e7, n_ff=96,
+                                                n_expert=8, n_expert_used=2, n_ff_exp=64, n_ff_shexp=64,
+                                                rope_sections=(3, 3, 1, 1), router_gain=4.0, router_dims=32)),
     "granite": ("granite", "stories", Shape(rms_eps=1e-5, logit_scale=24.0, embd_std=0.1, extra_kv={
         "granite.embedding_scale": 12.0, "granite.residual_scale": 0.22, "granite.attention.scale": 0.0625,
         "granite.logit_scale": 8.0})),
@@ -262,7 +283,7 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
     w.add_uint32(f"{a}.context_length", s.n_ctx)
     w.add_uint32(f"{a}.embedding_length", s.n_embd)
     w.add_uint32(f"{a}.feed_forward_length", s.n_ff)
-    w.add_uint32(f"{a}.block_count", s.n_layer)
+    w.add_uint32(f"{a}.block_count", s.n_layer + s.nextn_layers)
     w.add_uint32(f"{a}.attention.head_count", s.n_head)
     w.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", s.rms_eps)
@@ -305,6 +326,18 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
         scale = s.n_ctx / s.n_ctx_orig
         longrope_attn = math.sqrt(1 + math.log(scale) / math.log(s.n_ctx_orig)) if scale > 1.0 else 1.0
         w.add_float32(f"{a}.rope.scaling.attn_factor", longrope_attn)
+    if arch in ("qwen35", "qwen35moe"):
+        hk, hv, dd, taps = s.delta_net
+        w.add_uint32(f"{a}.ssm.conv_kernel", taps)
+        w.add_uint32(f"{a}.ssm.state_size", dd)
+        w.add_uint32(f"{a}.ssm.group_count", hk)
+        w.add_uint32(f"{a}.ssm.time_step_rank", hv)
+        w.add_uint32(f"{a}.ssm.inner_size", hv * dd)
+        w.add_array(f"{a}.rope.dimension_sections", list(s.rope_sections))
+        if s.full_attention_interval is not None:
+            w.add_uint32(f"{a}.full_attention_interval", s.full_attention_interval)
+        if s.nextn_layers:
+            w.add_uint32(f"{a}.nextn_predict_layers", s.nextn_layers)
     for k, v in s.extra_kv.items():
         _add(w, k, v)
     for key, value, vtype, sub in vkeys:
@@ -325,9 +358,23 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
         t["rope_factors_short.weight"] = rng.uniform(1.0, 1.5, n_rot // 2).astype(np.float32)
 
     gemma = arch in ("gemma2", "gemma3")
-    for i in range(s.n_layer):
+    interval = s.full_attention_interval or 4
+    for i in range(s.n_layer + s.nextn_layers):
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = norm(s.n_embd)
+        if arch in ("qwen35", "qwen35moe"):
+            if i < s.n_layer and (i + 1) % interval:
+                t |= _random_delta_net(p, s, lin, norm, vec, rng) | _random_ffn(p, arch, s, lin, vec)
+            else:
+                t |= _random_gated_attention(p, s, hd, lin, norm) | _random_ffn(p, arch, s, lin, vec)
+            for name in ("ssm_out.weight", "attn_output.weight", "ffn_down_shexp.weight"):
+                if s.router_dims and p + name in t:  # the router's dims stay the token's embedding
+                    t[p + name][-s.router_dims:] = 0.0
+            if i >= s.n_layer:  # an MTP block: a full-attention block plus the NextN tensors
+                t[p + "nextn.eh_proj.weight"] = lin(s.n_embd, 2 * s.n_embd)
+                t[p + "nextn.enorm.weight"] = norm(s.n_embd)
+                t[p + "nextn.hnorm.weight"] = norm(s.n_embd)
+            continue
         if s.fused_qkv:
             t[p + "attn_qkv.weight"] = np.concatenate([lin(nq, s.n_embd), lin(nkv, s.n_embd), lin(nkv, s.n_embd)])
         else:
@@ -375,6 +422,45 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
 
 
 
+def _random_ffn(p: str, arch: str, s: Shape, lin, vec) -> dict[str, np.ndarray]:
+    """A layer's FFN: routed experts when the shape has some, else gate, up and down."""
+    if s.n_expert:
+        return _random_experts(p, arch, s, lin, vec)
+    return {p + "ffn_gate.weight": lin(s.n_ff, s.n_embd), p + "ffn_up.weight": lin(s.n_ff, s.n_embd),
+            p + "ffn_down.weight": lin(s.n_embd, s.n_ff, 0.5)}
+
+
+def _random_delta_net(p: str, s: Shape, lin, norm, vec, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A qwen35 Gated DeltaNet layer (llama_model_qwen35::load_arch_tensors), its FFN norm named post_attention_norm.
+    Decay rates a = -exp(A_log) with A_log in [-1, 1] and dt biases around 0 make states that forget over a few
+    to a few dozen tokens, so 48 tokens cross several chunks of the chunked rule with a state that matters. Key rows
+    lie near their query rows (as trained models' do, roughly): with independent ones, a token's read of its own
+    write, (k.q) v, has a q.k near 0 often enough that quantization's rounding flips its sign, which the per-head
+    norm after the rule turns into a unit-sized change, and a quantized file's logits would be noise."""
+    hk, hv, dd, taps = s.delta_net
+    channels = 2 * hk * dd + hv * dd
+    qkv = lin(channels, s.n_embd)
+    keys = hk * dd
+    conv = (rng.standard_normal((channels, taps)) / math.sqrt(taps)).astype(np.float32)
+    for w in (qkv, conv):  # each key channel near its query channel, in the projection and the convolution
+        w[keys:2 * keys] = 0.95 * w[:keys] + 0.3 * w[keys:2 * keys]
+    return {p + "attn_qkv.weight": qkv, p + "attn_gate.weight": lin(hv * dd, s.n_embd),
+            p + "ssm_conv1d.weight": conv,
+            p + "ssm_dt.bias": vec(hv, 0.5), p + "ssm_a": -np.exp(rng.uniform(-1, 1, hv)).astype(np.float32),
+            p + "ssm_beta.weight": lin(hv, s.n_embd, 0.3), p + "ssm_alpha.weight": lin(hv, s.n_embd, 0.3),
+            p + "ssm_norm.weight": norm(dd), p + "ssm_out.weight": lin(s.n_embd, hv * dd, 0.3),
+            p + "post_attention_norm.weight": norm(s.n_embd)}
+
+
+def _random_gated_attention(p: str, s: Shape, hd: int, lin, norm) -> dict[str, np.ndarray]:
+    """A qwen35 full-attention layer: attn_q twice as wide (per head the query, then its gate), q/k norms."""
+    nq, nkv = s.n_head * hd, s.n_head_kv * hd
+    return {p + "attn_q.weight": lin(2 * nq, s.n_embd), p + "attn_k.weight": lin(nkv, s.n_embd),
+            p + "attn_v.weight": lin(nkv, s.n_embd), p + "attn_output.weight": lin(s.n_embd, nq, 0.5),
+            p + "attn_q_norm.weight": norm(hd), p + "attn_k_norm.weight": norm(hd),
+            p + "post_attention_norm.weight": norm(s.n_embd)}
+
+
 def _random_experts(p: str, arch: str, s: Shape, lin, vec) -> dict[str, np.ndarray]:
     """A MoE layer's tensors: router, expert stacks (llama's experts are n_ff wide, the qwen families'
     and gpt-oss's expert_feed_forward_length, else n_ff / n_expert_used, as llama.cpp reads them), qwen2moe's
@@ -394,7 +480,7 @@ def _random_experts(p: str, arch: str, s: Shape, lin, vec) -> dict[str, np.ndarr
         t[p + "ffn_down_exps.weight"][:, -s.router_dims:] = 0.0
         if p + "ffn_down_exps.bias" in t:
             t[p + "ffn_down_exps.bias"][:, -s.router_dims:] = 0.0
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "qwen35moe"):
         nsh = s.n_ff_shexp or s.n_ff
         t |= {p + "ffn_gate_inp_shexp.weight": vec(s.n_embd, 1.0 / math.sqrt(s.n_embd)),
               p + "ffn_gate_shexp.weight": lin(nsh, s.n_embd), p + "ffn_up_shexp.weight": lin(nsh, s.n_embd),
@@ -425,6 +511,10 @@ def write_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
         head = 64 if shape.head_dim else None
         shape = replace(shape, n_embd=256, n_ff=512, head_dim=head, n_rot=32 if shape.n_rot else None,
                         n_ff_exp=256 if shape.n_ff_exp else None, n_ff_shexp=256 if shape.n_ff_shexp else None)
+        if shape.full_attention_interval is None and arch in ("qwen35", "qwen35moe"):
+            # a DeltaNet layer and an attention layer: at these widths K-quants' rounding through four hybrid
+            # layers moves the logits past the quantized tolerance in either program, not only between them
+            shape = replace(shape, n_layer=2, full_attention_interval=2, nextn_layers=0)
     return write_random_model(out_dir / f"{name}-f32.gguf", arch, vocabulary_file(vocab), shape, seed)
 
 

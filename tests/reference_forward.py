@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import gguf
 import numpy as np
 
-NEOX_ARCHS = {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "gpt-oss"}
+NEOX_ARCHS = {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "gpt-oss", "qwen35", "qwen35moe"}
 NORM_ARCHS = {"llama", "mistral3", "smollm3", "granite"}
 SUPPORTED = NEOX_ARCHS | NORM_ARCHS
 
@@ -62,6 +62,12 @@ class Config:
     # experts
     n_expert: int = 0
     n_expert_used: int = 0
+    # qwen35: Gated DeltaNet layers, gated attention, multi-section rope
+    recurrent: list[bool] = field(default_factory=list)
+    ssm_k_heads: int = 0
+    ssm_v_heads: int = 0
+    ssm_state: int = 0
+    rope_sections: tuple[int, ...] = ()
 
 
 @dataclass
@@ -123,7 +129,7 @@ def make_config(meta: dict, tensors: dict[str, np.ndarray]) -> Config:
     freq_scale = 1.0 if float(factor) == 0.0 else 1.0 / float(factor)
     if scaling_type == "none":
         freq_scale = 1.0
-    n_layer = int(g("{a}.block_count", required=True))
+    n_layer = int(g("{a}.block_count", required=True)) - int(g("{a}.nextn_predict_layers", 0))
     n_vocab = g("{a}.vocab_size", None) if arch == "llama" else None
     if n_vocab is None:
         n_vocab = len(meta["tokenizer.ggml.tokens"])
@@ -190,6 +196,17 @@ def make_config(meta: dict, tensors: dict[str, np.ndarray]) -> Config:
         c.rope_freq_base_swa = float(g("{a}.rope.freq_base_swa", c.rope_freq_base))
         c.rope_freq_scale_swa = c.rope_freq_scale
         c.kq_scale = 1.0 / math.sqrt(n_rot)  # the graph's head size is n_rot
+    elif arch in ("qwen35", "qwen35moe"):  # src/models/qwen35.cpp, qwen35moe.cpp, llama_model_qwen35::load_arch_hparams
+        pattern = meta.get(f"{arch}.attention.recurrent_layers")
+        if pattern is not None:
+            c.recurrent = [bool(x) for x in pattern[:n_layer]]
+        else:
+            interval = int(g("{a}.full_attention_interval", 4))
+            c.recurrent = [(il + 1) % interval != 0 for il in range(n_layer)]
+        c.ssm_k_heads = int(g("{a}.ssm.group_count", required=True))
+        c.ssm_v_heads = int(g("{a}.ssm.time_step_rank", required=True))
+        c.ssm_state = int(g("{a}.ssm.state_size", required=True))
+        c.rope_sections = tuple(int(x) for x in meta[f"{arch}.rope.dimension_sections"])
     return c
 
 
@@ -320,8 +337,16 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
         cos, sin = rope_cos_sin(T, c.n_rot, base, fscale, factors, c.rope_attn_factor,
                                 c.n_ctx_orig if c.rope_yarn else None, (c.yarn_beta_fast, c.yarn_beta_slow),
                                 c.yarn_log_mul)
+        if c.rope_sections:
+            still = ~imrope_text_pairs(c.rope_sections, c.n_rot)  # pairs of the 4th position, 0 for text
+            cos[:, still], sin[:, still] = c.rope_attn_factor, 0.0
 
         h = rms_norm(x, w[p + "attn_norm.weight"], c.rms_eps)
+        if c.recurrent and c.recurrent[il]:
+            x = x + gated_delta_net(h, w, p, c)
+            h = rms_norm(x, w[p + "post_attention_norm.weight"], c.rms_eps)
+            x = x + (moe_ffn(h, w, p, c) if c.n_expert else dense_ffn(h, w, p, c, gelu_mode))
+            continue
         nq, nk = H * Dk, Hkv * Dk
         if p + "attn_qkv.weight" in w:
             qkv = h @ w[p + "attn_qkv.weight"].T
@@ -330,6 +355,10 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
             q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
         else:
             q, k, v = (h @ w[p + f"attn_{n}.weight"].T for n in "qkv")
+        gate = None
+        if c.arch in ("qwen35", "qwen35moe"):  # attn_q holds, per head, the query and then its output gate
+            qg = q.reshape(T, H, 2 * Dk)
+            q, gate = qg[..., :Dk].reshape(T, H * Dk), qg[..., Dk:].reshape(T, H * Dk)
         if p + "attn_q.bias" in w:
             q = q + w[p + "attn_q.bias"]
             k = k + w[p + "attn_k.bias"]
@@ -358,14 +387,16 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
         else:
             probs = softmax(scores, axis=-1)
         att = np.einsum("hij,jhd->ihd", probs, vv).reshape(T, H * Dv)
+        if gate is not None:
+            att = att / (1.0 + np.exp(-gate))
         att = att @ w[p + "attn_output.weight"].T
         if p + "attn_output.bias" in w:
             att = att + w[p + "attn_output.bias"]
-        if p + "post_attention_norm.weight" in w and c.arch != "gpt-oss":
+        if p + "post_attention_norm.weight" in w and c.arch not in ("gpt-oss", "qwen35", "qwen35moe"):
             att = rms_norm(att, w[p + "post_attention_norm.weight"], c.rms_eps)
         x = x + att * c.residual_scale
 
-        ffn_norm = "post_attention_norm.weight" if c.arch == "gpt-oss" else "ffn_norm.weight"  # gpt-oss's name
+        ffn_norm = "post_attention_norm.weight" if c.arch in ("gpt-oss", "qwen35", "qwen35moe") else "ffn_norm.weight"
         h = rms_norm(x, w[p + ffn_norm], c.rms_eps)
         if c.n_expert:
             f = moe_ffn(h, w, p, c)
@@ -419,7 +450,7 @@ def moe_ffn(h: np.ndarray, w: dict, p: str, c: Config) -> np.ndarray:
         for e, weight in zip(chosen, weights, strict=True):
             hidden = silu(w[p + "ffn_gate_exps.weight"][e] @ h[t]) * (w[p + "ffn_up_exps.weight"][e] @ h[t])
             out[t] += weight * (w[p + "ffn_down_exps.weight"][e] @ hidden)
-    if c.arch == "qwen2moe":
+    if c.arch in ("qwen2moe", "qwen35moe"):  # qwen35moe.cpp: the shared expert as Qwen3Next's
         shared = (silu(h @ w[p + "ffn_gate_shexp.weight"].T) * (h @ w[p + "ffn_up_shexp.weight"].T))
         gate = 1.0 / (1.0 + np.exp(-(h @ w[p + "ffn_gate_inp_shexp.weight"])))
         out += (shared @ w[p + "ffn_down_shexp.weight"].T) * gate[:, None]
@@ -438,3 +469,56 @@ def _moe_ffn_gpt_oss(h: np.ndarray, w: dict, p: str, c: Config) -> np.ndarray:
             down = w[p + "ffn_down_exps.weight"][e] @ swiglu_oai(gate, up) + w[p + "ffn_down_exps.bias"][e]
             out[t] += weight * down
     return out
+
+
+def dense_ffn(h: np.ndarray, w: dict, p: str, c: Config, gelu_mode: str) -> np.ndarray:
+    """A gated FFN of gate, up and down (SwiGLU)."""
+    return (silu(h @ w[p + "ffn_gate.weight"].T) * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+
+
+def imrope_text_pairs(sections: tuple[int, ...], n_rot: int) -> np.ndarray:
+    """Per rotated pair, whether ggml's interleaved multi-section rope (IMROPE) turns it by a text token's position:
+    pair i of sector s = i mod sum(sections) takes the t/h/w position when s mod 3 is 0/1/2 and s < 3 x that
+    section; the other pairs take the 4th position, which llama.cpp sets to 0 for text."""
+    total = sum(sections)
+    out = np.zeros(n_rot // 2, dtype=bool)
+    for i in range(n_rot // 2):
+        sector = i % total
+        out[i] = (sector % 3 == 0 and sector < 3 * sections[0]) or (sector % 3 == 1 and sector < 3 * sections[1]) \
+            or (sector % 3 == 2 and sector < 3 * sections[2])
+    return out
+
+
+def gated_delta_net(h: np.ndarray, w: dict, p: str, c: Config) -> np.ndarray:
+    """qwen35's linear-attention layer token by token in float64 (llama.cpp's build_layer_attn_linear with
+    build_delta_net_autoregressive at each step): fused q|k|v, causal depthwise convolution, SiLU, L2 norms, the
+    gated delta rule over a state per value head, gated RMS norm, output projection."""
+    T = h.shape[0]
+    Hk, Hv, D = c.ssm_k_heads, c.ssm_v_heads, c.ssm_state
+    mixed = h @ w[p + "attn_qkv.weight"].T  # (T, channels)
+    z = h @ w[p + "attn_gate.weight"].T
+    beta = 1.0 / (1.0 + np.exp(-(h @ w[p + "ssm_beta.weight"].T)))  # (T, Hv)
+    alpha = h @ w[p + "ssm_alpha.weight"].T + w[p + "ssm_dt.bias"]
+    g = np.log1p(np.exp(alpha)) * w[p + "ssm_a"]  # softplus times the (negative) rate
+    kernel = w[p + "ssm_conv1d.weight"]  # (channels, K)
+    K = kernel.shape[1]
+    padded = np.concatenate([np.zeros((K - 1, mixed.shape[1])), mixed])
+    conv = np.stack([sum(padded[t + j] * kernel[:, j] for j in range(K)) for t in range(T)])
+    conv = silu(conv)
+    q = conv[:, :Hk * D].reshape(T, Hk, D)
+    k = conv[:, Hk * D:2 * Hk * D].reshape(T, Hk, D)
+    v = conv[:, 2 * Hk * D:].reshape(T, Hv, D)
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + c.rms_eps) / math.sqrt(D)
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + c.rms_eps)
+    state = np.zeros((Hv, D, D))  # per value head: key dim x value dim
+    out = np.zeros((T, Hv, D))
+    for t in range(T):
+        for hv in range(Hv):
+            hk = hv % Hk  # ggml's broadcast: value head hv reads key head hv mod Hk
+            s = state[hv] * np.exp(g[t, hv])
+            u = beta[t, hv] * (v[t, hv] - s.T @ k[t, hk])
+            s = s + np.outer(k[t, hk], u)
+            state[hv] = s
+            out[t, hv] = s.T @ q[t, hk]
+    o = rms_norm(out, w[p + "ssm_norm.weight"], c.rms_eps) * silu(z.reshape(T, Hv, D))
+    return o.reshape(T, Hv * D) @ w[p + "ssm_out.weight"].T

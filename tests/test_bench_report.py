@@ -454,8 +454,8 @@ def test_a_side_that_fails_in_turn_reports_it_and_the_other_goes_on(bench: Any) 
     assert len(results["peer"]["spans"]) == 3
 
 
-def test_moe_bench_takes_each_configurations_fastest_round_and_highest_rss() -> None:
-    moe = _bench_module("bench_moe")
+def test_moe_and_hybrid_benches_take_each_configurations_fastest_round_and_highest_rss() -> None:
+    moe = _bench_module("step_rounds")  # bench_moe.py's and bench_hybrid.py's rounds
     runs = [{"step_s": 1.9, "peak_rss_gib": 1.20, "loss": 10.4}, {"step_s": 1.6, "peak_rss_gib": 1.25, "loss": 10.4},
             {"step_s": 1.7, "peak_rss_gib": 1.22, "loss": 10.4}]
     assert moe.fastest(runs) == {"step_s": 1.6, "peak_rss_gib": 1.25}

@@ -201,6 +201,26 @@ def _find_content(text: str, content: str, before: str | None, pos: int, anchore
     return None
 
 
+def _written_answer(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], i: int, text: str, pos: int,
+                    end_texts: Sequence[str], where: str) -> Span | None:
+    """Where the template writes assistant message i when its content is not in the render as given: a reasoning
+    template (Qwen3, Qwen3.5, DeepSeek-R1, ...) cuts an inline ``<think>`` block out of an earlier answer, or
+    moves it. Found by rendering: what the conversation before it renders with the generation prompt is where the
+    answer starts (as far as that render agrees with the whole one), and the answer runs to the first end-of-turn
+    text after it, so what the template writes for the turn is what trains. None when the two renders part
+    before ``pos`` or no end-of-turn text follows."""
+    prompt = template.render(messages[:i], add_generation_prompt=True, where=where)
+    start = 0
+    for a, b in zip(prompt, text, strict=False):
+        if a != b:
+            break
+        start += 1
+    ends = [at for e in end_texts if (at := text.find(e, start)) >= 0]
+    if start < pos or not ends or min(ends) == start:
+        return None
+    return start, min(ends)
+
+
 def answer_spans(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], where: str,
                  end_texts: Sequence[str]) -> tuple[str, list[Span]]:
     """The render of a whole conversation and the spans of its answers (each with its end-of-turn text).
@@ -225,6 +245,8 @@ def answer_spans(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], 
         assistant = m["role"] == "assistant"
         # other roles only anchor the search, so they must be found where the template puts them
         span = _find_content(text, m["content"], before[i], pos, anchored=not assistant)
+        if span is None and assistant:
+            span = _written_answer(template, messages, i, text, pos, end_texts, where)
         if span is None and assistant:
             raise BadData(f"{where}: the {template.name} does not write assistant message {i}'s content into "
                           "its render of the conversation, so the answer cannot be located; fix the record or "

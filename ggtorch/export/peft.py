@@ -72,6 +72,15 @@ HF_MODULES: dict[str, str] = {
     "ffn_down": "model.layers.{bid}.mlp.down_proj",
 }
 _NO_FFN: dict[str, str] = {kind: path for kind, path in HF_MODULES.items() if not kind.startswith("ffn_")}
+_SHARED_EXPERT: dict[str, str] = {"ffn_gate_shexp": "model.layers.{bid}.mlp.shared_expert.gate_proj",
+                                  "ffn_up_shexp": "model.layers.{bid}.mlp.shared_expert.up_proj",
+                                  "ffn_down_shexp": "model.layers.{bid}.mlp.shared_expert.down_proj"}
+_DELTA_NET: dict[str, str] = {"attn_qkv": "model.layers.{bid}.linear_attn.in_proj_qkv",
+                              "attn_gate": "model.layers.{bid}.linear_attn.in_proj_z",
+                              "ssm_beta": "model.layers.{bid}.linear_attn.in_proj_b",
+                              "ssm_alpha": "model.layers.{bid}.linear_attn.in_proj_a",
+                              "ssm_out": "model.layers.{bid}.linear_attn.out_proj"}
+"""Qwen3.5's Gated DeltaNet modules (Qwen3_5GatedDeltaNet); its full-attention layers have q/k/v/o_proj."""
 FAMILY_HF_MODULES: dict[str, dict[str, str]] = {
     "phi3": {"token_embd": "model.embed_tokens", "output": "lm_head",
              "attn_qkv": "model.layers.{bid}.self_attn.qkv_proj",
@@ -80,13 +89,13 @@ FAMILY_HF_MODULES: dict[str, dict[str, str]] = {
              "ffn_down": "model.layers.{bid}.mlp.down_proj"},
     "qwen3moe": _NO_FFN,
     "gpt-oss": _NO_FFN,
-    "qwen2moe": _NO_FFN | {"ffn_gate_shexp": "model.layers.{bid}.mlp.shared_expert.gate_proj",
-                           "ffn_up_shexp": "model.layers.{bid}.mlp.shared_expert.up_proj",
-                           "ffn_down_shexp": "model.layers.{bid}.mlp.shared_expert.down_proj"},
+    "qwen2moe": _NO_FFN | _SHARED_EXPERT,
+    "qwen35": HF_MODULES | _DELTA_NET,
+    "qwen35moe": _NO_FFN | _SHARED_EXPERT | _DELTA_NET,
 }
-"""Architectures whose Hugging Face module names differ from HF_MODULES: Phi3ForCausalLM's, and the MoE
-models (qwen3moe, qwen2moe, gpt-oss), whose routed experts are no modules (below) and whose FFN is qwen2moe's
-shared expert."""
+"""Architectures whose Hugging Face module names differ from HF_MODULES: Phi3ForCausalLM's, the MoE
+models (qwen3moe, qwen2moe, gpt-oss, qwen35moe), whose routed experts are no modules (below) and whose FFN is qwen2moe's
+shared expert, and Qwen3.5's linear-attention layers."""
 EXPERT_REFUSAL = ("transformers stores a MoE's routed experts as fused 3-D parameters (mlp.experts.gate_up_proj, "
                   "mlp.experts.down_proj), not as modules a PEFT LoRA can target, so expert adapters have no "
                   "PEFT counterpart: train with --rank-exps 0 for a PEFT export, or merge the adapter into the "
@@ -95,7 +104,8 @@ HF_CLASSES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCau
                               "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                               "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                               "mistral3": "Ministral3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                              "gpt-oss": "GptOssForCausalLM", "granite": "GraniteForCausalLM"}
+                              "gpt-oss": "GptOssForCausalLM", "granite": "GraniteForCausalLM",
+                              "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
 """The Hugging Face model class of each family, for messages."""
 HF_LEAVES: dict[str, str] = {path.rsplit(".", 1)[-1]: kind for kind, path in HF_MODULES.items()}
 """``q_proj`` -> ``attn_q``: the names PEFT's ``target_modules`` usually lists."""
@@ -127,6 +137,8 @@ _REFUSED_OPTIONS: tuple[tuple[str, Any, str], ...] = (
 
 
 def _fusion_hint(architecture: str) -> str:
+    if architecture in ("qwen35", "qwen35moe"):
+        return ""
     if architecture == "phi3":
         return (f"; Hugging Face's {architecture} fuses q/k/v (qkv_proj) and gate/up (gate_up_proj), so a "
                 "LoRA on separate attn_q/attn_k/attn_v or ffn_gate has no PEFT counterpart")
@@ -166,6 +178,39 @@ def gguf_rows_to_hf(t: torch.Tensor, n_head: int) -> torch.Tensor:
     """Inverse of :func:`hf_rows_to_gguf`: per head, interleaved rope pairs back to two halves."""
     rest = t.shape[1:]
     return t.reshape(n_head, t.shape[0] // n_head // 2, 2, *rest).transpose(1, 2).reshape(t.shape)
+
+
+def _value_head_order(kind: str, config: ModelConfig, to_hf: bool) -> tuple[str, torch.Tensor] | None:
+    """Where a Gated DeltaNet's value heads sit in a LoRA pair, and the order that moves them between the layouts
+    (None: nothing to move). Hugging Face groups value heads by key head (k0: v0 v1, k1: v0 v1); llama.cpp's
+    converter tiles them (v0 of k0, v0 of k1, v1 of k0, ...) for ggml's broadcast, in the rows of attn_qkv's v part,
+    attn_gate, ssm_beta and ssm_alpha, and in the columns of ssm_out. Returns ("b" rows or "a" columns, index) with
+    ``new = old[index]`` along that dimension."""
+    if not config.family.linear_attention or kind not in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha",
+                                                          "ssm_out"):
+        return None
+    k_heads, per_key = config.ssm_k_heads, config.ssm_v_heads // config.ssm_k_heads
+    if per_key == 1:
+        return None
+    width = 1 if kind in ("ssm_beta", "ssm_alpha") else config.ssm_state
+    n = config.ssm_v_heads * width
+    tiled = (per_key, k_heads, width)  # llama.cpp's order, outermost first
+    grouped = (k_heads, per_key, width)  # Hugging Face's
+    index = torch.arange(n).reshape(tiled if to_hf else grouped).transpose(0, 1).reshape(n)
+    if kind == "attn_qkv":  # only the v rows, after q and k
+        keys = 2 * config.ssm_k_heads * config.ssm_state
+        index = torch.cat((torch.arange(keys), keys + index))
+    return ("a" if kind == "ssm_out" else "b"), index
+
+
+def _reorder_value_heads(kind: str, config: ModelConfig, a: torch.Tensor, b: torch.Tensor,
+                         to_hf: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A LoRA pair's (a, b) with a DeltaNet's value heads moved to the other layout (see _value_head_order)."""
+    order = _value_head_order(kind, config, to_hf)
+    if order is None:
+        return a, b
+    where, index = order
+    return (a[:, index], b) if where == "a" else (a, b[index])
 
 
 def _rope_heads(config: ModelConfig) -> dict[str, int]:
@@ -214,7 +259,8 @@ def export_peft(adapter: LoraAdapter, base: GGUFFile, out_dir: str | os.PathLike
             tensors[f"{key}.lora_embedding_B"] = pair.b
         else:
             b = gguf_rows_to_hf(pair.b, heads[kind]) if kind in heads else pair.b
-            tensors[f"{key}.lora_A.weight"] = pair.a
+            a, b = _reorder_value_heads(kind, config, pair.a, b, to_hf=True)
+            tensors[f"{key}.lora_A.weight"] = a
             tensors[f"{key}.lora_B.weight"] = b
         ranks[module] = pair.rank
     r = Counter(ranks.values()).most_common(1)[0][0]
@@ -404,6 +450,9 @@ def import_peft(peft_dir: str | os.PathLike[str], base: GGUFFile) -> LoraAdapter
             kind = _kind(name)
             if kind in heads and b.shape[0] % (2 * heads[kind]) == 0:  # else validation names the shape
                 b = hf_rows_to_gguf(b, heads[kind])
+            order = _value_head_order(kind, config, to_hf=False)
+            if order is not None and (b.shape[0] if order[0] == "b" else a.shape[1]) == order[1].numel():
+                a, b = _reorder_value_heads(kind, config, a, b, to_hf=False)
         rank = int(b.shape[-1])
         stated = int(_pattern_value(rank_pattern, modules[name], cfg["r"]))
         if rank != stated:

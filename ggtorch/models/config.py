@@ -27,6 +27,8 @@ ARCH = "llama"
 # gguf-py dropped the constant for the pre-2023 key; llama.cpp still reads it as a fallback
 # for Keys.Rope.SCALING_FACTOR (LLM_KV_ROPE_SCALE_LINEAR).
 ROPE_SCALE_LINEAR = "{arch}.rope.scale_linear"
+RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"
+"""llama.cpp's LLM_KV_ATTENTION_RECURRENT_LAYERS (newer than the gguf release ggtorch requires)."""
 
 
 @dataclass
@@ -109,6 +111,23 @@ class ModelConfig:
     llama, n_ff / n_expert_used for the qwen MoE families)."""
     n_ff_shexp: int | None = None
     """Hidden width of qwen2moe's shared expert (``expert_shared_feed_forward_length``; default n_ff)."""
+    recurrent_layers: tuple[bool, ...] = ()
+    """Per layer, whether it is a Gated DeltaNet layer instead of attention (empty: none is; qwen35)."""
+    ssm_conv_kernel: int = 0
+    """Taps of a DeltaNet layer's short causal convolution over q, k and v (``ssm.conv_kernel``)."""
+    ssm_inner: int = 0
+    """Width of a DeltaNet layer's value heads together (``ssm.inner_size``)."""
+    ssm_state: int = 0
+    """Width of one DeltaNet key head, and of its value heads: the state is ssm_state x ssm_state per value head
+    (``ssm.state_size``)."""
+    ssm_v_heads: int = 0
+    """Value heads of a DeltaNet layer (``ssm.time_step_rank``); each reads key head h mod ssm_k_heads."""
+    ssm_k_heads: int = 0
+    """Query/key heads of a DeltaNet layer (``ssm.group_count``)."""
+    rope_sections: tuple[int, ...] = ()
+    """``rope.dimension_sections`` of multi-section rope (qwen35): rotated pairs per position kind."""
+    n_layer_nextn: int = 0
+    """Next-token-prediction blocks stored after the trunk (``nextn_predict_layers``): never run, kept in exports."""
 
     def __post_init__(self) -> None:
         if self.arch not in FAMILIES:
@@ -137,6 +156,27 @@ class ModelConfig:
             raise BadGGUF(f"the sliding-window pattern has {len(self.swa_layers)} layers, the model {self.n_layer}")
         if any(self.swa_layers) and self.sliding_window <= 0:
             raise BadGGUF(f"sliding-window layers need a positive window, got {self.sliding_window}")
+        self._check_linear_attention()
+
+    def _check_linear_attention(self) -> None:
+        """The DeltaNet shapes llama.cpp's qwen35 graph asserts (a square state per value head, whole key groups)."""
+        if not self.family.linear_attention:
+            return
+        if len(self.recurrent_layers) != self.n_layer:
+            raise BadGGUF(f"the recurrent-layer pattern has {len(self.recurrent_layers)} layers, the model "
+                          f"{self.n_layer}")
+        if not any(self.recurrent_layers):
+            return
+        for name in ("ssm_conv_kernel", "ssm_inner", "ssm_state", "ssm_v_heads", "ssm_k_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise BadGGUF(f"{self.arch} hyperparameter {name} = {value!r} must be a positive integer")
+        if self.ssm_inner != self.ssm_v_heads * self.ssm_state:
+            raise BadGGUF(f"ssm inner size {self.ssm_inner} must be ssm time-step rank {self.ssm_v_heads} x ssm "
+                          f"state size {self.ssm_state} (a square state per value head)")
+        if self.ssm_v_heads % self.ssm_k_heads:
+            raise BadGGUF(f"ssm time-step rank {self.ssm_v_heads} (value heads) is not a multiple of ssm group "
+                          f"count {self.ssm_k_heads} (key heads)")
 
     def _check_experts(self) -> None:
         """The expert counts llama.cpp asserts (GGML_ASSERT there; one message here)."""
@@ -205,6 +245,20 @@ class ModelConfig:
     def is_swa(self, layer: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[layer]
 
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether ``layer`` is a Gated DeltaNet layer (its mixer is no attention)."""
+        return bool(self.recurrent_layers) and self.recurrent_layers[layer]
+
+    @property
+    def n_embd_q_proj(self) -> int:
+        """Rows of the query projection: the query heads, and a gate per head where the family has one."""
+        return self.n_embd_q * (2 if self.family.attn_output_gate else 1)
+
+    @property
+    def ssm_conv_channels(self) -> int:
+        """Channels of a DeltaNet layer's fused q|k|v, which its convolution runs over."""
+        return 2 * self.ssm_k_heads * self.ssm_state + self.ssm_inner
+
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> ModelConfig:
         """Read the config from a GGUF's metadata; Unsupported for architectures without a family row."""
@@ -232,13 +286,18 @@ class ModelConfig:
 
         n_head = integer(Keys.Attention.HEAD_COUNT, required(Keys.Attention.HEAD_COUNT))
         n_embd = integer(Keys.LLM.EMBEDDING_LENGTH, required(Keys.LLM.EMBEDDING_LENGTH))
-        n_layer = integer(Keys.LLM.BLOCK_COUNT, required(Keys.LLM.BLOCK_COUNT))
+        n_layer_all = integer(Keys.LLM.BLOCK_COUNT, required(Keys.LLM.BLOCK_COUNT))
         n_head_kv = integer(Keys.Attention.HEAD_COUNT_KV, optional(Keys.Attention.HEAD_COUNT_KV, n_head))
         for template, value in ((Keys.Attention.HEAD_COUNT, n_head), (Keys.LLM.EMBEDDING_LENGTH, n_embd),
-                                (Keys.LLM.BLOCK_COUNT, n_layer), (Keys.Attention.HEAD_COUNT_KV, n_head_kv)):
+                                (Keys.LLM.BLOCK_COUNT, n_layer_all), (Keys.Attention.HEAD_COUNT_KV, n_head_kv)):
             if value < 1:
                 raise BadGGUF(f"{f.path}: '{key(template)}' is {value}; a model has at least 1, so the file is "
                               "broken (re-download or re-convert it)")
+        n_layer_nextn = integer(Keys.LLM.NEXTN_PREDICT_LAYERS, optional(Keys.LLM.NEXTN_PREDICT_LAYERS, 0))
+        if not 0 <= n_layer_nextn < n_layer_all:
+            raise BadGGUF(f"{f.path}: '{key(Keys.LLM.NEXTN_PREDICT_LAYERS)}' = {n_layer_nextn} must be below "
+                          f"'{key(Keys.LLM.BLOCK_COUNT)}' = {n_layer_all}")
+        n_layer = n_layer_all - n_layer_nextn
         n_vocab = optional(Keys.LLM.VOCAB_SIZE, None) if family.vocab_size_key else None
         if n_vocab is None:
             tokens = f.get(Keys.Tokenizer.LIST)
@@ -280,7 +339,10 @@ class ModelConfig:
             attention_scale = float(optional(Keys.Attention.SCALE, 0.0)) or attention_scale
         n_ctx_train = integer(Keys.LLM.CONTEXT_LENGTH, required(Keys.LLM.CONTEXT_LENGTH))
         tensors = f.tensors
-        fused_qkv = names.gguf_name("attn_qkv", 0) in tensors
+        linear = _linear_attention(f, family, n_layer_all, n_layer, integer, optional)
+        recurrent = linear.get("recurrent_layers", ())
+        attention_layer = next((i for i in range(n_layer) if not (recurrent and recurrent[i])), 0)
+        fused_qkv = names.gguf_name("attn_qkv", attention_layer) in tensors
         biases = tuple(kind for kind in names.MATRIX_KINDS if names.bias_of(kind) in names.TENSOR_KINDS
                        and any(name in tensors for name in _bias_names(kind, n_layer)))
         return cls(
@@ -289,7 +351,7 @@ class ModelConfig:
             n_layer=n_layer,
             n_head=n_head,
             n_head_kv=n_head_kv,
-            n_ff=integer(Keys.LLM.FEED_FORWARD_LENGTH, required(Keys.LLM.FEED_FORWARD_LENGTH)),
+            n_ff=_n_ff(f, family, integer, optional),
             n_ctx_train=n_ctx_train,
             rms_eps=float(required(Keys.Attention.LAYERNORM_RMS_EPS)),
             n_rot=integer(Keys.Rope.DIMENSION_COUNT, optional(Keys.Rope.DIMENSION_COUNT, head_dim)),
@@ -315,6 +377,8 @@ class ModelConfig:
             fused_qkv=fused_qkv,
             biases=biases,
             **_experts(f, family, integer, optional),
+            **linear,
+            n_layer_nextn=n_layer_nextn,
         )
 
 
@@ -354,6 +418,18 @@ def _granite_keys(f: GGUFFile, family: Family, optional: Any, required: Any) -> 
             "logit_scale": float(required(Keys.LLM.LOGIT_SCALE))}
 
 
+def _n_ff(f: GGUFFile, family: Family, integer: Any, optional: Any) -> int:
+    """``feed_forward_length``: required, except in a family whose every layer routes experts, where llama.cpp
+    reads it as optional (the converter of qwen35moe writes only the experts' widths); then the experts' width."""
+    key = Keys.LLM.FEED_FORWARD_LENGTH
+    value = optional(key, None)
+    if value is None and family.experts == "required":
+        value = optional(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, None)
+    if value is None:
+        f.require(key.format(arch=f.architecture))
+    return integer(key, value)
+
+
 def _experts(f: GGUFFile, family: Family, integer: Any, optional: Any) -> dict[str, int | None]:
     """The expert keys of a MoE family (a dense family's graph never reads them, nor does ggtorch)."""
     if family.experts == "none":
@@ -362,6 +438,48 @@ def _experts(f: GGUFFile, family: Family, integer: Any, optional: Any) -> dict[s
             "n_expert_used": integer(Keys.LLM.EXPERT_USED_COUNT, optional(Keys.LLM.EXPERT_USED_COUNT, 0)),
             "n_ff_exp": _optional_int(f, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, optional),
             "n_ff_shexp": _optional_int(f, Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, optional)}
+
+
+def _linear_attention(f: GGUFFile, family: Family, n_layer_all: int, n_layer: int, integer: Any,
+                      optional: Any) -> dict[str, Any]:
+    """A hybrid family's DeltaNet keys and layer pattern, as llama_model_qwen35::load_arch_hparams reads them:
+    ``attention.recurrent_layers`` (a bool per block) if present, else every layer but each
+    ``full_attention_interval``-th (default 4); the rope sections."""
+    out: dict[str, Any] = {}
+    if family.rope_sections:
+        sections = f.metadata.get(Keys.Rope.DIMENSION_SECTIONS.format(arch=f.architecture))
+        if sections is None:
+            raise BadGGUF(f"{f.path}: required key '{Keys.Rope.DIMENSION_SECTIONS.format(arch=f.architecture)}' "
+                          "is missing (re-convert the model with a current llama.cpp)")
+        if not isinstance(sections, list) or not all(isinstance(x, int) and x >= 0 for x in sections):
+            raise BadGGUF(f"{f.path}: '{Keys.Rope.DIMENSION_SECTIONS.format(arch=f.architecture)}' = {sections!r} "
+                          "must be an array of non-negative integers")
+        out["rope_sections"] = tuple((list(sections) + [0] * 4)[:4])
+    if not family.linear_attention:
+        return out
+    pattern_key = RECURRENT_LAYERS.format(arch=f.architecture)
+    if pattern_key in f.metadata:
+        pattern = f.metadata[pattern_key]
+        if not isinstance(pattern, list) or len(pattern) < n_layer:
+            raise BadGGUF(f"{f.path}: '{pattern_key}' must be a bool per block ({n_layer_all}), got {pattern!r:.80}")
+        recurrent = tuple(bool(x) for x in pattern[:n_layer])
+    else:
+        interval = integer(Keys.LLM.FULL_ATTENTION_INTERVAL, optional(Keys.LLM.FULL_ATTENTION_INTERVAL, 4))
+        if interval < 1:
+            raise BadGGUF(f"{f.path}: '{Keys.LLM.FULL_ATTENTION_INTERVAL.format(arch=f.architecture)}' = {interval} "
+                          "must be at least 1")
+        recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
+    out["recurrent_layers"] = recurrent
+    if any(recurrent):
+        for field_name, template in (("ssm_conv_kernel", Keys.SSM.CONV_KERNEL), ("ssm_inner", Keys.SSM.INNER_SIZE),
+                                     ("ssm_state", Keys.SSM.STATE_SIZE), ("ssm_v_heads", Keys.SSM.TIME_STEP_RANK),
+                                     ("ssm_k_heads", Keys.SSM.GROUP_COUNT)):
+            name = template.format(arch=f.architecture)
+            if name not in f.metadata:
+                raise BadGGUF(f"{f.path}: required key '{name}' is missing (a {f.architecture} model's linear "
+                              "attention needs it)")
+            out[field_name] = integer(template, _scalar(f, name, f.metadata[name]))
+    return out
 
 
 def _bias_names(kind: str, n_layer: int) -> list[str]:

@@ -19,6 +19,8 @@ turns a row plus the file's metadata and tensors into the numbers the model runs
 | smollm3  | norm | -       | -         | -       | SwiGLU  | -              | -               | -                    |
 | gpt-oss  | neox | -       | -         | -       | SwiGLU† | yes, softmax_w | -               | 1 in 2 global        |
 | granite  | norm | -       | -         | × key   | SwiGLU  | -              | -               | -                    |
+| qwen35   | neox | yes     | -         | -       | SwiGLU  | -              | -               | -                    |
+| qwen35moe| neox | yes     | -         | -       | SwiGLU  | yes, norm, + shared | -          | -                    |
 
 \* over one fused ``ffn_up``. Defaults apply when the file has no key for them. gemma3's sliding layers have
 their own rope base. mistral3 (Ministral 3, Mistral Small 3.x as converted since late 2025) is llama's block
@@ -31,6 +33,13 @@ every fourth layer (llama.cpp's ``n_no_rope_layer_step``, fixed at 4).
 stored as ``post_attention_norm``. Its sliding layers use the global rope. granite (IBM Granite 3.x) is llama's
 block scaled by four keys: ``embedding_scale`` (× key above), ``residual_scale`` on the attention and FFN
 outputs before each residual add, ``attention.scale`` as the q·k scale, and ``logit_scale`` dividing the logits.
+
+qwen35 (Qwen3.5 and 3.6) is a hybrid: three layers of four are Gated DeltaNet (a linear attention whose state runs
+over the tokens, ``models/delta_net.py``), the fourth full attention with a sigmoid gate on its output; rope turns
+the first quarter of each head (``rope.dimension_count``) in ggml's multi-section layout, and the norm before the FFN
+is stored as ``post_attention_norm``. Files may carry next-token-prediction (MTP) blocks after the trunk
+(``nextn_predict_layers``): llama.cpp's main graph never runs them, nor does ggtorch, and they are kept as they are.
+qwen35moe (Qwen3.5/3.6-35B-A3B and larger) is qwen35 with routed experts and a shared expert gated as qwen2moe's.
 
 Experts (llama.cpp's ``build_moe_ffn``): each token's FFN is the sum of its top ``expert_used_count``
 experts of ``expert_count``, weighted by their softmax probabilities, renormalized to sum 1 where the row
@@ -125,6 +134,16 @@ class Family:
     n_ff / expert_used_count (the qwen MoE families)."""
     vocab_size_key: bool = False
     """The vocabulary size may come from ``vocab_size`` (llama's loader reads it); else from the token list."""
+    linear_attention: bool = False
+    """Gated DeltaNet layers (``models/delta_net.py``) wherever the file marks a layer recurrent
+    (``attention.recurrent_layers``, else every layer but each ``full_attention_interval``-th, 4 by default); full
+    attention in the others (qwen35)."""
+    attn_output_gate: bool = False
+    """Each query head carries a gate of its width (``attn_q`` is twice as wide, query and gate interleaved per
+    head): the attention's output is multiplied by sigmoid(gate) before ``attn_output`` (qwen35)."""
+    rope_sections: bool = False
+    """Multi-section rope (ggml's IMROPE): ``rope.dimension_sections`` assigns each rotated pair a position kind;
+    text tokens sit at the same position in the first three and at 0 in the fourth, whose pairs do not turn."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -153,5 +172,9 @@ FAMILIES: dict[str, Family] = {
                                     "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
                       normalize_expert_weights=False, expert_gating="softmax_weight", attn_sinks=True,
                       ffn_norm="attn_post_norm", rope_whole_head=True),
+    "qwen35": Family(rope="neox", qk_norm=True, ffn_norm="attn_post_norm", linear_attention=True,
+                     attn_output_gate=True, rope_sections=True),
+    "qwen35moe": Family(rope="neox", qk_norm=True, ffn_norm="attn_post_norm", linear_attention=True,
+                        attn_output_gate=True, rope_sections=True, experts="required", shared_expert=True),
 }
 """``general.architecture`` -> its row. Architectures not listed are refused by name."""

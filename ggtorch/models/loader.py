@@ -11,6 +11,7 @@ errors name the tensor.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from os import PathLike
 
@@ -50,33 +51,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if not c.tied_output:
         shapes[names.gguf_name("output")] = (c.n_vocab, c.n_embd)
-    per_layer = {
-        "attn_norm": (c.n_embd,),
-        "attn_output": (c.n_embd, c.n_embd_q),
-        c.family.ffn_norm: (c.n_embd,),
-    }
-    if c.n_expert:
-        per_layer |= _expert_shapes(c)
-    else:
-        per_layer |= {"ffn_up": (2 * c.n_ff if c.family.fused_up else c.n_ff, c.n_embd), "ffn_down": (c.n_embd, c.n_ff)}
-        if not c.family.fused_up:
-            per_layer["ffn_gate"] = (c.n_ff, c.n_embd)
-    if c.fused_qkv:
-        per_layer["attn_qkv"] = (c.n_embd_q + 2 * c.n_embd_kv, c.n_embd)
-    else:
-        per_layer |= {"attn_q": (c.n_embd_q, c.n_embd), "attn_k": (c.n_embd_kv, c.n_embd),
-                      "attn_v": (c.n_embd_kv, c.n_embd)}
-    if c.family.qk_norm:
-        per_layer |= {"attn_q_norm": (c.head_dim,), "attn_k_norm": (c.head_dim,)}
-    if c.family.post_norms:
-        per_layer |= {"attn_post_norm": (c.n_embd,), "ffn_post_norm": (c.n_embd,)}
-    if c.family.attn_sinks:
-        per_layer["attn_sinks"] = (c.n_head,)
-    for kind in c.biases:
-        if kind != "output":
-            per_layer[names.bias_of(kind)] = per_layer[kind][:-1]  # one per output row (of each expert)
     for bid in range(c.n_layer):
-        for kind, shape in per_layer.items():
+        for kind, shape in layer_shapes(c, bid).items():
             shapes[names.gguf_name(kind, bid)] = shape
     if "output" in c.biases:
         shapes[names.gguf_name("output_bias")] = (c.n_vocab,)
@@ -85,6 +61,53 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if c.rope_long_short:
         shapes[names.ROPE_FACTORS_LONG] = shapes[names.ROPE_FACTORS_SHORT] = (c.n_rot // 2,)
     return shapes
+
+
+def layer_shapes(config: ModelConfig, bid: int) -> dict[str, tuple[int, ...]]:
+    """Tensor kind -> torch-order shape, for every tensor of layer ``bid``."""
+    c = config
+    per_layer: dict[str, tuple[int, ...]] = {"attn_norm": (c.n_embd,), c.family.ffn_norm: (c.n_embd,)}
+    if c.n_expert:
+        per_layer |= _expert_shapes(c)
+    else:
+        per_layer |= {"ffn_up": (2 * c.n_ff if c.family.fused_up else c.n_ff, c.n_embd), "ffn_down": (c.n_embd, c.n_ff)}
+        if not c.family.fused_up:
+            per_layer["ffn_gate"] = (c.n_ff, c.n_embd)
+    if c.family.post_norms:
+        per_layer |= {"attn_post_norm": (c.n_embd,), "ffn_post_norm": (c.n_embd,)}
+    if c.is_recurrent(bid):
+        return per_layer | _delta_net_shapes(c)
+    per_layer["attn_output"] = (c.n_embd, c.n_embd_q)
+    if c.fused_qkv:
+        per_layer["attn_qkv"] = (c.n_embd_q_proj + 2 * c.n_embd_kv, c.n_embd)
+    else:
+        per_layer |= {"attn_q": (c.n_embd_q_proj, c.n_embd), "attn_k": (c.n_embd_kv, c.n_embd),
+                      "attn_v": (c.n_embd_kv, c.n_embd)}
+    if c.family.qk_norm:
+        per_layer |= {"attn_q_norm": (c.head_dim,), "attn_k_norm": (c.head_dim,)}
+    if c.family.attn_sinks:
+        per_layer["attn_sinks"] = (c.n_head,)
+    for kind in c.biases:
+        if kind != "output":
+            per_layer[names.bias_of(kind)] = per_layer[kind][:-1]  # one per output row (of each expert)
+    return per_layer
+
+
+def _delta_net_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors (llama_model_qwen35::load_arch_tensors)."""
+    return {"attn_qkv": (c.ssm_conv_channels, c.n_embd), "attn_gate": (c.ssm_inner, c.n_embd),
+            "ssm_conv1d": (c.ssm_conv_channels, c.ssm_conv_kernel), "ssm_dt": (c.ssm_v_heads,),
+            "ssm_a": (c.ssm_v_heads,), "ssm_beta": (c.ssm_v_heads, c.n_embd), "ssm_alpha": (c.ssm_v_heads, c.n_embd),
+            "ssm_norm": (c.ssm_state,), "ssm_out": (c.n_embd, c.ssm_inner)}
+
+
+def trunk_tensors(f: GGUFFile, config: ModelConfig) -> dict[str, TensorInfo]:
+    """The file's tensors the model runs: all but those of next-token-prediction blocks after the trunk
+    (``nextn_predict_layers``), which llama.cpp's main graph skips too."""
+    if not config.n_layer_nextn:
+        return f.tensors
+    extra = {f"blk.{bid}." for bid in range(config.n_layer, config.n_layer + config.n_layer_nextn)}
+    return {name: info for name, info in f.tensors.items() if not any(name.startswith(p) for p in extra)}
 
 
 def _expert_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -113,6 +136,12 @@ def _shape_error(f: GGUFFile, config: ModelConfig, name: str, shape: tuple[int, 
                        "the file is inconsistent (re-convert it)")
     return BadGGUF(f"{f.path}: tensor '{name}' has shape {shape}, expected {expected} "
                    "from the model's hyperparameters")
+
+
+def _row_of(shape: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` holds a vector of ``expected`` as a (1, ..., n) row: the same ggml ``ne`` but for
+    trailing ones, which llama.cpp's loader takes as equal (qwen35moe's converter writes its shared-expert gate so)."""
+    return len(expected) == 1 and len(shape) > 1 and shape[-1] == expected[0] and all(d == 1 for d in shape[:-1])
 
 
 def _check_biases(f: GGUFFile, config: ModelConfig) -> None:
@@ -153,12 +182,13 @@ def check_tensor_names(f: GGUFFile, config: ModelConfig) -> dict[str, tuple[int,
     returns the expected shapes (each tensor's own shape is checked as it is loaded)."""
     _check_biases(f, config)
     expected = expected_shapes(config)
-    unexpected = sorted(set(f.tensors) - expected.keys())
+    tensors = trunk_tensors(f, config)
+    unexpected = sorted(set(tensors) - expected.keys())
     if unexpected:
         raise Unsupported(f"{f.path}: tensor '{unexpected[0]}' is not part of a {config.arch} model "
                           f"({len(unexpected)} unexpected tensor(s)); ggtorch cannot use this model")
     optional = {name for name in expected if name.endswith(".bias")}  # llama.cpp reads each layer's as optional
-    missing = [name for name in expected if name not in f.tensors and name not in optional]
+    missing = [name for name in expected if name not in tensors and name not in optional]
     if missing:
         raise BadGGUF(f"{f.path}: required tensor '{missing[0]}' is missing ({len(missing)} missing)")
     return expected
@@ -184,7 +214,9 @@ def build_llama(f: GGUFFile, config: ModelConfig, device: torch.device | str = "
             continue
         info = f.tensors[name]
         if info.shape != shape:
-            raise _shape_error(f, config, name, info.shape, shape)
+            if not _row_of(info.shape, shape):
+                raise _shape_error(f, config, name, info.shape, shape)
+            info = dataclasses.replace(info, shape=shape)
         if name in names.ROPE_BUFFERS:
             setattr(model, names.ROPE_BUFFERS[name],
                     dequantize(info.raw().to(device), info.ggml_type, info.shape, torch.float32, name))

@@ -4,7 +4,9 @@ One file, nanoGPT style: RMSNorm, rope, Attention, MLP, MoE, Block, Transformer.
 (models/families.py) arrives through ModelConfig switches: rope layout and partial rope, q/k norms,
 fused q/k/v, biases, post norms, GeGLU, embedding scale, soft-capping, sliding-window layers,
 rope factors, YaRN, layers without rope, attention temperature, attention sinks, routed experts (with
-biases and OpenAI's clamped SwiGLU for gpt-oss), granite's embedding, residual and logit scales. Module paths follow
+biases and OpenAI's clamped SwiGLU for gpt-oss), granite's embedding, residual and logit scales, qwen35's gated
+attention and multi-section rope. A hybrid family's recurrent layers hold a Gated DeltaNet (models/delta_net.py)
+where the others hold Attention, chosen per layer from the config. Module paths follow
 ``ggtorch.models.names`` (``layers.{i}.attn.q`` ...), so GGUF tensors map one-to-one onto modules.
 Linear layers are ``ggtorch.ops.matmul.Linear`` (an ``nn.Linear``) or, for weights kept in their ggml
 blocks, ``ggtorch.quant.modules.QuantLinear``: this file only calls them, and keeps biases as separate
@@ -25,22 +27,12 @@ from torch import nn
 
 from ggtorch.models.attention import attention
 from ggtorch.models.config import ModelConfig
+from ggtorch.models.delta_net import GatedDeltaNet, RecurrentState
+from ggtorch.models.norm import RMSNorm
 from ggtorch.ops import fused, policy
 from ggtorch.ops.experts import Experts
-from ggtorch.ops.fused import geglu, rms_norm, swiglu
+from ggtorch.ops.fused import geglu, swiglu
 from ggtorch.ops.matmul import Linear
-
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, computed in f32 whatever the activation dtype."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_angles_at(positions: torch.Tensor, n_rot: int, freq_base: float, freq_scale: float,
@@ -76,6 +68,20 @@ def rope_angles_at(positions: torch.Tensor, n_rot: int, freq_base: float, freq_s
     if attn_factor != 1.0:
         cos, sin = cos * attn_factor, sin * attn_factor
     return cos, sin
+
+
+def rope_section_turns(sections: tuple[int, ...], n_rot: int) -> torch.Tensor:
+    """Per rotated pair, whether a text token's position turns it under ggml's interleaved multi-section rope
+    (IMROPE, ggml_mrope_cache_init): pair i, in sector i mod sum(sections), takes the time, height or width position
+    (all the token's position for text) when sector mod 3 is 0, 1 or 2 and the sector lies below 3 x that section's
+    size; otherwise the fourth position, which llama.cpp sets to 0 for text."""
+    total = sum(sections)
+    turns = []
+    for pair in range(n_rot // 2):
+        sector = pair % total
+        kind = sector % 3
+        turns.append(sector < 3 * sections[kind])
+    return torch.tensor(turns)
 
 
 def yarn_corr_dims(n_rot: int, n_ctx_orig: int, freq_base: float, beta_fast: float,
@@ -216,21 +222,27 @@ class KVCache:
     and advances it, so generating N tokens costs one T=1 forward per token.
     """
 
-    k: list[torch.Tensor]  # per layer (B, Hkv, max_len, D)
+    k: list[torch.Tensor]  # per layer (B, Hkv, max_len, D); empty for a recurrent layer
     v: list[torch.Tensor]
     length: int = 0
     max_len: int = field(init=False)
+    states: list[RecurrentState | None] = field(default_factory=list)
+    """Per layer, a recurrent layer's state (None for attention layers)."""
 
     def __post_init__(self) -> None:
-        self.max_len = self.k[0].shape[2]
+        self.max_len = max(t.shape[2] for t in self.k)
 
     @classmethod
     def empty(cls, config: ModelConfig, batch_size: int, max_len: int, device: torch.device | str,
               dtype: torch.dtype) -> KVCache:
-        shape = (batch_size, config.n_head_kv, max_len, config.head_dim)
-        k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        return cls(k, v)
+        def zeros(layer: int) -> torch.Tensor:
+            length = 0 if config.is_recurrent(layer) else max_len
+            return torch.zeros(batch_size, config.n_head_kv, length, config.head_dim, device=device, dtype=dtype)
+
+        k = [zeros(i) for i in range(config.n_layer)]
+        v = [zeros(i) for i in range(config.n_layer)]
+        states = [RecurrentState() if config.is_recurrent(i) else None for i in range(config.n_layer)]
+        return cls(k, v, states=states)
 
 
 @dataclass
@@ -289,17 +301,17 @@ class Attention(nn.Module):
         super().__init__()
         c = config
         self.n_head, self.n_head_kv, self.head_dim = c.n_head, c.n_head_kv, c.head_dim
-        self.widths = (c.n_embd_q, c.n_embd_kv, c.n_embd_kv)
+        self.widths = (c.n_embd_q_proj, c.n_embd_kv, c.n_embd_kv)
         self.group_forward: GroupForward | None = None
         """How q, k and v run together (:func:`shared_input`); None: one by one."""
         if c.fused_qkv:
             self.qkv = Linear(c.n_embd, sum(self.widths), bias=False)
             self.qkv_bias = _bias(c, "attn_qkv", sum(self.widths))
         else:
-            self.q = Linear(c.n_embd, c.n_embd_q, bias=False)
+            self.q = Linear(c.n_embd, c.n_embd_q_proj, bias=False)
             self.k = Linear(c.n_embd, c.n_embd_kv, bias=False)
             self.v = Linear(c.n_embd, c.n_embd_kv, bias=False)
-            self.q_bias = _bias(c, "attn_q", c.n_embd_q)
+            self.q_bias = _bias(c, "attn_q", c.n_embd_q_proj)
             self.k_bias = _bias(c, "attn_k", c.n_embd_kv)
             self.v_bias = _bias(c, "attn_v", c.n_embd_kv)
         self.o = Linear(c.n_embd_q, c.n_embd, bias=False)
@@ -310,6 +322,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_eps)
         self.qk_norm = c.family.qk_norm
+        self.output_gate = c.family.attn_output_gate
+        """qwen35: each query head comes with a gate of its width; the output is multiplied by sigmoid(gate)."""
         self.prescale = c.family.query_prescale
         self.scale = c.kq_scale
         self.softcap = c.attn_softcap
@@ -330,7 +344,10 @@ class Attention(nn.Module):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self._qkv(x)
-        q = q.view(B, T, self.n_head, self.head_dim)
+        gate = None
+        if self.output_gate:  # per head: the query, then its gate
+            q, gate = q.view(B, T, self.n_head, 2 * self.head_dim).split(self.head_dim, dim=-1)
+        q = q.reshape(B, T, self.n_head, self.head_dim)
         k = k.view(B, T, self.n_head_kv, self.head_dim)
         v = v.view(B, T, self.n_head_kv, self.head_dim)
         if self.qk_norm:
@@ -362,7 +379,10 @@ class Attention(nn.Module):
             y = _capped_attention(q, k, v, scale, self.softcap, mask, causal)
         else:
             y = attention(q, k, v, scale=scale, causal=causal, mask=mask, sinks=self.sinks)  # (B, H, T, D)
-        return _with_bias(self.o(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)), self.o_bias)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
+        if gate is not None:
+            y = (y.float() * torch.sigmoid(gate.float()).reshape(B, T, -1)).to(y.dtype)
+        return _with_bias(self.o(y), self.o_bias)
 
 
 def _causal_mask(T: int, S: int, device: torch.device) -> torch.Tensor:
@@ -536,7 +556,9 @@ class Block(nn.Module):
         super().__init__()
         c = config
         self.attn_norm = RMSNorm(c.n_embd, c.rms_eps)
-        self.attn = Attention(c, layer)
+        self.recurrent = c.is_recurrent(layer)
+        """A Gated DeltaNet layer (qwen35): its mixer is no attention, its cache a RecurrentState."""
+        self.attn: Attention | GatedDeltaNet = GatedDeltaNet(c, layer) if self.recurrent else Attention(c, layer)
         self.ffn_norm_name = c.family.ffn_norm
         """The attribute holding the norm before the FFN, named after its tensor kind (gpt-oss: attn_post_norm)."""
         setattr(self, self.ffn_norm_name, RMSNorm(c.n_embd, c.rms_eps))
@@ -550,9 +572,9 @@ class Block(nn.Module):
         self.residual_multiplier = c.residual_multiplier
         """granite's ``residual_scale``: each branch's output is multiplied by it before its residual add (0: not)."""
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                start_pos: int = 0, attn_mask: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope,
+                kv: tuple[torch.Tensor, torch.Tensor] | RecurrentState | None = None, start_pos: int = 0,
+                attn_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.attn(self.attn_norm(x), rope, kv, start_pos, attn_mask, positions)
         if self.post_norms:
             h = self.attn_post_norm(h)
@@ -650,6 +672,11 @@ class Transformer(nn.Module):
 
         def angles(base: float, scale: float, freq_factors: torch.Tensor | None) -> Rope:
             cos, sin = rope_angles_at(where, c.n_rot, base, scale, freq_factors, attn_factor, **yarn)
+            if c.rope_sections:  # pairs of the fourth position kind stay at position 0
+                cos0, sin0 = rope_angles_at(torch.zeros_like(where), c.n_rot, base, scale, freq_factors, attn_factor,
+                                            **yarn)
+                turns = rope_section_turns(c.rope_sections, c.n_rot).to(cos.device)
+                cos, sin = torch.where(turns, cos, cos0), torch.where(turns, sin, sin0)
             return Rope(cos, sin, neox, q_scale)
 
         rope = angles(c.rope_freq_base, c.rope_freq_scale, factors)
@@ -688,7 +715,9 @@ class Transformer(nn.Module):
         rope, rope_swa = self._ropes(start_pos, T, x.device, positions)
         mask = None if segments is None else segment_mask(segments)
         for i, block in enumerate(self.layers):
-            kv = (cache.k[i], cache.v[i]) if cache is not None else None
+            kv = None
+            if cache is not None:
+                kv = cache.states[i] if block.recurrent else (cache.k[i], cache.v[i])
             layer_rope = rope_swa if block.sliding and rope_swa is not None else rope
             if self.block_wrapper is None:
                 x = block(x, layer_rope, kv, start_pos, mask, positions)  # (B, T, C)

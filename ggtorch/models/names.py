@@ -52,6 +52,15 @@ TENSOR_KINDS: dict[str, tuple[str, str]] = {
     "ffn_up_exps_bias": ("blk.{bid}.ffn_up_exps.bias", "layers.{bid}.ffn.up_exps_bias"),
     "ffn_down_exps_bias": ("blk.{bid}.ffn_down_exps.bias", "layers.{bid}.ffn.down_exps_bias"),
     "attn_sinks": ("blk.{bid}.attn_sinks.weight", "layers.{bid}.attn.sinks"),
+    # Gated DeltaNet layers (qwen35): their mixer sits where attention does; attn_qkv is its fused q/k/v
+    "attn_gate": ("blk.{bid}.attn_gate.weight", "layers.{bid}.attn.gate"),
+    "ssm_beta": ("blk.{bid}.ssm_beta.weight", "layers.{bid}.attn.beta"),
+    "ssm_alpha": ("blk.{bid}.ssm_alpha.weight", "layers.{bid}.attn.alpha"),
+    "ssm_out": ("blk.{bid}.ssm_out.weight", "layers.{bid}.attn.out"),
+    "ssm_norm": ("blk.{bid}.ssm_norm.weight", "layers.{bid}.attn.norm"),
+    "ssm_conv1d": ("blk.{bid}.ssm_conv1d.weight", "layers.{bid}.attn.conv"),
+    "ssm_dt": ("blk.{bid}.ssm_dt.bias", "layers.{bid}.attn.dt_bias"),
+    "ssm_a": ("blk.{bid}.ssm_a", "layers.{bid}.attn.a"),
 }
 
 ROPE_FREQS = "rope_freqs.weight"
@@ -70,15 +79,16 @@ MODULE_TO_GGUF: dict[str, str] = {module: gguf for gguf, module in TENSOR_KINDS.
 LAYER_KINDS: tuple[str, ...] = tuple(k for k, (g, _) in TENSOR_KINDS.items() if "{bid}" in g)
 """Kinds that occur once per block."""
 NORM_KINDS: tuple[str, ...] = ("attn_norm", "ffn_norm", "output_norm", "attn_q_norm", "attn_k_norm",
-                               "attn_post_norm", "ffn_post_norm")
+                               "attn_post_norm", "ffn_post_norm", "ssm_norm")
 """RMS norm gains: 1-D, always kept in float."""
 BIAS_KINDS: tuple[str, ...] = tuple(k for k in TENSOR_KINDS if k.endswith("_bias"))
 """Biases: 1-D, or (n_expert, out) for an expert stack's; always kept in float;
 ``bias_of("attn_q") == "attn_q_bias"``."""
-VECTOR_KINDS: tuple[str, ...] = BIAS_KINDS + ("ffn_gate_inp_shexp", "attn_sinks")
-"""Parameters that are no matrix and no norm gain: biases, qwen2moe's shared-expert gate (llama.cpp
-multiplies it with the hidden state as a one-row matrix; it is never quantized) and gpt-oss's attention
-sinks; kept in float and never adapted."""
+VECTOR_KINDS: tuple[str, ...] = BIAS_KINDS + ("ffn_gate_inp_shexp", "attn_sinks", "ssm_conv1d", "ssm_dt", "ssm_a")
+"""Parameters that are no matrix product's weight and no norm gain: biases, qwen2moe's shared-expert gate (llama.cpp
+multiplies it with the hidden state as a one-row matrix; it is never quantized), gpt-oss's attention sinks, and a
+Gated DeltaNet's short convolution kernel, time-step bias and decay rates (llama.cpp's ssm_conv, add and mul: never
+adapted); kept in float."""
 EXPERT_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_down_exps", "ffn_up_exps")
 """Stacks of per-expert matrices, (n_expert, out, in) in torch order."""
 MATRIX_KINDS: tuple[str, ...] = tuple(k for k in TENSOR_KINDS if k not in NORM_KINDS + VECTOR_KINDS)

@@ -18,6 +18,13 @@ QWEN2_PRE_REGEX = (
 )
 """llama.cpp's regex for LLAMA_VOCAB_PRE_TYPE_QWEN2: Llama 3's with single digits."""
 
+QWEN35_PRE_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+"""llama.cpp's regex for LLAMA_VOCAB_PRE_TYPE_QWEN35 (Qwen3.5/3.6): Qwen2's with combining marks (p{M}) kept in
+words."""
+
 GPT2_PRE_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 """GPT-2's regex; LLAMA_VOCAB_PRE_TYPE_SMOLLM runs it after splitting off single digits."""
 
@@ -98,6 +105,7 @@ class PreTokenizer:
 
 _LLAMA3 = PreTokenizer((LLAMA3_PRE_REGEX,), add_bos=True, ignore_merges=True)
 _QWEN2 = PreTokenizer((QWEN2_PRE_REGEX,), clean_spaces=False)
+_QWEN35 = PreTokenizer((QWEN35_PRE_REGEX,), clean_spaces=False)
 _GPT4O = PreTokenizer((GPT4O_PRE_REGEX,), clean_spaces=False)
 
 _STARCODER = PreTokenizer((r"\p{N}", GPT2_PRE_REGEX))
@@ -108,6 +116,7 @@ BPE_PRE_TOKENIZERS: dict[str, PreTokenizer] = {
                      "jina-v5-nano"), _LLAMA3),
     **dict.fromkeys(("dbrx", "smaug-bpe"), PreTokenizer((LLAMA3_PRE_REGEX,))),  # Phi-4 (phi3) is "dbrx"
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open", "grok-2"), _QWEN2),
+    "qwen35": _QWEN35,
     **dict.fromkeys(("megrez", "stablelm2"), dataclasses.replace(_QWEN2, clean_spaces=True)),
     **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
                      "mellum", "modern-bert", "mpt", "olmo", "jais", "exaone4"), PreTokenizer((GPT2_PRE_REGEX,))),

@@ -92,6 +92,9 @@ class Policy:
     gradient's product read them from cache."""
     eval_head_bytes: int = 64 << 20
     """f32 logits perplexity holds at once: a 262k-word vocabulary's (tokens x V) never exist whole."""
+    delta_rule_chunk: int = 64
+    """Tokens per chunk of the gated delta rule (``ops/delta_rule.py``): each chunk solves one triangular system of
+    this size and advances the state once; llama.cpp's chunked graph takes 64 too."""
 
     def replace(self, **changes: object) -> Policy:
         """This policy with some choices changed (a test's, or a notebook's experiment)."""

@@ -380,6 +380,10 @@ class FinetuneConfig(RunConfig):
                                    "ffn_down_exps; each expert its own pair, so E times the parameters of one "
                                    "matrix). 0 adapts attention and any shared expert only. Routers stay frozen.",
                                    LORA, default_text="--lora-r")
+    rank_linear_attn: int | None = option(None, "Rank for a Gated DeltaNet layer's attn_gate, ssm_beta, ssm_alpha and "
+                                          "ssm_out (qwen35; its fused q|k|v takes --rank-qkv). The short "
+                                          "convolution and the decay rates are never adapted.", LORA,
+                                          default_text="--lora-r")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -33,7 +33,7 @@ from ggtorch.lora.config import LoraConfig
 from ggtorch.models import names
 from ggtorch.models.attention import products_max_tokens, saved_keys_per_query
 from ggtorch.models.config import ModelConfig
-from ggtorch.models.loader import FLOAT_TYPES
+from ggtorch.models.loader import FLOAT_TYPES, trunk_tensors
 from ggtorch.ops import policy
 from ggtorch.training.loss import head_rows, slab_chunk
 
@@ -81,8 +81,9 @@ def estimate_memory(base: GGUFFile, config: ModelConfig, *, batch: int, ctx: int
                     keep_dequantized: int = 0) -> MemoryEstimate:
     """The expected peak of one training process (``lora`` None: every weight is trained).
     ``keep_dequantized``: bytes of decoded matrices a forward keeps for its backward (--keep-dequantized-mib)."""
-    weights = sum(_held_bytes(base, name, matrix_dtype, embedding_dtype, keep_quantized) for name in base.tensors)
-    elements = [_trained_elements(base, name, lora) for name in base.tensors]
+    held = trunk_tensors(base, config)  # a next-token-prediction block after the trunk is never loaded
+    weights = sum(_held_bytes(base, name, matrix_dtype, embedding_dtype, keep_quantized) for name in held)
+    elements = [_trained_elements(base, name, lora) for name in held]
     trained = sum(elements) * 4 * ADAM_COPIES
     if lora is None:
         trained -= weights  # the f32 weights are the trained tensors themselves
@@ -112,7 +113,8 @@ def _held_bytes(base: GGUFFile, name: str, matrix_dtype: torch.dtype, embedding_
                 keep_quantized: bool) -> int:
     """Bytes of one GGUF tensor as build_llama holds it."""
     info = base.tensors[name]
-    if len(info.shape) == 1 or name in names.ROPE_BUFFERS:
+    kind = names.parse_gguf_name(name)
+    if len(info.shape) == 1 or name in names.ROPE_BUFFERS or (kind and kind[0] in names.VECTOR_KINDS):
         return info.n_elements * 4
     if keep_quantized and info.ggml_type not in FLOAT_TYPES:
         return info.nbytes
@@ -161,22 +163,46 @@ def _kept_block_bytes(base: GGUFFile, e: int, device: torch.device) -> int:
 def _layer_bytes_per_token(c: ModelConfig, ctx: int, e: int, compute_dtype: torch.dtype,
                            device: torch.device) -> int:
     """Bytes one block saves for backward per token: norms' inputs (f32 residual stream) and outputs,
-    q/k/v after rope, the attention output (and its probabilities on the products path), the FFN's
+    the mixer's (attention's or, in a hybrid's recurrent layers, Gated DeltaNet's; the larger), the FFN's
     gate, up and activation (the routed experts' per routed row, the router's probabilities)."""
     norms = 4 if c.family.post_norms else 2
     saved = norms * (8 + (e if e < 4 else 0)) * c.n_embd  # f32 input and output; autocast's copy of the output
-    saved += (2 * c.n_embd_q + 2 * c.n_embd_kv) * e
+    kinds = {c.is_recurrent(i) for i in range(c.n_layer)}
+    saved += max(_delta_net_bytes_per_token(c, e, device) if recurrent
+                 else _attention_bytes_per_token(c, ctx, e, compute_dtype, device) for recurrent in kinds)
+    if c.n_expert:
+        saved += c.n_expert_used * (c.n_embd + 3 * (c.n_ff_exp or c.n_ff)) * e + c.n_expert * 4
+        saved += 3 * (c.n_ff_shexp or 0) * e
+    else:
+        saved += 3 * c.n_ff * e
+    return saved
+
+
+def _attention_bytes_per_token(c: ModelConfig, ctx: int, e: int, compute_dtype: torch.dtype,
+                               device: torch.device) -> int:
+    """q/k/v after rope, the attention output (and its probabilities on the products path), qwen35's output gate."""
+    saved = (2 * c.n_embd_q + 2 * c.n_embd_kv) * e
+    if c.family.attn_output_gate:
+        saved += c.n_embd_q * (e + 4)  # the gate and its sigmoid
     if c.family.qk_norm:
         saved += (c.n_embd_q + c.n_embd_kv) * 2 * e
     if c.attn_softcap:
         saved += c.n_head * ctx * (4 + 4 + e)  # the capped scores, their softmax (f32) and the probabilities
     elif ctx <= products_max_tokens(compute_dtype, device):
         saved += int(c.n_head * saved_keys_per_query(ctx)) * e
-    if c.n_expert:
-        saved += c.n_expert_used * (c.n_embd + 3 * (c.n_ff_exp or c.n_ff)) * e + c.n_expert * 4
-        saved += 3 * (c.n_ff_shexp or 0) * e
-    else:
-        saved += 3 * c.n_ff * e
+    return saved
+
+
+def _delta_net_bytes_per_token(c: ModelConfig, e: int, device: torch.device) -> int:
+    """A Gated DeltaNet layer (models/delta_net.py, ops/delta_rule.py), all f32 after the projections: the fused
+    q|k|v before and after its convolution and SiLU, q and k per value head (normalized, scaled), per head a row of
+    each chunk's decay, triangular system, its solution and scores, the outputs, their norm and gate."""
+    chunk = policy.current(device).delta_rule_chunk
+    value_heads = c.ssm_v_heads * c.ssm_state
+    saved = c.ssm_conv_channels * (e + 3 * 4)
+    saved += 2 * value_heads * 3 * 4
+    saved += c.ssm_v_heads * chunk * 4 * 4 + value_heads * 2 * 4  # w and kc
+    saved += value_heads * (4 * 4 + e)
     return saved
 
 

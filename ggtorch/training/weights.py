@@ -29,6 +29,7 @@ from ggtorch.models.init import new_config, write_new_model
 from ggtorch.models.loader import FLOAT_TYPES
 from ggtorch.models.names import ROPE_BUFFERS
 from ggtorch.ops.dtypes import DTYPES
+from ggtorch.quant import dequantize
 from ggtorch.training.config import FinetuneConfig, RunConfig, TrainConfig
 
 Params = list[tuple[str, nn.Parameter, int]]
@@ -202,7 +203,10 @@ class FullWeights:
         for name, buffer in ROPE_BUFFERS.items():  # rope divisors: data of the file, not trained
             if getattr(self.model, buffer) is not None:
                 trained[name] = getattr(self.model, buffer)
-        return {name: trained[name] for name in self.base.tensors}
+        # a block the model never runs (a next-token-prediction block after the trunk) is written as the base holds it
+        return {name: trained[name] if name in trained
+                else dequantize(info.raw(), info.ggml_type, info.shape, torch.float32, name)
+                for name, info in self.base.tensors.items()}
 
 
 Weights = LoraWeights | FullWeights

@@ -176,6 +176,7 @@ REAL_TEMPLATES = {
     "meta-llama-Llama-3.2-3B-Instruct": ("llama-bpe", "<|eot_id|>", True),
     "microsoft-Phi-3.5-mini-instruct": ("phi-3", "<|end|>", True),
     "google-gemma-2-2b-it": ("gemma2-like", "<end_of_turn>", False),
+    "Qwen3.5-4B": ("qwen35", "<|im_end|>", True),
 }
 REAL_CHATS = [
     # short answers that also occur earlier: in the user's message and in the role headers ("a" in "assistant")
@@ -194,7 +195,7 @@ def real_tokenizers(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -
 
     from tests.models.test_tokenizer import write_gemma_like_vocab
 
-    paths = {name: vocab_file(name) for name in ("qwen2", "llama-bpe", "phi-3")}
+    paths = {name: vocab_file(name) for name in ("qwen2", "llama-bpe", "phi-3", "qwen35")}
     paths["gemma2-like"] = write_gemma_like_vocab(tmp_path_factory.mktemp("gemma") / "gemma2-like.gguf",
                                                   read_gguf(vocab_file("llama-spm")),
                                                   TokenType.USER_DEFINED)
@@ -251,21 +252,39 @@ def test_qwen3_reasoning_is_context_not_answer(real_tokenizers: dict[str, tuple[
     assert "<|im_start|>assistant\n<think>\nLily is sick.\nShe stays in.\n</think>\n\nAt home.<|im_end|>" in whole
 
 
-def test_a_content_the_template_does_not_write_is_refused_by_record_and_template(
-        real_tokenizers: dict[str, tuple[Tokenizer, Path]]) -> None:
-    """Qwen3 cuts inline <think> reasoning out of an earlier answer: that content is not in the render."""
-    tokenizer, _ = real_tokenizers["qwen2"]
-    template = template_file("Qwen-Qwen3-0.6B").read_text(encoding="utf-8")
-    records = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
-               {"messages": [{"role": "user", "content": "Hi"},
-                             {"role": "assistant", "content": "<think>Greet back.</think>Hello."},
-                             {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]}]
+@pytest.mark.parametrize(("name", "vocab", "last"), [
+    ("Qwen-Qwen3-0.6B", "qwen2", "<think>\nEnd politely.\n</think>\n\nBye.<|im_end|>"),
+    # its generation prompt opens the <think> block itself: what follows it trains
+    ("Qwen3.5-4B", "qwen35", "End politely.\n</think>\n\nBye.<|im_end|>"),
+])
+def test_answers_with_inline_reasoning_train_what_the_template_writes(
+        real_tokenizers: dict[str, tuple[Tokenizer, Path]], name: str, vocab: str, last: str) -> None:
+    """Reasoning templates cut an inline <think> block out of an earlier answer and rewrite the last one's: the
+    answer is located by rendering (the conversation before it with the generation prompt), and what the template
+    writes for each assistant turn trains, up to its end-of-turn."""
+    tokenizer, _ = real_tokenizers[vocab]
+    template = template_file(name).read_text(encoding="utf-8")
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "<think>Greet back.</think>Hello."},
+                {"role": "user", "content": "Bye"},
+                {"role": "assistant", "content": "<think>End politely.</think>Bye."}]
+    data = RecordData(load_records([{"messages": messages}], "records"), tokenizer, 512, seed=1,
+                      model_template=template)
+    enc = data.encoded[0]
+    assert trained_texts(tokenizer, enc) == ["Hello.<|im_end|>", last]
+    whole = tokenizer.decode(enc.tokens.tolist(), remove_special=False, unparse_special=True)
+    assert "Greet back." not in whole  # the template drops an earlier turn's reasoning
+
+
+def test_an_answer_the_template_does_not_write_is_refused_by_record_and_template(tokenizer: Tokenizer) -> None:
+    """A template that writes no assistant turn at all: no render locates the answer."""
+    template = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}\n{% endif %}{% endfor %}"
+    records = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}]
     with pytest.raises(BadData) as e:
         RecordData(load_records(records, "records"), tokenizer, 512, seed=1, model_template=template)
-    assert str(e.value) == ("--train-data record 2: the model's chat template (tokenizer.chat_template) does not write "
-                            "assistant message 1's content into its render of the conversation, so the answer "
-                            "cannot be located; fix the record or pass a template that writes it with "
-                            "--chat-template")
+    assert str(e.value) == ("--train-data record 1: the model's chat template (tokenizer.chat_template) does not "
+                            "write assistant message 1's content into its render of the conversation, so the answer "
+                            "cannot be located; fix the record or pass a template that writes it with --chat-template")
 
 
 def test_pieces_that_do_not_spell_the_render_fall_back_to_piecewise_tokens(tokenizer: Tokenizer) -> None:

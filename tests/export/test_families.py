@@ -126,6 +126,26 @@ def hf_model(family_model: Callable[..., Path]) -> Callable[[str], torch.nn.Modu
     return lambda name: transformers_model(name, family_model(name))
 
 
+def trained_peft_folder_converted(hf: torch.nn.Module, targets: list[str], base_path: Path,
+                                  tmp_path: Path) -> tuple[torch.nn.Module, Path]:
+    """peft's LoRA (rank 4, alpha 8) on ``targets`` of ``hf``, its B (and embedding A) drawn as after training,
+    saved, and ``ggtorch convert-lora``'s GGUF of it for ``base_path``: (the peft model, the GGUF adapter)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)  # peft draws lora_A from torch's global generator
+    peft_model = get_peft_model(hf, LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=targets))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for pname, p in peft_model.named_parameters():
+            if "lora_B" in pname or "lora_embedding" in pname:  # B (and embedding A) start at 0
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    out = tmp_path / "converted.gguf"
+    result = run_cli(["convert-lora", str(tmp_path / "peft"), "--base", str(base_path), "--outfile", str(out)])
+    assert result.exit_code == 0, result.output
+    return peft_model, out
+
+
 def hf_logits(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].float().numpy()
@@ -160,25 +180,12 @@ def test_transformers_with_exported_peft_folder_equals_ggtorch(family_model: Cal
 def test_peft_adapter_survives_convert_lora_into_llama_cpp(family_model: Callable[..., Path],
                                                            hf_model: Callable[[str], torch.nn.Module],
                                                            tmp_path: Path, name: str) -> None:
-    from peft import LoraConfig, get_peft_model
-
     base_path = family_model(name)
-    torch.manual_seed(0)  # peft draws lora_A from torch's global generator
-    peft_model = get_peft_model(copy.deepcopy(hf_model(name)),
-                                LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=PEFT_TARGETS[name]))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for pname, p in peft_model.named_parameters():
-            if "lora_B" in pname or "lora_embedding" in pname:  # B (and embedding A) start at 0
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    peft_model, out = trained_peft_folder_converted(copy.deepcopy(hf_model(name)), PEFT_TARGETS[name], base_path,
+                                                    tmp_path)
+    assert {kind_of(n.rsplit(".", 1)[0]) for n in read_gguf(out).tensors} == EXPECTED_KINDS[name] - NO_EXPERTS.keys()
     tokens = eval_tokens(peft_model.config.vocab_size, N_TOKENS)
     ref = hf_logits(peft_model, tokens)
-    peft_model.save_pretrained(str(tmp_path / "peft"))
-
-    out = tmp_path / "converted.gguf"
-    result = run_cli(["convert-lora", str(tmp_path / "peft"), "--base", str(base_path), "--outfile", str(out)])
-    assert result.exit_code == 0, result.output
-    assert {kind_of(n.rsplit(".", 1)[0]) for n in read_gguf(out).tensors} == EXPECTED_KINDS[name] - NO_EXPERTS.keys()
     theirs = llama_cpp_logits(llama_cpp_with_adapter(base_path, out), tokens)
     # gemma: llama.cpp's CPU GELU is an fp16 table, transformers computes the formula
     tol = GELU_TABLE_TOLERANCE if name.startswith("gemma") else PEFT_TOL

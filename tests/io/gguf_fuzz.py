@@ -91,10 +91,10 @@ def make_seeds(folder: Path, stories260k: Path) -> list[Seed]:
     return seeds + [ggla_seed(folder, adapter), *peft_seeds(folder, adapter, base)]
 
 
-FAMILY_SEEDS = ("qwen2", "qwen3", "gemma2", "gemma3_pattern", "phi3", "mistral3", "smollm3")
+FAMILY_SEEDS = ("qwen2", "qwen3", "gemma2", "gemma3_pattern", "phi3", "mistral3", "smollm3", "qwen35", "qwen35moe")
 """Presets of tests/families.py fuzzed as models too: their own keys and tensors (biases, q/k norms,
-sliding-window pattern, soft-caps, fused matrices, LongRoPE factors, YaRN and temperature keys) meet mutated
-headers."""
+sliding-window pattern, soft-caps, fused matrices, LongRoPE factors, YaRN and temperature keys, DeltaNet keys,
+tensors and layer patterns, MTP blocks) meet mutated headers."""
 
 
 def family_model_over(folder: Path, name: str, vocab: Path) -> Path:

@@ -36,6 +36,7 @@ SEPARATE = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "
 UNTIED = {"token_embd", "output"}
 ATTENTION = {"attn_q", "attn_k", "attn_v", "attn_output"}
 EXPERTS = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
+DELTA_NET = {"attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out"}
 EXPECTED_KINDS: dict[str, set[str]] = {
     "qwen2": SEPARATE | UNTIED,  # q/k/v biases stay as they are
     "qwen3": SEPARATE,  # tied; q/k norms are not adapted
@@ -50,6 +51,9 @@ EXPECTED_KINDS: dict[str, set[str]] = {
     "smollm3": SEPARATE,  # tied
     "granite": SEPARATE | UNTIED,
     "gpt_oss": ATTENTION | EXPERTS | UNTIED,  # routers, sinks and biases are not adapted
+    # DeltaNet layers: fused q|k|v, gate, beta, alpha and output (not the convolution, dt bias, decay rates, norm)
+    "qwen35": SEPARATE | DELTA_NET,  # tied
+    "qwen35moe": ATTENTION | EXPERTS | {"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"} | DELTA_NET | UNTIED,
 }
 """Preset -> the kinds a default LoRA adapts (every matrix llama.cpp can take an adapter for)."""
 GRANITE_ALPHA = 32.0
@@ -70,8 +74,9 @@ def test_every_matrix_kind_is_adapted_on_a_quantized_base(family_model: Callable
     wrapped = {m.gguf_name: m for _, m in lora_modules(model)}
     assert {kind_of(n) for n in wrapped} == EXPECTED_KINDS[name]
     n_layer = len(model.layers)
-    for kind in EXPECTED_KINDS[name] - UNTIED:  # every layer has each kind
-        assert {n for n in wrapped if kind_of(n) == kind} == {names.gguf_name(kind, i) for i in range(n_layer)}
+    for kind in EXPECTED_KINDS[name] - UNTIED:  # every layer holding the kind (a hybrid's layers differ)
+        held = {names.gguf_name(kind, i) for i in range(n_layer) if names.gguf_name(kind, i) in f.tensors}
+        assert held and {n for n in wrapped if kind_of(n) == kind} == held
     for gguf, m in wrapped.items():  # the base stays as the file holds it: quantized blocks
         quantized = f.tensors[gguf].ggml_type.name != "F32"
         assert isinstance(m.base, QuantLinear | QuantEmbedding | QuantExperts) == quantized, gguf
@@ -171,7 +176,7 @@ def test_rank_qkv_sets_the_fused_kind_and_is_recorded_only_when_given(family_mod
     assert not any(".attn_q." in n for n in ranks)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3", "qwen3moe"])
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "qwen3moe", "qwen35"])
 def test_finetune_resumes_exactly_and_llama_cpp_runs_the_adapter(family_model: Callable[..., Path],
                                                                  texts: dict[str, Path], tmp_path: Path,
                                                                  name: str) -> None:

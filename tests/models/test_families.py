@@ -37,8 +37,9 @@ LLAMA_CPP_CONTEXT = 256
 """llama.cpp's per-sequence context for n_ctx=64 (it pads contexts to 256)."""
 PRESETS = list(FAMILY_PRESETS)
 GEMMA = [name for name, (arch, _, _) in FAMILY_PRESETS.items() if arch.startswith("gemma")]
-ONE_PER_FAMILY = ["llama3_rope_freqs", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "smollm3", "granite"]
-MOE = ["qwen3moe", "qwen2moe", "llama_moe", "gpt_oss"]
+ONE_PER_FAMILY = ["llama3_rope_freqs", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "smollm3", "granite",
+                  "qwen35"]
+MOE = ["qwen3moe", "qwen2moe", "llama_moe", "gpt_oss", "qwen35moe"]
 GELU_TABLE_TOLERANCE = 0.02
 """ggml-cpu's fp16 GELU table against the formula, through a few layers (measured up to ~5e-3)."""
 
@@ -149,9 +150,10 @@ def test_gpt_oss_as_released_mxfp4_experts_equal_llama_cpp(family_model: Callabl
     assert_top1_agrees(ours, ref, tol)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "qwen3", "qwen2moe", "gpt_oss"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "qwen3", "qwen2moe", "gpt_oss", "qwen35"])
 def test_kv_cache_equals_full_forward(family_model: Callable[..., Path], name: str) -> None:
-    """Generation through the cache (sliding windows, per-layer rope, q/k norms) computes the full forward."""
+    """Generation through the cache (sliding windows, per-layer rope, q/k norms, a DeltaNet layer's carried
+    convolution window and state) computes the full forward."""
     model = load(family_model(name))
     tokens = torch.tensor([tokens_for(family_model(name))[:40]])
     with torch.no_grad():
@@ -162,9 +164,10 @@ def test_kv_cache_equals_full_forward(family_model: Callable[..., Path], name: s
     torch.testing.assert_close(torch.cat(steps), full, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3_pattern", "gpt_oss"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_pattern", "gpt_oss", "qwen35"])
 def test_packed_rows_equal_separate_forwards(family_model: Callable[..., Path], name: str) -> None:
-    """Two records packed in one row, positions restarting: each computes as if alone (sliding windows too)."""
+    """Two records packed in one row, positions restarting: each computes as if alone (sliding windows too; a
+    DeltaNet layer's convolution and state start afresh at the second record)."""
     model = load(family_model(name))
     tokens = tokens_for(family_model(name))
     a, b = tokens[:30], tokens[30:48]
@@ -213,6 +216,10 @@ EXPECTED_CONFIG = {
                     swa_layers=(True, False, True, False), sliding_window=16, rope_yarn=True, rope_freq_scale=0.25,
                     rope_freq_base_swa=150000.0, rope_freq_scale_swa=0.25, yarn_beta_fast=32.0, yarn_beta_slow=1.0,
                     n_ctx_orig=64, n_expert=8, n_expert_used=2, n_ff_exp=96),
+    # qwen35: block_count 5 of which 1 MTP block, every fourth layer full attention (the interval key absent)
+    "qwen35": dict(arch="qwen35", n_layer=4, n_layer_nextn=1, recurrent_layers=(True, True, True, False),
+                   ssm_k_heads=2, ssm_v_heads=4, ssm_state=16, ssm_conv_kernel=4, ssm_inner=64,
+                   rope_sections=(3, 3, 2, 0), n_rot=16, head_dim=32, n_embd_q_proj=256, tied_output=True),
 }
 
 
@@ -272,6 +279,23 @@ BROKEN = {
         r"'blk\.1\.ffn_up_exps\.bias' has shape \(8, 32\), expected \(8, 96\)"),
     "granite without its logit scale": ("granite", dict(drop_keys=("granite.logit_scale",)), BadGGUF,
                                         r"granite\.logit_scale"),
+    "qwen35 without a decay rate": ("qwen35", dict(drop_tensors=("blk.1.ssm_a",)), BadGGUF,
+                                    r"'blk\.1\.ssm_a' is missing"),
+    "qwen35 convolution of the wrong width": (
+        "qwen35", dict(add_tensors={"blk.0.ssm_conv1d.weight": np.zeros((64, 4), np.float32)}), BadGGUF,
+        r"'blk\.0\.ssm_conv1d\.weight' has shape \(64, 4\), expected \(128, 4\)"),
+    "qwen35 without its state size": ("qwen35", dict(drop_keys=("qwen35.ssm.state_size",)), BadGGUF,
+                                      r"'qwen35\.ssm\.state_size' is missing"),
+    "qwen35 pattern that makes layer 3 recurrent": (
+        "qwen35", dict(set_keys={"qwen35.full_attention_interval": 5}), Unsupported,
+        r"'blk\.3\.attn_\w+\.weight' is not part of a qwen35 model"),
+    "qwen35 recurrent-layer pattern too short": (
+        "qwen35", dict(set_keys={"qwen35.attention.recurrent_layers": [True, False]}), BadGGUF,
+        r"'qwen35\.attention\.recurrent_layers' must be a bool per block"),
+    "qwen35 value heads not a multiple of key heads": ("qwen35", dict(set_keys={"qwen35.ssm.group_count": 3}),
+                                                       BadGGUF, r"not a multiple of ssm group count 3"),
+    "qwen35 without rope sections": ("qwen35", dict(drop_keys=("qwen35.rope.dimension_sections",)), BadGGUF,
+                                     r"'qwen35\.rope\.dimension_sections' is missing"),
     "qwen2 without a head count": ("qwen2", dict(drop_keys=("qwen2.attention.head_count",)), BadGGUF,
                                    r"qwen2\.attention\.head_count"),
 }
@@ -500,7 +524,7 @@ def test_perplexity_equals_the_float64_forward(family_model: Callable[..., Path]
 
 
 @pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "gemma3", "phi3", "qwen3moe", "mistral3", "smollm3",
-                                  "granite", "gpt_oss"])
+                                  "granite", "gpt_oss", "qwen35", "qwen35moe"])
 def test_info_generate_and_perplexity_commands_run(family_model: Callable[..., Path], shakespeare: Path, tmp_path: Path,
                                                    name: str) -> None:
     from tests.helpers import run_cli
@@ -516,9 +540,10 @@ def test_info_generate_and_perplexity_commands_run(family_model: Callable[..., P
     assert gen.exit_code == 0 and "6 tokens in" in gen.output, gen.output
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3", "llama3_tied", "llama_moe"])
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "llama3_tied", "llama_moe", "qwen35"])
 def test_greedy_generation_equals_llama_cpps(family_model: Callable[..., Path], name: str) -> None:
-    """Token by token through the KV cache, ggtorch and llama.cpp pick the same argmax."""
+    """Token by token through the KV cache (qwen35: a DeltaNet layer's state), ggtorch and llama.cpp pick the same
+    argmax."""
     from ggtorch.models.generate import generate_tokens
 
     path = family_model(name)

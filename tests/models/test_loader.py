@@ -33,12 +33,17 @@ def test_tensor_kinds_follow_gguf_py_names() -> None:
         "ffn_gate_inp": T.FFN_GATE_INP, "ffn_gate_exps": T.FFN_GATE_EXP, "ffn_up_exps": T.FFN_UP_EXP,
         "ffn_down_exps": T.FFN_DOWN_EXP, "ffn_gate_inp_shexp": T.FFN_GATE_INP_SHEXP,
         "ffn_gate_shexp": T.FFN_GATE_SHEXP, "ffn_up_shexp": T.FFN_UP_SHEXP, "ffn_down_shexp": T.FFN_DOWN_SHEXP,
-        "attn_sinks": T.ATTN_SINKS,
+        "attn_sinks": T.ATTN_SINKS, "attn_gate": T.ATTN_GATE, "ssm_beta": T.SSM_BETA, "ssm_alpha": T.SSM_ALPHA,
+        "ssm_out": T.SSM_OUT, "ssm_norm": T.SSM_NORM, "ssm_conv1d": T.SSM_CONV1D,
     }
     biases = {f"{kind}_bias": gguf_py[kind] for kind in
               ("output", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
                "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
-    assert set(names.TENSOR_KINDS) == set(gguf_py) | set(biases)
+    # a DeltaNet's dt bias has no weight beside it, and its decay rates no suffix at all (llama.cpp's SSM_A_NOSCAN)
+    unsuffixed = {"ssm_dt": (T.SSM_DT, ".bias"), "ssm_a": (T.SSM_A, "")}
+    assert set(names.TENSOR_KINDS) == set(gguf_py) | set(biases) | set(unsuffixed)
+    for kind, (tensor, suffix) in unsuffixed.items():
+        assert names.TENSOR_KINDS[kind][0] == TENSOR_NAMES[tensor] + suffix
     family_tensors = set().union(*(MODEL_TENSORS[getattr(MODEL_ARCH, arch.upper().replace("-", "_"))]
                                    for arch in FAMILIES))
     for kind, tensor in gguf_py.items():
