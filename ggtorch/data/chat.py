@@ -202,23 +202,35 @@ def _find_content(text: str, content: str, before: str | None, pos: int, anchore
 
 
 def _written_answer(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], i: int, text: str, pos: int,
-                    end_texts: Sequence[str], where: str) -> Span | None:
+                    before: Sequence[str | None], end_texts: Sequence[str], where: str) -> Span | None:
     """Where the template writes assistant message i when its content is not in the render as given: a reasoning
-    template (Qwen3, Qwen3.5, DeepSeek-R1, ...) cuts an inline ``<think>`` block out of an earlier answer, or
-    moves it. Found by rendering: what the conversation before it renders with the generation prompt is where the
-    answer starts (as far as that render agrees with the whole one), and the answer runs to the first end-of-turn
-    text after it, so what the template writes for the turn is what trains. None when the two renders part
-    before ``pos`` or no end-of-turn text follows."""
-    prompt = template.render(messages[:i], add_generation_prompt=True, where=where)
-    start = 0
-    for a, b in zip(prompt, text, strict=False):
-        if a != b:
-            break
-        start += 1
-    ends = [at for e in end_texts if (at := text.find(e, start)) >= 0]
-    if start < pos or not ends or min(ends) == start:
+    template (Qwen3, Qwen3.5, DeepSeek-R1, GLM-4.6, ...) cuts an inline ``<think>`` block out of an earlier answer,
+    or moves it. Found by rendering: the conversation before it, rendered with the generation prompt, ends where
+    the answer starts (as far as that render agrees with the whole one); the answer runs to the first end-of-turn
+    text after it, or where the template writes none (GLM), to where the template text before the next message
+    begins (the whole render's end for the last one). So what the template writes for the turn is what trains.
+    None when no render locates it (the renders part before ``pos``, or the span would be empty)."""
+    start = _common_prefix(template.render(messages[:i], add_generation_prompt=True, where=where), text)
+    if start < pos:
         return None
-    return start, min(ends)
+    limit = len(text)
+    if i + 1 < len(messages):
+        nxt = _find_content(text, str(messages[i + 1]["content"]), before[i + 1], start, anchored=True)
+        limit = (nxt[0] - len(before[i + 1] or "") if nxt is not None
+                 else _common_prefix(template.render(messages[:i + 1], where=where), text))
+    ends = [at for e in end_texts if start < (at := text.find(e, start, limit))]
+    end = min(ends) if ends else limit
+    return (start, end) if end > start else None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """How many leading characters ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def answer_spans(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], where: str,
@@ -246,7 +258,7 @@ def answer_spans(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], 
         # other roles only anchor the search, so they must be found where the template puts them
         span = _find_content(text, m["content"], before[i], pos, anchored=not assistant)
         if span is None and assistant:
-            span = _written_answer(template, messages, i, text, pos, end_texts, where)
+            span = _written_answer(template, messages, i, text, pos, before, end_texts, where)
         if span is None and assistant:
             raise BadData(f"{where}: the {template.name} does not write assistant message {i}'s content into "
                           "its render of the conversation, so the answer cannot be located; fix the record or "

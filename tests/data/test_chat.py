@@ -22,6 +22,7 @@ from ggtorch.data import (
     load_records,
     read_records,
 )
+from ggtorch.data.chat import answer_spans
 from ggtorch.data.records import Example
 from ggtorch.errors import BadData
 from ggtorch.io.gguf import read_gguf
@@ -274,6 +275,29 @@ def test_answers_with_inline_reasoning_train_what_the_template_writes(
     assert trained_texts(tokenizer, enc) == ["Hello.<|im_end|>", last]
     whole = tokenizer.decode(enc.tokens.tolist(), remove_special=False, unparse_special=True)
     assert "Greet back." not in whole  # the template drops an earlier turn's reasoning
+
+
+@pytest.mark.parametrize(("name", "end_texts", "written"), [
+    # each drops an earlier answer's reasoning; the last: DeepSeek-R1 drops it too, Qwen3.5 and QwQ write it (Qwen3.5
+    # after the <think> its generation prompt opens), GLM-4.6 writes it and ends a turn with no end-of-turn text but
+    # the next turn's <|user|> (its end-of-generation token)
+    ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", ["<｜end▁of▁sentence｜>"],
+     ["Hello.<｜end▁of▁sentence｜>", "Bye.<｜end▁of▁sentence｜>"]),
+    ("Qwen3.5-4B", ["<|im_end|>"], ["Hello.<|im_end|>", "End politely.\n</think>\n\nBye.<|im_end|>"]),
+    ("Qwen-QwQ-32B", ["<|im_end|>"], ["Hello.<|im_end|>", "<think>End politely.</think>Bye.<|im_end|>"]),
+    ("GLM-4.6", ["<|user|>", "<|observation|>", "<|endoftext|>"],
+     ["\n<think></think>\nHello.<|user|>", "\n<think>End politely.</think>\nBye."]),
+])
+def test_reasoning_templates_train_what_they_write_for_each_turn(name: str, end_texts: list[str],
+                                                                 written: list[str]) -> None:
+    """The spans of a conversation whose answers hold inline <think> blocks, in llama.cpp's real templates: each is
+    what the template writes after the generation prompt for that turn, up to its end-of-turn text."""
+    template = ChatTemplate(template_file(name).read_text(encoding="utf-8"), "", "")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>Greet back.</think>Hello."},
+                {"role": "user", "content": "Bye"},
+                {"role": "assistant", "content": "<think>End politely.</think>Bye."}]
+    text, spans = answer_spans(template, messages, "record 1", end_texts)
+    assert [text[start:end] for start, end in spans] == written
 
 
 def test_an_answer_the_template_does_not_write_is_refused_by_record_and_template(tokenizer: Tokenizer) -> None:
