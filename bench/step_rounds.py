@@ -23,6 +23,17 @@ spec = json.loads(sys.argv[1])
 torch.set_num_threads(spec["threads"])
 gen = torch.Generator().manual_seed(0)
 
+def peak_rss_gib():
+    # VmHWM: this process's own peak since its exec. Linux's ru_maxrss keeps, across fork and exec, the parent's
+    # resident set at the fork, which a parent holding a freshly built model would put into every child's figure.
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
 def measure(step):
     times, loss = [], None
     for i in range(spec["steps"] + 1):
@@ -31,11 +42,10 @@ def measure(step):
         loss = step(tokens)
         if i:
             times.append(time.perf_counter() - start)
-    print(json.dumps({"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                      "step_s": statistics.median(times), "loss": loss}))
+    print(json.dumps({"peak_rss_gib": peak_rss_gib(), "step_s": statistics.median(times), "loss": float(loss)}))
 """
 """The head of every child's source: its spec from argv, ``measure(step)`` timing ``spec["steps"]`` steps on random
-batches after one untimed step and printing the median step time and the peak RSS as its last line."""
+batches after one untimed step and printing the median step time and the peak RSS (VmHWM) as its last line."""
 
 
 def run_rounds(configs: Sequence[tuple[str, str]], spec_of: Callable[[str], dict[str, Any]],
