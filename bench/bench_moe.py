@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from step_rounds import print_table, run_rounds  # noqa: E402  (this folder's sibling)
 
 GGTORCH = r"""
+import types
 from ggtorch.io.gguf import read_gguf
 from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
 from ggtorch.models.config import ModelConfig
