@@ -30,35 +30,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from step_rounds import print_table, run_rounds  # noqa: E402  (this folder's sibling)
+from step_rounds import GGTORCH_STEPS, PEER_STEPS, print_table, run_rounds  # noqa: E402  (this folder's sibling)
 
 GGTORCH = r"""
 from ggtorch.io.gguf import read_gguf
-from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
+from ggtorch.lora import LoraConfig, attach_lora
 from ggtorch.models.config import ModelConfig
 from ggtorch.models.loader import build_llama
-from ggtorch.ops import policy
-from ggtorch.training.loss import model_cross_entropy
-from ggtorch.training.optim import AdamConfig, GGMLAdamW
 
 f = read_gguf(spec["model"])
 model = build_llama(f, ModelConfig.from_gguf(f), keep_quantized=True)
 attach_lora(model, LoraConfig(rank=8, ranks={"token_embd": 0, "output": 0}), seed=0)
-optimizer = GGMLAdamW(trainable_parameters(model), AdamConfig())
-
-def step(tokens):
-    optimizer.zero_grad()
-    loss = model_cross_entropy(model, model(tokens[:, :-1], hidden_only=True), tokens[:, 1:])
-    loss.backward()
-    optimizer.step()
-    return float(loss)
-
-with policy.using(policy.for_device("cpu")):
-    measure(step)
-"""
+""" + GGTORCH_STEPS
 
 PEER = r"""
-import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -66,20 +51,7 @@ model = AutoModelForCausalLM.from_pretrained(spec["hf"], dtype=torch.float32)
 targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv", "in_proj_z",
            "in_proj_b", "in_proj_a", "out_proj"]
 model = get_peft_model(model, LoraConfig(r=8, lora_alpha=8, target_modules=targets))
-model.train()
-params = [p for p in model.parameters() if p.requires_grad]
-optimizer = torch.optim.AdamW(params, lr=1e-3)
-
-def step(tokens):
-    optimizer.zero_grad(set_to_none=True)
-    logits = model(input_ids=tokens[:, :-1]).logits
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-    loss.backward()
-    optimizer.step()
-    return float(loss)
-
-measure(step)
-"""
+""" + PEER_STEPS
 
 N_VOCAB = 248320
 """Qwen3.5's vocabulary size (its embedding's rows); the converter pads Qwen's 151,936 tokens to it."""

@@ -32,17 +32,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from step_rounds import print_table, run_rounds  # noqa: E402  (this folder's sibling)
+from step_rounds import GGTORCH_STEPS, PEER_STEPS, print_table, run_rounds  # noqa: E402  (this folder's sibling)
 
 GGTORCH = r"""
 import types
 from ggtorch.io.gguf import read_gguf
-from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
+from ggtorch.lora import LoraConfig, attach_lora
 from ggtorch.models.config import ModelConfig
 from ggtorch.models.loader import build_llama
 from ggtorch.models.model import MoE
-from ggtorch.training.loss import model_cross_entropy
-from ggtorch.training.optim import AdamConfig, GGMLAdamW
 from ggtorch.training.run import enable_block_checkpointing
 
 f = read_gguf(spec["model"])
@@ -59,21 +57,10 @@ for m in model.modules():
     if isinstance(m, MoE) and spec["experts"] == "dense":
         m._routed = types.MethodType(every_expert, m)
 enable_block_checkpointing(model)
-optimizer = GGMLAdamW(trainable_parameters(model), AdamConfig())
-
-def step(tokens):
-    optimizer.zero_grad()
-    loss = model_cross_entropy(model, model(tokens[:, :-1], hidden_only=True), tokens[:, 1:])
-    loss.backward()
-    optimizer.step()
-    return float(loss)
-
-measure(step)
-"""
+""" + GGTORCH_STEPS
 
 PEER = r"""
 from pathlib import Path
-import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -83,20 +70,7 @@ model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.na
                                              norm_topk_prob=True)
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 model = get_peft_model(model, LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-model.train()
-params = [p for p in model.parameters() if p.requires_grad]
-optimizer = torch.optim.AdamW(params, lr=1e-3)
-
-def step(tokens):
-    optimizer.zero_grad(set_to_none=True)
-    logits = model(input_ids=tokens[:, :-1]).logits
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-    loss.backward()
-    optimizer.step()
-    return float(loss)
-
-measure(step)
-"""
+""" + PEER_STEPS
 
 CONFIGS = [  # (label, child, experts, lora, base)
     ("ggtorch, LoRA on attention + experts, routed experts only", GGTORCH, "routed", "all", "quantized"),

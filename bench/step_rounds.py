@@ -47,6 +47,45 @@ def measure(step):
 """The head of every child's source: its spec from argv, ``measure(step)`` timing ``spec["steps"]`` steps on random
 batches after one untimed step and printing the median step time and the peak RSS (VmHWM) as its last line."""
 
+GGTORCH_STEPS = r"""
+from ggtorch.lora import trainable_parameters
+from ggtorch.training.loss import model_cross_entropy
+from ggtorch.training.optim import AdamConfig, GGMLAdamW
+
+optimizer = GGMLAdamW(trainable_parameters(model), AdamConfig())
+
+def step(tokens):
+    optimizer.zero_grad()
+    loss = model_cross_entropy(model, model(tokens[:, :-1], hidden_only=True), tokens[:, 1:])
+    loss.backward()
+    optimizer.step()
+    return float(loss)
+
+measure(step)
+"""
+"""The tail of a ggtorch child, after the source that builds ``model`` with its adapters: AdamW and the timed steps
+(the fused output projection and cross-entropy the trainer uses)."""
+
+PEER_STEPS = r"""
+import torch.nn.functional as F
+
+model.train()
+params = [p for p in model.parameters() if p.requires_grad]
+optimizer = torch.optim.AdamW(params, lr=1e-3)
+
+def step(tokens):
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(input_ids=tokens[:, :-1]).logits
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    optimizer.step()
+    return float(loss)
+
+measure(step)
+"""
+"""The tail of a transformers + peft child, after the source that builds the peft ``model``: torch's AdamW and the
+timed steps."""
+
 
 def run_rounds(configs: Sequence[tuple[str, str]], spec_of: Callable[[str], dict[str, Any]],
                rounds: int) -> dict[str, list[dict[str, float]]]:

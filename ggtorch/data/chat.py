@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -225,12 +226,7 @@ def _written_answer(template: ChatTemplate, messages: Sequence[Mapping[str, Any]
 
 def _common_prefix(a: str, b: str) -> int:
     """How many leading characters ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix((a, b)))
 
 
 def answer_spans(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], where: str,

@@ -18,6 +18,7 @@ Hkv key/value heads, D head_dim, R n_rot (rotated dims of a head), F n_ff, V n_v
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,11 +71,13 @@ def rope_angles_at(positions: torch.Tensor, n_rot: int, freq_base: float, freq_s
     return cos, sin
 
 
+@functools.cache
 def rope_section_turns(sections: tuple[int, ...], n_rot: int) -> torch.Tensor:
     """Per rotated pair, whether a text token's position turns it under ggml's interleaved multi-section rope
     (IMROPE, ggml_mrope_cache_init): pair i, in sector i mod sum(sections), takes the time, height or width position
     (all the token's position for text) when sector mod 3 is 0, 1 or 2 and the sector lies below 3 x that section's
-    size; otherwise the fourth position, which llama.cpp sets to 0 for text."""
+    size; otherwise the fourth position, which llama.cpp sets to 0 for text. Made once per layout (a CPU tensor
+    nobody writes to), not at every forward."""
     total = sum(sections)
     turns = []
     for pair in range(n_rot // 2):

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -46,34 +47,41 @@ def _spinning_child(seconds: float) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-@pytest.mark.serial  # measures other processes' load on the CPUs
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
-def test_a_busy_process_takes_a_thread_and_gives_it_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A process spinning on one CPU lowers the team by one; once it ends, the team grows back."""
+@pytest.fixture
+def two_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """torch at 2 threads (its default on a 2-core machine, whatever earlier tests set) with no thread variable
+    pinning it, on a machine of at least two CPUs; torch's count restored afterwards."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
     saved = torch.get_num_threads()
+    torch.set_num_threads(2)
     try:
-        if len(os.sched_getaffinity(0)) < 2:
-            pytest.skip("needs two CPUs")
-        torch.set_num_threads(2)  # torch's default on a 2-core machine, whatever earlier tests set
-        cores = _FreeCores()
-        cores.following = True  # what start_following() sets for the process (the ggtorch command does)
-        child = _spinning_child(30)
-        try:
-            time.sleep(0.3)
-            cores.follow()
-            time.sleep(threads.INTERVAL + 0.3)
-            assert cores.follow() == cores.ceiling - 1 == torch.get_num_threads(), "a spinning process took no thread"
-        finally:
-            child.kill()
-            child.wait()
-        cores.follow()
-        time.sleep(threads.INTERVAL + 0.3)
-        assert cores.follow() == cores.ceiling == torch.get_num_threads(), (
-            "the team did not grow back after the other process ended (is something else busy on this machine?)")
+        yield
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.serial  # measures other processes' load on the CPUs
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
+def test_a_busy_process_takes_a_thread_and_gives_it_back(two_threads: None) -> None:
+    """A process spinning on one CPU lowers the team by one; once it ends, the team grows back."""
+    cores = _FreeCores()
+    cores.following = True  # what start_following() sets for the process (the ggtorch command does)
+    child = _spinning_child(30)
+    try:
+        time.sleep(0.3)
+        cores.follow()
+        time.sleep(threads.INTERVAL + 0.3)
+        assert cores.follow() == cores.ceiling - 1 == torch.get_num_threads(), "a spinning process took no thread"
+    finally:
+        child.kill()
+        child.wait()
+    cores.follow()
+    time.sleep(threads.INTERVAL + 0.3)
+    assert cores.follow() == cores.ceiling == torch.get_num_threads(), (
+        "the team did not grow back after the other process ended (is something else busy on this machine?)")
 
 
 def test_what_the_user_set_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,30 +102,21 @@ def test_what_the_user_set_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.serial  # measures other processes' load on the CPUs
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
-def test_a_process_that_did_not_ask_keeps_its_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_process_that_did_not_ask_keeps_its_thread_count(monkeypatch: pytest.MonkeyPatch, two_threads: None) -> None:
     """A library call (a notebook's finetune) leaves torch's thread count alone unless the process asked to follow
     the free cores; one that asked and stops gets torch's count back."""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
-    saved = torch.get_num_threads()
+    monkeypatch.setattr(threads, "_state", None)
+    child = _spinning_child(30)
     try:
-        if len(os.sched_getaffinity(0)) < 2:
-            pytest.skip("needs two CPUs")
-        torch.set_num_threads(2)
-        monkeypatch.setattr(threads, "_state", None)
-        child = _spinning_child(30)
-        try:
-            threads.follow_free_cores()
-            time.sleep(threads.INTERVAL + 0.3)
-            assert threads.follow_free_cores() == 2 == torch.get_num_threads()  # not asked: untouched
-            threads.start_following()
-            threads.follow_free_cores()
-            time.sleep(threads.INTERVAL + 0.3)
-            assert threads.follow_free_cores() == 1 == torch.get_num_threads()
-            threads.stop_following()
-            assert torch.get_num_threads() == 2
-        finally:
-            child.kill()
-            child.wait()
+        threads.follow_free_cores()
+        time.sleep(threads.INTERVAL + 0.3)
+        assert threads.follow_free_cores() == 2 == torch.get_num_threads()  # not asked: untouched
+        threads.start_following()
+        threads.follow_free_cores()
+        time.sleep(threads.INTERVAL + 0.3)
+        assert threads.follow_free_cores() == 1 == torch.get_num_threads()
+        threads.stop_following()
+        assert torch.get_num_threads() == 2
     finally:
-        torch.set_num_threads(saved)
+        child.kill()
+        child.wait()
