@@ -107,3 +107,34 @@ def _top_level_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module.split(".")[0])
     return names
+
+
+DEVICES = {"cpu", "cuda", "mps", "xpu", "meta"}
+POLICY = PACKAGE / "ops" / "policy.py"
+
+
+def test_device_choices_live_in_the_policy_only() -> None:
+    """No module outside ops/policy.py keeps a module-level on/off switch (a bool constant) or a tuple of device
+    names, or compares a device against one: kernel and size choices per device are the policy's (issue 59; the
+    tree before it had e.g. native.py's switch and optim.py's FUSED_DEVICES = ("cpu", "cuda"))."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path == POLICY:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:  # module level
+            value = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, bool):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: a module-level switch")
+            if _device_names(value):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: a module-level device tuple")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(isinstance(op, ast.In | ast.NotIn) for op in node.ops):
+                if any(_device_names(right) for right in node.comparators):
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: a device tuple")
+    assert not found, found
+
+
+def _device_names(node: ast.AST | None) -> set[str]:
+    """The device names (cpu, cuda, ...) a tuple, list or set literal holds."""
+    return {e.value for e in getattr(node, "elts", []) if isinstance(e, ast.Constant)} & DEVICES
