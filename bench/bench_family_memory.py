@@ -27,7 +27,7 @@ import torch
 from ggtorch.io.gguf import read_gguf
 from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
 from ggtorch.models.config import ModelConfig
-from ggtorch.models.loader import build_llama
+from ggtorch.models.loader import build_model
 from ggtorch.training.loss import model_cross_entropy
 from ggtorch.training.optim import AdamConfig, GGMLAdamW
 from ggtorch.training.run import enable_block_checkpointing
@@ -36,7 +36,7 @@ path, batch, ctx, steps, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3
 torch.set_num_threads(threads)
 f = read_gguf(path)
 config = ModelConfig.from_gguf(f)
-model = build_llama(f, config, keep_quantized=True)
+model = build_model(f, config, keep_quantized=True)
 attach_lora(model, LoraConfig(rank=4), seed=0)
 enable_block_checkpointing(model)
 optimizer = GGMLAdamW(trainable_parameters(model), AdamConfig())

@@ -39,12 +39,12 @@ import types
 from ggtorch.io.gguf import read_gguf
 from ggtorch.lora import LoraConfig, attach_lora
 from ggtorch.models.config import ModelConfig
-from ggtorch.models.loader import build_llama
+from ggtorch.models.loader import build_model
 from ggtorch.models.model import MoE
 from ggtorch.training.run import enable_block_checkpointing
 
 f = read_gguf(spec["model"])
-model = build_llama(f, ModelConfig.from_gguf(f), keep_quantized=spec["base"] == "quantized")
+model = build_model(f, ModelConfig.from_gguf(f), keep_quantized=spec["base"] == "quantized")
 no_experts = {k: 0 for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "token_embd", "output")}
 attach_lora(model, LoraConfig(rank=8, ranks=no_experts if spec["lora"] == "attention"
                               else {"token_embd": 0, "output": 0}), seed=0)

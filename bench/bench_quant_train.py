@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from ggtorch.io.gguf import read_gguf  # noqa: E402
 from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters  # noqa: E402
-from ggtorch.models.loader import load_llama  # noqa: E402
+from ggtorch.models.loader import load_model_file  # noqa: E402
 from tests.llama_cpp_files import vocab_file  # noqa: E402
 from tests.llama_models import RandomLlamaShape, quantize_with_llama_cpp, write_random_llama  # noqa: E402
 
@@ -61,7 +61,7 @@ def model_file(workdir: Path, ftype: str) -> Path:
 def time_setup(path: Path, setup: str, batch: int, ctx: int, reps: int) -> float:
     """Median seconds per token of forward+backward (after one warm-up step)."""
     keep_quantized, dtype, autocast = SETUPS[setup]
-    model = load_llama(path, keep_quantized=keep_quantized, dtype=dtype).model
+    model = load_model_file(path, keep_quantized=keep_quantized, dtype=dtype).model
     attach_lora(model, LoraConfig(rank=4), seed=1)
     params = [p for _, p, _ in trainable_parameters(model)]
     gen = torch.Generator().manual_seed(0)

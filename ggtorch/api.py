@@ -46,7 +46,7 @@ from ggtorch.lora.adapter_file import LoraAdapter, adapter_from_model, load_adap
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.generate import PerplexityResult, generate, perplexity
 from ggtorch.models.init import init_tensors, new_config, new_metadata
-from ggtorch.models.loader import load_llama
+from ggtorch.models.loader import load_model_file
 from ggtorch.models.model import Llama
 from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.ops.dtypes import DTYPES
@@ -69,7 +69,7 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 @dataclass
 class GGUFModel:
-    """A llama GGUF in torch: the module, its tokenizer and config, and the file it came from."""
+    """A GGUF model in torch: the module, its tokenizer and config, and the file it came from."""
 
     model: Llama
     tokenizer: Tokenizer
@@ -163,13 +163,13 @@ class GGUFModel:
 
 def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = "f32", keep_quantized: bool = False) -> GGUFModel:
-    """Open a llama GGUF (memory-mapped) and build it on ``device``.
+    """Open a GGUF model (memory-mapped) and build it on ``device``.
 
     ``keep_quantized=True`` keeps quantized matrices as ggml blocks, dequantized on the fly
     (a fraction of the memory); otherwise every weight becomes ``dtype`` (f32, bf16 or f16).
     """
     torch_device = resolve_device(str(device))
-    loaded = load_llama(path, device=torch_device, dtype=_torch_dtype(dtype), keep_quantized=keep_quantized)
+    loaded = load_model_file(path, device=torch_device, dtype=_torch_dtype(dtype), keep_quantized=keep_quantized)
     return GGUFModel(loaded.model, loaded.tokenizer, loaded.config, loaded.gguf)
 
 

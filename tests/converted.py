@@ -210,6 +210,63 @@ def _qwen35moe():  # -> PretrainedConfig
                                                  "mrope_interleaved": True})
 
 
+def _gemma4_common() -> dict:
+    """Gemma 4's small releases at tiny widths: sliding heads of 16 and global heads of 32 ("proportional" rope, a
+    quarter of the pairs turning), window 16, the final soft-cap."""
+    return dict(vocab_size=N_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=16, max_position_embeddings=256,
+                final_logit_softcapping=30.0, pad_token_id=0)
+
+
+def _gemma4():  # -> PretrainedConfig
+    from transformers import Gemma4TextConfig
+
+    # E2B's design: layers 0-2 and 4 slide, 3 and 5 are global; 4 and 5 read the K/V of 2 and 3, with the double-wide
+    # MLP; per-layer embeddings of 8
+    return Gemma4TextConfig(num_hidden_layers=6, layer_types=["sliding_attention"] * 3 + [
+        "full_attention", "sliding_attention", "full_attention"], num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=N_VOCAB, use_double_wide_mlp=True, **_gemma4_common())
+
+
+def _gemma4moe():  # -> PretrainedConfig
+    from transformers import Gemma4TextConfig
+
+    # 26B-A4B's design: the dense MLP beside top-2 of 8 experts in every layer, global layers with one KV head and no
+    # v_proj (attention_k_eq_v), no per-layer embeddings
+    return Gemma4TextConfig(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                            hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1,
+                            enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
+                            **_gemma4_common())
+
+
+GEMMA4_ROUTER_DIMS = 16
+"""Hidden values only gemma4moe's routers read (as GPT_OSS_ROUTER_DIMS)."""
+
+
+def _gemma4_weights(model) -> None:  # model: Gemma4ForCausalLM
+    """Gemma 4 scales q.k by 1: q and k norm gains of D^-1/4 (the 1/sqrt(D) trained models learn) keep its softmax
+    from being so peaked that quantization's rounding moves the logits by units. In the MoE, routers of gain 32
+    (the init's would route on near-equal probabilities, which any rounding reorders), per-expert scales away from 1,
+    and routers that read only the last GEMMA4_ROUTER_DIMS hidden values, which no layer writes."""
+    import torch
+
+    r = GEMMA4_ROUTER_DIMS
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        for norm in (attn.q_norm, getattr(attn, "k_norm", None)):
+            if norm is not None:
+                norm.weight.mul_(norm.weight.shape[0] ** -0.25)
+        if not hasattr(layer, "router"):
+            continue
+        router = layer.router
+        torch.nn.init.normal_(router.proj.weight, std=32.0 / router.proj.weight.shape[1] ** 0.5)
+        router.per_expert_scale.copy_(torch.rand_like(router.per_expert_scale) + 0.5)
+        router.proj.weight[:, :-r] = 0.0
+        attn.o_proj.weight[-r:] = 0.0
+        layer.mlp.down_proj.weight[-r:] = 0.0
+        layer.experts.down_proj[:, -r:] = 0.0  # (E, hidden, width)
+
+
 GPT_OSS_ROUTER_DIMS = 32
 """Hidden values only gpt-oss's router reads (tests/families.py's Shape.router_dims)."""
 
@@ -257,6 +314,8 @@ HF_FAMILIES: dict[str, tuple[str, Callable, dict[str, int] | None]] = {
     "gpt_oss": ("GptOssForCausalLM", _gpt_oss, None),
     "qwen35": ("Qwen3_5ForCausalLM", _qwen35, None),
     "qwen35moe": ("Qwen3_5MoeForCausalLM", _qwen35moe, None),
+    "gemma4": ("Gemma4ForCausalLM", _gemma4, {}),
+    "gemma4moe": ("Gemma4ForCausalLM", _gemma4moe, {}),
 }
 EMBEDDING_GAIN = 10.0
 """On the init's std of 0.02: logits with a std of a few units, so argmax is not a coin flip."""
@@ -282,6 +341,8 @@ def hf_model(name: str, seed: int = 0):  # -> transformers.PreTrainedModel
             model.get_output_embeddings().weight.mul_(EMBEDDING_GAIN)
         if class_name == "GptOssForCausalLM":
             _gpt_oss_weights(model)
+        if class_name == "Gemma4ForCausalLM":
+            _gemma4_weights(model)
     return model
 
 
@@ -291,6 +352,8 @@ def write_hf_model(name: str, hf_dir: Path, seed: int = 0) -> Path:
     added_tokens = HF_FAMILIES[name][2]
     if added_tokens is None:
         return write_qwen2_tokenizer(hf_dir, vocab_file("qwen2"))
+    if HF_FAMILIES[name][0] == "Gemma4ForCausalLM":
+        return write_gemma4_tokenizer(hf_dir, vocab_file("llama-spm"))
     write_spm_tokenizer(hf_dir, vocab_file("llama-spm"))
     tokenizer_config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
                         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
@@ -332,6 +395,43 @@ def write_qwen2_tokenizer(hf_dir: Path, vocab_gguf: Path) -> Path:
     (hf_dir / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
     tokenizer_config = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|endoftext|>",
                         "pad_token": "<|endoftext|>", "add_prefix_space": False, "errors": "replace"}
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config), encoding="utf-8")
+    return hf_dir
+
+
+def write_gemma4_tokenizer(hf_dir: Path, vocab_gguf: Path) -> Path:
+    """A Gemma 4 style ``tokenizer.json`` (BPE over text with spaces as ``▁``, byte fallback, merges) rebuilt from a
+    llama.cpp vocabulary file: Gemma 4's own (its merges), or llama-spm's, whose merges are ordered by the merged
+    piece's score as sentencepiece's BPE merges (transformers' generate_merges): Gemma 4's 262k vocabulary would make
+    every table of a tiny model large. The converter reads it as it reads Gemma 4's (gguf-py's LlamaHfVocab)."""
+    from transformers.convert_slow_tokenizer import generate_merges
+
+    from ggtorch.io.gguf import read_gguf
+
+    meta = read_gguf(vocab_gguf).metadata
+    pieces, scores, kinds = (meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "scores", "token_type"))
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    merges = [(m[:m.find(" ", 1)], m[m.find(" ", 1) + 1:]) for m in meta.get("tokenizer.ggml.merges", ())] \
+        or generate_merges(vocab, {p: s for p, s in zip(pieces, scores, strict=True) if len(p) > 1})
+    control = 3  # llama.cpp's (and sentencepiece's) token type
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": p, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True}
+                         for i, (p, kind) in enumerate(zip(pieces, kinds, strict=True)) if kind == control],
+        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "\n+"}, "behavior": "Isolated", "invert": False},
+        "post_processor": None,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": vocab, "merges": [f"{a} {b}" for a, b in merges]},
+    }
+    (hf_dir / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                        "unk_token": "<unk>", "pad_token": "<unk>", "add_bos_token": True, "add_eos_token": False}
     (hf_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config), encoding="utf-8")
     return hf_dir
 

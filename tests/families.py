@@ -103,6 +103,25 @@ class Shape:
     """qwen35: next-token-prediction blocks written after the trunk (``nextn_predict_layers``)."""
     extra_kv: dict = field(default_factory=dict)
     """More metadata written as-is (key -> python value; ints become u32, floats f32)."""
+    # gemma4
+    swa_layers: tuple[bool, ...] = ()
+    """gemma4: ``attention.sliding_window_pattern`` as a bool per layer."""
+    head_dim_swa: int | None = None
+    """gemma4: sliding layers' head size (``attention.key_length_swa``) and rope width (``rope.dimension_count_swa``,
+    all of it)."""
+    n_head_kv_global: int | None = None
+    """gemma4: KV heads of the global layers (``head_count_kv`` written as an array when set)."""
+    n_ff_layers: tuple[int, ...] = ()
+    """gemma4: ``feed_forward_length`` as an array (the converter's double-wide MLP of K/V-sharing layers)."""
+    shared_kv_layers: int = 0
+    """gemma4: ``attention.shared_kv_layers``: the last layers read an earlier layer's K/V."""
+    n_embd_per_layer: int = 0
+    """gemma4: ``embedding_length_per_layer_input`` (0: no per-layer embeddings)."""
+    rope_share: float = 1.0
+    """gemma4: the share of a global head's pairs that turn ("proportional" rope: ``rope_freqs`` of 1e30 stop the
+    others)."""
+    k_eq_v: bool = False
+    """gemma4: global layers have no ``attn_v`` (V is the K projection)."""
 
 
 # name -> (GGUF architecture, vocabulary name, Shape)
@@ -193,6 +212,23 @@ FAMILY_PRESETS: dict[str, tuple[str, str, Shape]] = {
     "qwen35moe": ("qwen35moe", "llama-spm", Shape(n_layer=4, head_dim=32, n_rot=16, rope_freq_base=1e7, n_ff=96,
                                                 n_expert=8, n_expert_used=2, n_ff_exp=64, n_ff_shexp=64,
                                                 rope_sections=(3, 3, 1, 1), router_gain=4.0, router_dims=32)),
+    # Gemma 4 E2B style (gemma4): layers 0-2 and 4 slide (window 16, heads of 16, base 10000), 3 and 5 are global
+    # (heads of 32, one KV head, base 1e6, a quarter of the pairs turning); layers 4 and 5 compute no K/V and read
+    # those of layers 2 and 3, with twice the FFN width; per-layer embeddings of 8; a layer output scale; the final
+    # soft-cap; tied
+    "gemma4": ("gemma4", "stories", Shape(n_layer=6, head_dim=32, n_ff=128, rope_freq_base=1e6, tied_output=True,
+                                          sliding_window=16, swa_layers=(True, True, True, False, True, False),
+                                          head_dim_swa=16, n_head_kv_global=1, n_ff_layers=(128,) * 4 + (256,) * 2,
+                                          shared_kv_layers=2, n_embd_per_layer=8, rope_share=0.25,
+                                          final_softcap=30.0, logit_scale=2.0)),
+    # Gemma 4 26B-A4B style: every layer's dense MLP beside top-2 of 8 GeGLU experts (fused gate|up stacks, a scale per
+    # expert), global layers without attn_v; a router that reads only dims no layer writes (as gpt_oss), of gain 32
+    # (gemma4's router reads the residual RMS-normed and divided by sqrt(n_embd): a smaller gain routes on near-ties)
+    "gemma4moe": ("gemma4", "stories", Shape(n_layer=4, head_dim=32, n_ff=64, rope_freq_base=1e6, tied_output=True,
+                                             sliding_window=16, swa_layers=(True, False, True, False), head_dim_swa=16,
+                                             n_head_kv_global=1, rope_share=0.25, k_eq_v=True, n_expert=8,
+                                             n_expert_used=2, n_ff_exp=32, router_gain=32.0, router_dims=16,
+                                             final_softcap=30.0)),
     "granite": ("granite", "stories", Shape(rms_eps=1e-5, logit_scale=24.0, embd_std=0.1, extra_kv={
         "granite.embedding_scale": 12.0, "granite.residual_scale": 0.22, "granite.attention.scale": 0.0625,
         "granite.logit_scale": 8.0})),
@@ -282,10 +318,12 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
     w.add_uint32("general.file_type", 0)
     w.add_uint32(f"{a}.context_length", s.n_ctx)
     w.add_uint32(f"{a}.embedding_length", s.n_embd)
-    w.add_uint32(f"{a}.feed_forward_length", s.n_ff)
+    if not s.n_ff_layers:
+        w.add_uint32(f"{a}.feed_forward_length", s.n_ff)
     w.add_uint32(f"{a}.block_count", s.n_layer + s.nextn_layers)
     w.add_uint32(f"{a}.attention.head_count", s.n_head)
-    w.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
+    if s.n_head_kv_global is None:
+        w.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", s.rms_eps)
     if s.head_dim is not None:
         w.add_uint32(f"{a}.attention.key_length", hd)
@@ -338,6 +376,8 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
             w.add_uint32(f"{a}.full_attention_interval", s.full_attention_interval)
         if s.nextn_layers:
             w.add_uint32(f"{a}.nextn_predict_layers", s.nextn_layers)
+    if arch == "gemma4":
+        _gemma4_keys(w, s)
     for k, v in s.extra_kv.items():
         _add(w, k, v)
     for key, value, vtype, sub in vkeys:
@@ -359,7 +399,9 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
 
     gemma = arch in ("gemma2", "gemma3")
     interval = s.full_attention_interval or 4
-    for i in range(s.n_layer + s.nextn_layers):
+    if arch == "gemma4":
+        t |= _random_gemma4(s, n_vocab, lin, norm, vec, rng)
+    for i in range(0 if arch == "gemma4" else s.n_layer + s.nextn_layers):
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = norm(s.n_embd)
         if arch in ("qwen35", "qwen35moe"):
@@ -420,6 +462,83 @@ def write_random_model(path: str | Path, arch: str, vocab_gguf: str | Path, shap
     return path
 
 
+
+
+def _gemma4_keys(w: gguf.GGUFWriter, s: Shape) -> None:
+    """The keys llama_model_gemma4::load_arch_hparams reads beyond gemma3's, as the converter writes them."""
+    a = "gemma4"
+    w.add_array(f"{a}.attention.sliding_window_pattern", list(s.swa_layers))
+    if s.n_head_kv_global is not None:
+        w.add_array(f"{a}.attention.head_count_kv",
+                    [s.n_head_kv if swa else s.n_head_kv_global for swa in s.swa_layers])
+    if s.n_ff_layers:
+        w.add_array(f"{a}.feed_forward_length", list(s.n_ff_layers))
+    hd_swa = s.head_dim_swa or s.head_dim
+    w.add_uint32(f"{a}.attention.key_length_swa", hd_swa)
+    w.add_uint32(f"{a}.attention.value_length_swa", hd_swa)
+    w.add_uint32(f"{a}.rope.dimension_count_swa", hd_swa)
+    w.add_float32(f"{a}.rope.freq_base_swa", 10000.0)
+    w.add_uint32(f"{a}.attention.shared_kv_layers", s.shared_kv_layers)
+    w.add_uint32(f"{a}.embedding_length_per_layer_input", s.n_embd_per_layer)
+
+
+def _random_gemma4(s: Shape, n_vocab: int, lin, norm, vec, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A gemma4 model's tensors but token_embd and output_norm (llama_model_gemma4::load_arch_tensors): per-layer head
+    sizes and KV heads, no K/V in the sharing layers, no attn_v in global layers with ``k_eq_v``, rope_freqs that stop
+    all but ``rope_share`` of a global head's pairs, per-layer embeddings, a layer output scale, and in a MoE the
+    dense MLP beside the experts with their norms, router scale and per-expert scales. gemma4 scales q·k by 1, so the
+    q and k norms' gains carry the 1/sqrt(head size) (D^-1/4 each, as trained models learn them): with unit gains the
+    softmax is so peaked that quantization's rounding moves either program's logits by units."""
+    hd_full, hd_swa = s.head_dim or s.n_embd // s.n_head, s.head_dim_swa or s.head_dim
+    n_turn = int(hd_full // 2 * s.rope_share)
+    t = {"rope_freqs.weight": np.array([1.0] * n_turn + [1e30] * (hd_full // 2 - n_turn), dtype=np.float32)}
+    n_pl = s.n_embd_per_layer
+    if n_pl:
+        t["per_layer_token_embd.weight"] = vec(n_vocab * s.n_layer * n_pl, 1.0).reshape(n_vocab, s.n_layer * n_pl)
+        t["per_layer_model_proj.weight"] = lin(s.n_layer * n_pl, s.n_embd)
+        t["per_layer_proj_norm.weight"] = norm(n_pl)
+    n_kv = s.n_layer - s.shared_kv_layers
+    written = []  # (tensor, rows) the router must not see
+    for i, swa in enumerate(s.swa_layers):
+        p = f"blk.{i}."
+        hd = hd_swa if swa else hd_full
+        kv_heads = s.n_head_kv if swa or s.n_head_kv_global is None else s.n_head_kv_global
+        n_ff = s.n_ff_layers[i] if s.n_ff_layers else s.n_ff
+        t |= {p + "attn_norm.weight": norm(s.n_embd), p + "attn_q.weight": lin(s.n_head * hd, s.n_embd),
+              p + "attn_q_norm.weight": norm(hd) * hd ** -0.25,
+              p + "attn_output.weight": lin(s.n_embd, s.n_head * hd, 0.5),
+              p + "post_attention_norm.weight": norm(s.n_embd), p + "ffn_norm.weight": norm(s.n_embd),
+              p + "ffn_gate.weight": lin(n_ff, s.n_embd), p + "ffn_up.weight": lin(n_ff, s.n_embd),
+              p + "ffn_down.weight": lin(s.n_embd, n_ff, 0.5), p + "post_ffw_norm.weight": norm(s.n_embd),
+              p + "layer_output_scale.weight": rng.uniform(0.5, 1.0, 1).astype(np.float32)}
+        written += [p + "attn_output.weight", p + "ffn_down.weight"]
+        if i < n_kv:
+            t[p + "attn_k.weight"] = lin(kv_heads * hd, s.n_embd)
+            t[p + "attn_k_norm.weight"] = norm(hd) * hd ** -0.25
+            if swa or not s.k_eq_v:
+                t[p + "attn_v.weight"] = lin(kv_heads * hd, s.n_embd)
+        if n_pl:
+            t |= {p + "inp_gate.weight": lin(n_pl, s.n_embd, 0.2), p + "proj.weight": lin(s.n_embd, n_pl, 0.5),
+                  p + "post_norm.weight": norm(s.n_embd)}
+            written.append(p + "proj.weight")
+        if s.n_expert:
+            ff = s.n_ff_exp or s.n_ff
+            t |= {p + "ffn_gate_inp.weight": lin(s.n_expert, s.n_embd, s.router_gain),
+                  p + "ffn_gate_inp.scale": norm(s.n_embd),
+                  p + "ffn_gate_up_exps.weight": np.stack([lin(2 * ff, s.n_embd, s.expert_gain)
+                                                           for _ in range(s.n_expert)]),
+                  p + "ffn_down_exps.weight": np.stack([lin(s.n_embd, ff, s.expert_down_gain)
+                                                        for _ in range(s.n_expert)]),
+                  p + "ffn_down_exps.scale": rng.uniform(0.5, 1.5, s.n_expert).astype(np.float32),
+                  p + "pre_ffw_norm_2.weight": norm(s.n_embd), p + "post_ffw_norm_1.weight": norm(s.n_embd),
+                  p + "post_ffw_norm_2.weight": norm(s.n_embd)}
+            written.append(p + "ffn_down_exps.weight")
+            if s.router_dims:
+                t[p + "ffn_gate_inp.weight"][:, :-s.router_dims] = 0.0
+    if s.router_dims:  # the router's dims stay the token's embedding (norms and scales keep zeros zero)
+        for name in written:
+            t[name][..., -s.router_dims:, :] = 0.0
+    return t
 
 
 def _random_ffn(p: str, arch: str, s: Shape, lin, vec) -> dict[str, np.ndarray]:
@@ -511,6 +630,8 @@ def write_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
         head = 64 if shape.head_dim else None
         shape = replace(shape, n_embd=256, n_ff=512, head_dim=head, n_rot=32 if shape.n_rot else None,
                         n_ff_exp=256 if shape.n_ff_exp else None, n_ff_shexp=256 if shape.n_ff_shexp else None)
+        if arch == "gemma4":
+            shape = replace(shape, head_dim_swa=32, n_ff_layers=tuple(4 * n for n in shape.n_ff_layers))
         if shape.full_attention_interval is None and arch in ("qwen35", "qwen35moe"):
             # a DeltaNet layer and an attention layer: at these widths K-quants' rounding through four hybrid
             # layers moves the logits past the quantized tolerance in either program, not only between them

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import gguf
 import numpy as np
 
-NEOX_ARCHS = {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "gpt-oss", "qwen35", "qwen35moe"}
+NEOX_ARCHS = {"qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "gpt-oss", "qwen35", "qwen35moe",
+              "gemma4"}
 NORM_ARCHS = {"llama", "mistral3", "smollm3", "granite"}
 SUPPORTED = NEOX_ARCHS | NORM_ARCHS
 
@@ -68,6 +69,12 @@ class Config:
     ssm_v_heads: int = 0
     ssm_state: int = 0
     rope_sections: tuple[int, ...] = ()
+    # gemma4: per-layer shapes, K/V sharing, per-layer embeddings
+    n_head_kv_layers: list[int] = field(default_factory=list)
+    head_dim_swa: int = 0
+    n_rot_swa: int = 0
+    n_kv_shared: int = 0
+    n_embd_per_layer: int = 0
 
 
 @dataclass
@@ -101,6 +108,11 @@ def _scalar(v):
     return v
 
 
+def _first(v):
+    """A per-layer array's first entry (gemma4's arrays are read per layer where they matter)."""
+    return v[0] if isinstance(v, list) else v
+
+
 def make_config(meta: dict, tensors: dict[str, np.ndarray]) -> Config:
     """Hyperparameters with llama.cpp's keys, defaults and per-arch rules (families.md §1, §2)."""
     arch = meta["general.architecture"]
@@ -117,7 +129,7 @@ def make_config(meta: dict, tensors: dict[str, np.ndarray]) -> Config:
 
     n_embd = int(g("{a}.embedding_length", required=True))
     n_head = int(g("{a}.attention.head_count", required=True))
-    n_head_kv = int(g("{a}.attention.head_count_kv", n_head))
+    n_head_kv = int(_first(meta.get(f"{arch}.attention.head_count_kv", n_head)))
     hdk = int(g("{a}.attention.key_length", n_embd // n_head))
     hdv = int(g("{a}.attention.value_length", n_embd // n_head))
     n_rot = int(g("{a}.rope.dimension_count", hdk))
@@ -135,7 +147,8 @@ def make_config(meta: dict, tensors: dict[str, np.ndarray]) -> Config:
         n_vocab = len(meta["tokenizer.ggml.tokens"])
     c = Config(
         arch=arch, n_vocab=int(n_vocab), n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
-        n_ff=int(g("{a}.feed_forward_length", 0)), n_ctx_train=n_ctx_train, head_dim_k=hdk, head_dim_v=hdv,
+        n_ff=int(_first(meta.get(f"{arch}.feed_forward_length", 0))), n_ctx_train=n_ctx_train, head_dim_k=hdk,
+        head_dim_v=hdv,
         n_rot=n_rot, rms_eps=float(g("{a}.attention.layer_norm_rms_epsilon", required=True)),
         rope_neox=arch in NEOX_ARCHS, rope_freq_base=float(g("{a}.rope.freq_base", 10000.0)),
         rope_freq_scale=freq_scale, rope_attn_factor=float(g("{a}.rope.scaling.attn_factor", 1.0)),
@@ -196,6 +209,20 @@ def make_config(meta: dict, tensors: dict[str, np.ndarray]) -> Config:
         c.rope_freq_base_swa = float(g("{a}.rope.freq_base_swa", c.rope_freq_base))
         c.rope_freq_scale_swa = c.rope_freq_scale
         c.kq_scale = 1.0 / math.sqrt(n_rot)  # the graph's head size is n_rot
+    elif arch == "gemma4":  # src/models/gemma4.cpp, llama_model_gemma4::load_arch_hparams
+        c.n_swa = int(g("{a}.attention.sliding_window", required=True))
+        c.is_swa = [bool(x) for x in meta[f"{arch}.attention.sliding_window_pattern"][:n_layer]]
+        kv = meta.get(f"{arch}.attention.head_count_kv", n_head)
+        c.n_head_kv_layers = [int(x) for x in kv] if isinstance(kv, list) else [int(kv)] * n_layer
+        c.head_dim_swa = int(meta.get(f"{arch}.attention.key_length_swa", hdk))
+        c.n_rot_swa = int(meta.get(f"{arch}.rope.dimension_count_swa", n_rot))
+        c.rope_freq_base_swa = float(g("{a}.rope.freq_base_swa", 10000.0))
+        c.rope_freq_scale_swa = 1.0
+        c.n_kv_shared = int(g("{a}.attention.shared_kv_layers", 0))
+        c.n_embd_per_layer = int(g("{a}.embedding_length_per_layer_input", required=True))
+        c.final_softcap = float(g("{a}.final_logit_softcapping", 0.0))
+        c.kq_scale = 1.0
+        c.embd_scale = math.sqrt(n_embd)
     elif arch in ("qwen35", "qwen35moe"):  # src/models/qwen35.cpp, qwen35moe.cpp, llama_model_qwen35::load_arch_hparams
         pattern = meta.get(f"{arch}.attention.recurrent_layers")
         if pattern is not None:
@@ -311,6 +338,8 @@ def forward(model: Model, tokens: list[int], n_ctx_seq: int = 256, gelu_mode: st
     factors. llama.cpp pads n_ctx up to a multiple of 256, so n_ctx=64 gives 256.
     """
     c, w = model.config, model.w
+    if c.arch == "gemma4":
+        return gemma4_forward(model, tokens, gelu_mode)
     T = len(tokens)
     x = w["token_embd.weight"][np.asarray(tokens)] * c.embd_scale  # (T, C)
     H, Hkv, Dk, Dv = c.n_head, c.n_head_kv, c.head_dim_k, c.head_dim_v
@@ -522,3 +551,91 @@ def gated_delta_net(h: np.ndarray, w: dict, p: str, c: Config) -> np.ndarray:
             out[t, hv] = s.T @ q[t, hk]
     o = rms_norm(out, w[p + "ssm_norm.weight"], c.rms_eps) * silu(z.reshape(T, Hv, D))
     return o.reshape(T, Hv * D) @ w[p + "ssm_out.weight"].T
+
+
+def gemma4_forward(model: Model, tokens: list[int], gelu_mode: str) -> np.ndarray:
+    """gemma4 as src/models/gemma4.cpp computes it: per-layer head sizes and KV heads, q/k norms and a gain-free V
+    norm, q.k scaled by 1, global layers turning with rope_freqs as divisors, the last shared_kv_layers reading the
+    K/V of layer n_kv - 2 (sliding) or n_kv - 1 (global), GeGLU MLP and, in MoE layers, experts beside it, the
+    per-layer embeddings gated in after the FFN, the layer output scale, the final soft-cap."""
+    c, w = model.config, model.w
+    T = len(tokens)
+    ids = np.asarray(tokens)
+    x = w["token_embd.weight"][ids] * np.float32(math.sqrt(c.n_embd))
+    L, P = c.n_layer, c.n_embd_per_layer
+    per_layer = None
+    if P:
+        rows = w["per_layer_token_embd.weight"][ids].reshape(T, L, P) * math.sqrt(P)
+        proj = (x @ w["per_layer_model_proj.weight"].T / math.sqrt(c.n_embd)).reshape(T, L, P)
+        per_layer = (rms_norm(proj, w["per_layer_proj_norm.weight"], c.rms_eps) + rows) / math.sqrt(2.0)
+    pos = np.arange(T)
+    causal = pos[None, :] <= pos[:, None]
+    n_kv = L - c.n_kv_shared
+    kv_of: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for il in range(L):
+        p = f"blk.{il}."
+        swa = c.is_swa[il]
+        D = c.head_dim_swa if swa else c.head_dim_k
+        n_rot = c.n_rot_swa if swa else c.n_rot
+        Hkv = c.n_head_kv_layers[il]
+        if swa:
+            cos, sin = rope_cos_sin(T, n_rot, c.rope_freq_base_swa, 1.0, None, 1.0)
+        else:
+            cos, sin = rope_cos_sin(T, n_rot, c.rope_freq_base, c.rope_freq_scale, w["rope_freqs.weight"], 1.0)
+        h = rms_norm(x, w[p + "attn_norm.weight"], c.rms_eps)
+        q = rms_norm((h @ w[p + "attn_q.weight"].T).reshape(T, c.n_head, D), w[p + "attn_q_norm.weight"], c.rms_eps)
+        q = apply_rope(q, cos, sin, n_rot, True)
+        if il < n_kv:
+            k = h @ w[p + "attn_k.weight"].T
+            v = h @ w[p + "attn_v.weight"].T if p + "attn_v.weight" in w else k
+            k = apply_rope(rms_norm(k.reshape(T, Hkv, D), w[p + "attn_k_norm.weight"], c.rms_eps), cos, sin, n_rot,
+                           True)
+            v = rms_norm(v.reshape(T, Hkv, D), None, c.rms_eps)
+            kv_of[il] = (k, v)
+        else:
+            k, v = kv_of[n_kv - (2 if swa else 1)]
+        group = c.n_head // k.shape[1]
+        scores = np.einsum("ihd,jhd->hij", q, np.repeat(k, group, axis=1))
+        allowed = causal & ((pos[:, None] - pos[None, :] < c.n_swa) if swa else True)
+        probs = softmax(scores + np.where(allowed, 0.0, -np.inf)[None], axis=-1)
+        att = np.einsum("hij,jhd->ihd", probs, np.repeat(v, group, axis=1)).reshape(T, c.n_head * D)
+        att = rms_norm(att @ w[p + "attn_output.weight"].T, w[p + "post_attention_norm.weight"], c.rms_eps)
+        attn_out = x + att
+        h = rms_norm(attn_out, w[p + "ffn_norm.weight"], c.rms_eps)
+        f = (gelu(h @ w[p + "ffn_gate.weight"].T, gelu_mode) * (h @ w[p + "ffn_up.weight"].T)) \
+            @ w[p + "ffn_down.weight"].T
+        if p + "ffn_gate_inp.weight" in w:
+            f = rms_norm(f, w[p + "post_ffw_norm_1.weight"], c.rms_eps)
+            f = f + rms_norm(_gemma4_experts(attn_out, w, p, c, gelu_mode), w[p + "post_ffw_norm_2.weight"],
+                             c.rms_eps)
+        x = attn_out + rms_norm(f, w[p + "post_ffw_norm.weight"], c.rms_eps)
+        if per_layer is not None:
+            g = gelu(x @ w[p + "inp_gate.weight"].T, gelu_mode) * per_layer[:, il]
+            x = x + rms_norm(g @ w[p + "proj.weight"].T, w[p + "post_norm.weight"], c.rms_eps)
+        if p + "layer_output_scale.weight" in w:
+            x = x * w[p + "layer_output_scale.weight"][0]
+    x = rms_norm(x, w["output_norm.weight"], c.rms_eps)
+    logits = x @ w.get("output.weight", w["token_embd.weight"]).T
+    if c.final_softcap:
+        logits = c.final_softcap * np.tanh(logits / c.final_softcap)
+    return logits
+
+
+def _gemma4_experts(residual: np.ndarray, w: dict, p: str, c: Config, gelu_mode: str) -> np.ndarray:
+    """gemma4's routed experts: the router reads rms_norm(residual) / sqrt(n_embd) * ffn_gate_inp.scale; softmax,
+    top k, renormalized; each expert GeGLU over pre_ffw_norm_2(residual), its down product times its scale."""
+    h = rms_norm(residual, w[p + "pre_ffw_norm_2.weight"], c.rms_eps)
+    router_in = rms_norm(residual, None, c.rms_eps) / math.sqrt(c.n_embd) * w[p + "ffn_gate_inp.scale"]
+    probs = softmax(router_in @ w[p + "ffn_gate_inp.weight"].T, axis=-1)
+    gate_up = w[p + "ffn_gate_up_exps.weight"]
+    ff = gate_up.shape[1] // 2
+    scales = w.get(p + "ffn_down_exps.scale")
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        chosen = np.argsort(-probs[t], kind="stable")[: c.n_expert_used]
+        weights = probs[t, chosen] / max(probs[t, chosen].sum(), 6.103515625e-5)
+        for e, weight in zip(chosen, weights, strict=True):
+            y = gate_up[e] @ h[t]
+            down = w[p + "ffn_down_exps.weight"][e] @ (gelu(y[:ff], gelu_mode) * y[ff:])
+            out[t] += weight * down * (scales[e] if scales is not None else 1.0)
+    return out

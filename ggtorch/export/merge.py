@@ -159,13 +159,23 @@ def _file_type(base: GGUFFile, merged: dict[str, tuple[GGMLQuantizationType, GGM
 
 
 def merged_weight(base: GGUFFile, name: str, sources: list[MergeSource]) -> torch.Tensor:
-    """The base tensor in f32 plus every source's delta, added in order as llama.cpp does."""
+    """The base tensor in f32 plus every source's delta, added in order as llama.cpp does.
+
+    An expert stack with a per-expert scale (gemma4's ``ffn_down_exps.scale``) scales its product, not an adapter's
+    (llama.cpp's build_lora_mm_id): each expert's delta is divided by its scale, so that the merged model computes
+    what the base with the adapter computes."""
     follow_free_cores()
     info = base.tensors[name]
     w = dequantize(info.raw(), info.ggml_type, info.shape, torch.float32, name=name)
+    scale_name = name.removesuffix(".weight") + ".scale"
+    unscale = None
+    if len(info.shape) == 3 and scale_name in base.tensors:
+        scale = base.tensors[scale_name]
+        unscale = 1 / dequantize(scale.raw(), scale.ggml_type, scale.shape, torch.float32, name=scale_name)
     for src in sources:
         if name in src.adapter.pairs:
-            w = src.adapter.delta(name, src.user_scale) + w
+            delta = src.adapter.delta(name, src.user_scale)
+            w = (delta if unscale is None else delta * unscale.reshape(-1, 1, 1)) + w
         elif name in src.norms:
             pair = src.norms[name]
             w = (pair.b @ pair.a)[0] * src.user_scale + w

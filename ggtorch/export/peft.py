@@ -92,10 +92,13 @@ FAMILY_HF_MODULES: dict[str, dict[str, str]] = {
     "qwen2moe": _NO_FFN | _SHARED_EXPERT,
     "qwen35": HF_MODULES | _DELTA_NET,
     "qwen35moe": _NO_FFN | _SHARED_EXPERT | _DELTA_NET,
+    "gemma4": HF_MODULES | {"per_layer_inp_gate": "model.layers.{bid}.per_layer_input_gate",
+                            "per_layer_proj": "model.layers.{bid}.per_layer_projection"},
 }
 """Architectures whose Hugging Face module names differ from HF_MODULES: Phi3ForCausalLM's, the MoE
 models (qwen3moe, qwen2moe, gpt-oss, qwen35moe), whose routed experts are no modules (below) and whose FFN is qwen2moe's
-shared expert, and Qwen3.5's linear-attention layers."""
+shared expert, Qwen3.5's linear-attention layers, and Gemma 4's per-layer embedding gate and projection (its MoE
+layers keep the dense MLP's names beside the experts)."""
 EXPERT_REFUSAL = ("transformers stores a MoE's routed experts as fused 3-D parameters (mlp.experts.gate_up_proj, "
                   "mlp.experts.down_proj), not as modules a PEFT LoRA can target, so expert adapters have no "
                   "PEFT counterpart: train with --rank-exps 0 for a PEFT export, or merge the adapter into the "
@@ -105,7 +108,8 @@ HF_CLASSES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCau
                               "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                               "mistral3": "Ministral3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                               "gpt-oss": "GptOssForCausalLM", "granite": "GraniteForCausalLM",
-                              "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
+                              "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
+                              "gemma4": "Gemma4ForCausalLM"}
 """The Hugging Face model class of each family, for messages."""
 HF_LEAVES: dict[str, str] = {path.rsplit(".", 1)[-1]: kind for kind, path in HF_MODULES.items()}
 """``q_proj`` -> ``attn_q``: the names PEFT's ``target_modules`` usually lists."""

@@ -39,7 +39,7 @@ OUTTYPES: dict[str, GGMLQuantizationType] = {t.name.lower(): t for t in FILE_TYP
 
 def write_model(path: str | os.PathLike[str], metadata: dict[str, Any], value_types: dict[str, Any],
                 tensors: dict[str, torch.Tensor], outtype: str = "f32") -> Path:
-    """Write a llama GGUF llama.cpp loads: ``metadata`` (a base's or new_metadata's) + ``tensors``.
+    """Write a GGUF model llama.cpp loads: ``metadata`` (a base's or new_metadata's) + ``tensors``.
 
     ``general.file_type`` is set from ``outtype``; every other key is kept with its GGUF type.
     """

@@ -15,22 +15,27 @@ import numpy as np
 
 from ggtorch.errors import BadFlag, flag
 
-EXPERT_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_down_exps", "ffn_up_exps")
+EXPERT_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_down_exps", "ffn_up_exps", "ffn_gate_up_exps")
 """Routed experts' stacks: each expert gets its own A and B (lora.layers.LoRAExperts)."""
 SHARED_EXPERT_KINDS: tuple[str, ...] = ("ffn_gate_shexp", "ffn_down_shexp", "ffn_up_shexp")
 """qwen2moe's shared expert: a dense FFN, sized by the ffn_gate/ffn_down/ffn_up ranks."""
 LINEAR_ATTENTION_KINDS: tuple[str, ...] = ("attn_gate", "ssm_beta", "ssm_alpha", "ssm_out")
 """A Gated DeltaNet layer's products besides its fused ``attn_qkv`` (qwen35): the output gate z, the write strength
 beta, the decay's input alpha and the output projection, each a build_lora_mm in llama.cpp's graph."""
+PER_LAYER_EMBEDDING_KINDS: tuple[str, ...] = ("per_layer_inp_gate", "per_layer_proj")
+"""gemma4's per-layer embedding products in each block (E2B/E4B): the gate from the residual stream into the
+layer's embedding width and the projection back, each a build_lora_mm in llama.cpp's graph (the model-wide
+``per_layer_model_proj`` is a plain ggml_mul_mat there, so it is never adapted)."""
 MATRIX_KINDS: tuple[str, ...] = ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output",
                                  "ffn_gate", "ffn_down", "ffn_up", "attn_qkv") + EXPERT_KINDS + SHARED_EXPERT_KINDS \
-    + LINEAR_ATTENTION_KINDS
+    + LINEAR_ATTENTION_KINDS + PER_LAYER_EMBEDDING_KINDS
 NORM_KINDS: tuple[str, ...] = ("attn_norm", "ffn_norm", "output_norm")
 ALL_KINDS: tuple[str, ...] = MATRIX_KINDS + NORM_KINDS
 TIED_KINDS: tuple[str, ...] = ("token_embd", "output")
 GLOBAL_ORDER: tuple[str, ...] = ("token_embd", "output_norm", "output")
 LAYER_ORDER: tuple[str, ...] = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output") \
-    + LINEAR_ATTENTION_KINDS + ("ffn_norm", "ffn_gate", "ffn_down", "ffn_up") + EXPERT_KINDS + SHARED_EXPERT_KINDS
+    + LINEAR_ATTENTION_KINDS + ("ffn_norm", "ffn_gate", "ffn_down", "ffn_up") + EXPERT_KINDS + SHARED_EXPERT_KINDS \
+    + PER_LAYER_EMBEDDING_KINDS
 """The old finetune's tensor order (randomize_lora, checkpoints): globals, then per layer. A model
 lacks some kinds (attn_q/k/v or attn_qkv; phi3 has no ffn_gate; a MoE has experts in place of
 ffn_gate/down/up): they are skipped, so a llama model's order is the old one. The routers
@@ -47,6 +52,7 @@ FINETUNE_RANK_FIELDS: dict[str, tuple[str, ...]] = {
     "rank_ffn_down": ("ffn_down", "ffn_down_shexp"), "rank_ffn_up": ("ffn_up", "ffn_up_shexp"),
     "rank_att_norm": ("attn_norm",), "rank_ffn_norm": ("ffn_norm",), "rank_out_norm": ("output_norm",),
     "rank_qkv": ("attn_qkv",), "rank_exps": EXPERT_KINDS, "rank_linear_attn": LINEAR_ATTENTION_KINDS,
+    "rank_per_layer": PER_LAYER_EMBEDDING_KINDS,
 }
 """Run option (FinetuneConfig field, the old --rank-* flag) -> the tensor kinds whose rank it sets."""
 

@@ -51,6 +51,10 @@ class _LoRA(nn.Module):
         """s·ΔW in the base weight's orientation, f32."""
         raise NotImplementedError
 
+    def merge_delta(self) -> torch.Tensor:
+        """What merge() adds to the base weight: s·ΔW."""
+        return self.delta_weight()
+
     def merge(self) -> None:
         """Fold s·ΔW into the base weight (idempotent). The merged weight is a new tensor (a
         quantized base becomes its f32 dequantization plus the delta), never an in-place edit:
@@ -61,11 +65,11 @@ class _LoRA(nn.Module):
         with torch.no_grad():
             if isinstance(self.base, QUANT_BASES):
                 self._unmerged_base = self.base
-                self.base = float_twin(self.base, self.base.dequantized_weight(torch.float32) + self.delta_weight())
+                self.base = float_twin(self.base, self.base.dequantized_weight(torch.float32) + self.merge_delta())
             else:
                 w = self.base.weight
                 self._unmerged_weight = w
-                self.base.weight = nn.Parameter((w.float() + self.delta_weight()).to(w.dtype),
+                self.base.weight = nn.Parameter((w.float() + self.merge_delta()).to(w.dtype),
                                                 requires_grad=w.requires_grad)
         self.merged = True
 
@@ -181,7 +185,9 @@ class LoRAExperts(_LoRA):
         frozen = isinstance(self.base, QuantExperts) or not self.base.weight.requires_grad
         dropout = self.training and isinstance(self.dropout, nn.Dropout)
         scale = (float(self.scale),)
-        if frozen and not dropout and (dtype == self.lora_a.dtype or torch.is_autocast_enabled(x.device.type)):
+        unscaled = self.base.scale is None  # a scaled stack scales its own product only (llama.cpp's w_s)
+        if frozen and unscaled and not dropout and (dtype == self.lora_a.dtype or
+                                                    torch.is_autocast_enabled(x.device.type)):
             return grouped(x, counts, lambda e, rows: lora_products(
                 rows, scale, (_expert_products(self.base, e, dtype),), dtype, [a[e], b[e]])[0])
         y = self.base(x, counts)
@@ -194,6 +200,12 @@ class LoRAExperts(_LoRA):
 
     def delta_weight(self) -> torch.Tensor:
         return torch.bmm(self.lora_b.float(), self.lora_a.float()) * self.scale  # (E, out, in)
+
+    def merge_delta(self) -> torch.Tensor:
+        """What merging adds to the stack: s·ΔW, divided by each expert's scale where the stack has one (its
+        product is scaled, the adapter's is not)."""
+        delta = self.delta_weight()
+        return delta if self.base.scale is None else delta / self.base.scale.float()[:, None, None]
 
 
 class LoRAEmbedding(_LoRA):

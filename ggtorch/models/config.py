@@ -128,6 +128,27 @@ class ModelConfig:
     """``rope.dimension_sections`` of multi-section rope (qwen35): rotated pairs per position kind."""
     n_layer_nextn: int = 0
     """Next-token-prediction blocks stored after the trunk (``nextn_predict_layers``): never run, kept in exports."""
+    head_dim_swa: int | None = None
+    """Head size of the sliding-window layers (``attention.key_length_swa``; default head_dim; gemma4)."""
+    n_rot_swa: int | None = None
+    """Rotary dimensions of the sliding-window layers (``rope.dimension_count_swa``; default n_rot; gemma4)."""
+    n_head_kv_layers: tuple[int, ...] = ()
+    """Per layer, its KV heads when ``head_count_kv`` is an array (empty: n_head_kv everywhere; gemma4)."""
+    n_ff_layers: tuple[int, ...] = ()
+    """Per layer, its FFN width when ``feed_forward_length`` is an array (empty: n_ff everywhere; gemma4)."""
+    n_layer_kv_shared: int = 0
+    """The last this many layers compute no K/V and read an earlier layer's (``attention.shared_kv_layers``)."""
+    n_embd_per_layer: int = 0
+    """Width of each layer's own embedding input (``embedding_length_per_layer_input``; 0: none; gemma4 E2B/E4B)."""
+    k_as_v_layers: tuple[bool, ...] = ()
+    """Per layer, whether it has no ``attn_v`` and takes its K projection as V (gemma4's global layers of its larger
+    models; empty: none)."""
+    layer_output_scale: bool = False
+    """Each block's output is multiplied by its ``layer_output_scale`` (gemma4)."""
+    expert_scales: bool = False
+    """Each expert's down projection is multiplied by its entry of ``ffn_down_exps.scale`` (gemma4)."""
+    fused_gate_up_exps: bool = False
+    """The experts' gate and up stacks are one ``ffn_gate_up_exps`` (gemma4's converter writes them so)."""
 
     def __post_init__(self) -> None:
         if self.arch not in FAMILIES:
@@ -157,6 +178,44 @@ class ModelConfig:
         if any(self.swa_layers) and self.sliding_window <= 0:
             raise BadGGUF(f"sliding-window layers need a positive window, got {self.sliding_window}")
         self._check_linear_attention()
+        self._check_layer_widths()
+
+    def _check_layer_widths(self) -> None:
+        """Per-layer shapes (gemma4): one entry per layer, whole KV groups, K/V sharing from a layer of the same
+        kind (llama.cpp takes layer n_kv - 2 for sliding layers and n_kv - 1 for global ones, and asserts n_kv >= 2)."""
+        for name in ("n_head_kv_layers", "n_ff_layers", "k_as_v_layers"):
+            value = getattr(self, name)
+            if value and len(value) != self.n_layer:
+                raise BadGGUF(f"{self.arch} per-layer {name.removesuffix('_layers')} has {len(value)} entries for "
+                              f"{self.n_layer} layers")
+        for layer in range(self.n_layer):
+            n_kv, n_ff = self.n_head_kv_at(layer), self.n_ff_at(layer)
+            if not isinstance(n_kv, int) or n_kv <= 0 or self.n_head % n_kv:
+                raise BadGGUF(f"layer {layer}'s KV head count {n_kv} must be positive and divide the head count "
+                              f"{self.n_head}")
+            if not isinstance(n_ff, int) or n_ff <= 0:
+                raise BadGGUF(f"layer {layer}'s feed-forward length {n_ff} must be a positive integer")
+        for name in ("head_dim_swa", "n_rot_swa"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise BadGGUF(f"{self.arch} hyperparameter {name} = {value!r} must be a positive integer")
+        if self.n_rot_swa is not None and (self.n_rot_swa > (self.head_dim_swa or self.head_dim) or self.n_rot_swa % 2):
+            raise BadGGUF(f"sliding layers' rope dimension count {self.n_rot_swa} must be even and at most their head "
+                          f"size {self.head_dim_swa or self.head_dim}")
+        if not 0 <= self.n_layer_kv_shared <= self.n_layer:
+            raise BadGGUF(f"{self.n_layer_kv_shared} layers sharing K/V, the model has {self.n_layer}")
+        if self.n_layer_kv_shared:
+            n_kv = self.n_layer - self.n_layer_kv_shared
+            if n_kv < 2:
+                raise BadGGUF(f"{self.n_layer_kv_shared} of {self.n_layer} layers share K/V: llama.cpp needs at least "
+                              "two layers with their own")
+            for layer in range(n_kv, self.n_layer):
+                source = self.kv_source(layer)
+                if self.is_swa(source) != self.is_swa(layer):
+                    kind = "sliding" if self.is_swa(layer) else "global"
+                    raise BadGGUF(f"layer {layer} ({kind}) would read the K/V of layer {source}, which is not {kind}: "
+                                  "llama.cpp's K/V sharing needs the last two layers with their own K/V to be a "
+                                  "sliding and a global one")
 
     def _check_linear_attention(self) -> None:
         """The DeltaNet shapes llama.cpp's qwen35 graph asserts (a square state per value head, whole key groups)."""
@@ -245,6 +304,44 @@ class ModelConfig:
     def is_swa(self, layer: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[layer]
 
+    def head_dim_at(self, layer: int) -> int:
+        """Head size of ``layer`` (sliding layers may have their own)."""
+        return self.head_dim_swa if self.head_dim_swa is not None and self.is_swa(layer) else self.head_dim
+
+    def n_rot_at(self, layer: int) -> int:
+        """Rotated dimensions per head of ``layer``."""
+        if self.n_rot_swa is not None and self.is_swa(layer):
+            return self.n_rot_swa
+        assert self.n_rot is not None
+        return self.n_rot
+
+    def n_head_kv_at(self, layer: int) -> int:
+        return self.n_head_kv_layers[layer] if self.n_head_kv_layers else self.n_head_kv
+
+    def n_ff_at(self, layer: int) -> int:
+        return self.n_ff_layers[layer] if self.n_ff_layers else self.n_ff
+
+    def n_embd_q_at(self, layer: int) -> int:
+        return self.head_dim_at(layer) * self.n_head
+
+    def n_embd_kv_at(self, layer: int) -> int:
+        return self.head_dim_at(layer) * self.n_head_kv_at(layer)
+
+    def has_kv(self, layer: int) -> bool:
+        """Whether ``layer`` computes its own K and V (llama.cpp's hparams.has_kv)."""
+        return layer < self.n_layer - self.n_layer_kv_shared
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V ``layer`` attends to: itself, or for a sharing layer the last one of its kind before
+        the sharing ones (llama.cpp's layer_reuse_cb)."""
+        if self.has_kv(layer):
+            return layer
+        n_kv = self.n_layer - self.n_layer_kv_shared
+        return n_kv - (2 if self.is_swa(layer) else 1)
+
+    def k_as_v(self, layer: int) -> bool:
+        return bool(self.k_as_v_layers) and self.k_as_v_layers[layer]
+
     def is_recurrent(self, layer: int) -> bool:
         """Whether ``layer`` is a Gated DeltaNet layer (its mixer is no attention)."""
         return bool(self.recurrent_layers) and self.recurrent_layers[layer]
@@ -287,13 +384,15 @@ class ModelConfig:
         n_head = integer(Keys.Attention.HEAD_COUNT, required(Keys.Attention.HEAD_COUNT))
         n_embd = integer(Keys.LLM.EMBEDDING_LENGTH, required(Keys.LLM.EMBEDDING_LENGTH))
         n_layer_all = integer(Keys.LLM.BLOCK_COUNT, required(Keys.LLM.BLOCK_COUNT))
-        n_head_kv = integer(Keys.Attention.HEAD_COUNT_KV, optional(Keys.Attention.HEAD_COUNT_KV, n_head))
+        n_layer_nextn = integer(Keys.LLM.NEXTN_PREDICT_LAYERS, optional(Keys.LLM.NEXTN_PREDICT_LAYERS, 0))
+        widths = _layer_widths(f, family, n_layer_all, n_layer_all - n_layer_nextn, integer)
+        n_head_kv = integer(Keys.Attention.HEAD_COUNT_KV, widths.pop("n_head_kv", None)
+                            or optional(Keys.Attention.HEAD_COUNT_KV, n_head))
         for template, value in ((Keys.Attention.HEAD_COUNT, n_head), (Keys.LLM.EMBEDDING_LENGTH, n_embd),
                                 (Keys.LLM.BLOCK_COUNT, n_layer_all), (Keys.Attention.HEAD_COUNT_KV, n_head_kv)):
             if value < 1:
                 raise BadGGUF(f"{f.path}: '{key(template)}' is {value}; a model has at least 1, so the file is "
                               "broken (re-download or re-convert it)")
-        n_layer_nextn = integer(Keys.LLM.NEXTN_PREDICT_LAYERS, optional(Keys.LLM.NEXTN_PREDICT_LAYERS, 0))
         if not 0 <= n_layer_nextn < n_layer_all:
             raise BadGGUF(f"{f.path}: '{key(Keys.LLM.NEXTN_PREDICT_LAYERS)}' = {n_layer_nextn} must be below "
                           f"'{key(Keys.LLM.BLOCK_COUNT)}' = {n_layer_all}")
@@ -331,7 +430,7 @@ class ModelConfig:
         if any(swa_layers):
             base_swa = float(optional(Keys.Rope.FREQ_BASE_SWA, base_swa))
 
-        attention_scale = None
+        attention_scale = family.kq_scale
         if family.query_prescale:
             width = n_embd // n_head if n_layer in family.large_layer_counts else head_dim
             attention_scale = 1.0 / math.sqrt(width)
@@ -351,7 +450,7 @@ class ModelConfig:
             n_layer=n_layer,
             n_head=n_head,
             n_head_kv=n_head_kv,
-            n_ff=_n_ff(f, family, integer, optional),
+            n_ff=widths.pop("n_ff", None) or _n_ff(f, family, integer, optional),
             n_ctx_train=n_ctx_train,
             rms_eps=float(required(Keys.Attention.LAYERNORM_RMS_EPS)),
             n_rot=integer(Keys.Rope.DIMENSION_COUNT, optional(Keys.Rope.DIMENSION_COUNT, head_dim)),
@@ -379,6 +478,8 @@ class ModelConfig:
             **_experts(f, family, integer, optional),
             **linear,
             n_layer_nextn=n_layer_nextn,
+            **widths,
+            **_gemma4_tensors(family, tensors, n_layer),
         )
 
 
@@ -416,6 +517,56 @@ def _granite_keys(f: GGUFFile, family: Family, optional: Any, required: Any) -> 
     return {"embedding_multiplier": float(optional(Keys.LLM.EMBEDDING_SCALE, 0.0)),
             "residual_multiplier": float(optional(Keys.LLM.RESIDUAL_SCALE, 0.0)),
             "logit_scale": float(required(Keys.LLM.LOGIT_SCALE))}
+
+
+def _layer_widths(f: GGUFFile, family: Family, n_layer_all: int, n_layer: int, integer: Any) -> dict[str, Any]:
+    """A family with per-layer shapes (gemma4): ``head_count_kv`` and ``feed_forward_length`` as a number or an array
+    (llama.cpp's get_key_or_arr), the sliding layers' head size and rope width, the K/V-sharing layers and the
+    per-layer embedding width. Returns ModelConfig fields, with ``n_head_kv``/``n_ff`` the first layer's values."""
+    if not family.layer_widths:
+        return {}
+    out: dict[str, Any] = {}
+
+    def key(template: str) -> str:
+        return template.format(arch=f.architecture)
+
+    for field_name, template in (("n_head_kv", Keys.Attention.HEAD_COUNT_KV), ("n_ff", Keys.LLM.FEED_FORWARD_LENGTH)):
+        value = f.metadata.get(key(template))
+        if isinstance(value, list):
+            if len(value) != n_layer_all:
+                raise BadGGUF(f"{f.path}: '{key(template)}' has {len(value)} entries for {n_layer_all} layers")
+            values = tuple(integer(template, v) for v in value[:n_layer])
+            out[field_name], out[f"{field_name}_layers"] = values[0], values
+    head_dim_swa = f.metadata.get(key(Keys.Attention.KEY_LENGTH_SWA))
+    if head_dim_swa is not None:
+        out["head_dim_swa"] = integer(Keys.Attention.KEY_LENGTH_SWA, head_dim_swa)
+        value_swa = f.metadata.get(key(Keys.Attention.VALUE_LENGTH_SWA), head_dim_swa)
+        if value_swa != head_dim_swa:
+            raise Unsupported(f"{f.path}: sliding layers' value heads of {value_swa} differ from their key heads of "
+                              f"{head_dim_swa}; llama.cpp's {f.architecture} requires them equal")
+    n_rot_swa = f.metadata.get(key(Keys.Rope.DIMENSION_COUNT_SWA))
+    if n_rot_swa is not None:
+        out["n_rot_swa"] = integer(Keys.Rope.DIMENSION_COUNT_SWA, n_rot_swa)
+    if family.shared_kv:
+        out["n_layer_kv_shared"] = integer(Keys.Attention.SHARED_KV_LAYERS,
+                                           f.metadata.get(key(Keys.Attention.SHARED_KV_LAYERS), 0))
+    if family.per_layer_inputs:
+        out["n_embd_per_layer"] = integer(Keys.LLM.EMBD_LENGTH_PER_LAYER_INP,
+                                          f.require(key(Keys.LLM.EMBD_LENGTH_PER_LAYER_INP)))
+    return out
+
+
+def _gemma4_tensors(family: Family, tensors: dict[str, Any], n_layer: int) -> dict[str, Any]:
+    """What gemma4's optional tensors switch on: a layer without ``attn_v`` takes K as V, layers with a
+    ``layer_output_scale``, experts with an output scale."""
+    if not family.layer_widths:
+        return {}
+    k_as_v = tuple(names.gguf_name("attn_v", i) not in tensors and names.gguf_name("attn_k", i) in tensors
+                   for i in range(n_layer))
+    return {"k_as_v_layers": k_as_v if any(k_as_v) else (),
+            "layer_output_scale": names.gguf_name("layer_output_scale", 0) in tensors,
+            "expert_scales": names.gguf_name("ffn_down_exps_scale", 0) in tensors,
+            "fused_gate_up_exps": names.gguf_name("ffn_gate_up_exps", 0) in tensors}
 
 
 def _n_ff(f: GGUFFile, family: Family, integer: Any, optional: Any) -> int:
@@ -496,13 +647,17 @@ def _sliding_window(f: GGUFFile, family: Family, n_layer: int, optional: Any) ->
     """
     if not family.swa_period:
         return 0, ()
+    pattern_key = Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=f.architecture)
+    if family.swa_pattern_array:  # gemma4: both keys required, the pattern a bool per layer
+        f.require(Keys.Attention.SLIDING_WINDOW.format(arch=f.architecture))
+        if not isinstance(f.require(pattern_key), list):
+            raise BadGGUF(f"{f.path}: '{pattern_key}' must be a bool per layer, got {f.metadata[pattern_key]!r:.80}")
     window = optional(Keys.Attention.SLIDING_WINDOW, family.swa_window or 0)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise BadGGUF(f"{f.path}: '{Keys.Attention.SLIDING_WINDOW.format(arch=f.architecture)}' = {window!r} "
                       "must be a non-negative integer")
     if window == 0:
         return 0, ()
-    pattern_key = Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=f.architecture)
     pattern = f.metadata.get(pattern_key, family.swa_period)
     if isinstance(pattern, list):
         if len(pattern) < n_layer:

@@ -21,6 +21,7 @@ turns a row plus the file's metadata and tensors into the numbers the model runs
 | granite  | norm | -       | -         | × key   | SwiGLU  | -              | -               | -                    |
 | qwen35   | neox | yes     | -         | -       | SwiGLU  | -              | -               | -                    |
 | qwen35moe| neox | yes     | -         | -       | SwiGLU  | yes, norm, + shared | -          | -                    |
+| gemma4   | neox | yes     | yes       | √n_embd | GeGLU   | if keyed, + dense | - / if keyed  | per layer (array)    |
 
 \* over one fused ``ffn_up``. Defaults apply when the file has no key for them. gemma3's sliding layers have
 their own rope base. mistral3 (Ministral 3, Mistral Small 3.x as converted since late 2025) is llama's block
@@ -40,6 +41,20 @@ the first quarter of each head (``rope.dimension_count``) in ggml's multi-sectio
 is stored as ``post_attention_norm``. Files may carry next-token-prediction (MTP) blocks after the trunk
 (``nextn_predict_layers``): llama.cpp's main graph never runs them, nor does ggtorch, and they are kept as they are.
 qwen35moe (Qwen3.5/3.6-35B-A3B and larger) is qwen35 with routed experts and a shared expert gated as qwen2moe's.
+
+gemma4 (Gemma 4: E2B, E4B, 31B, 26B-A4B) is gemma3's block with per-layer shapes: sliding and global layers have
+their own head sizes (``attention.key_length_swa`` / ``key_length``), rope widths and KV head counts
+(``head_count_kv`` may be an array), and the FFN width may vary per layer (``feed_forward_length`` as an array).
+Values get an RMS norm without a gain, q·k is scaled by 1 (the q/k norms set the scale), and global layers turn
+their whole head with ``rope_freqs`` as divisors (the converter's "proportional" rope: divisors of 1e30 stop the
+pairs past the rotated share). The last ``attention.shared_kv_layers`` layers compute no K/V of their own: each
+reads the last earlier layer of its kind that does (llama.cpp: n_kv - 2 for sliding, n_kv - 1 for global layers);
+a global layer without ``attn_v`` uses its K projection as V. E2B/E4B add per-layer embeddings
+(``embedding_length_per_layer_input``): a second token table, mixed with a projection of the scaled embeddings,
+gives each block an input it gates into its output (``models/model.py``'s PerLayerInput). Blocks may end with a
+``layer_output_scale``. The MoE variant (26B-A4B) keeps the dense MLP and adds routed experts beside it, each
+with its own norms; its router reads the un-normed residual stream, RMS-normed and scaled by 1/√n_embd and
+``ffn_gate_inp.scale``, and each expert's output is scaled by ``ffn_down_exps.scale``.
 
 Experts (llama.cpp's ``build_moe_ffn``): each token's FFN is the sum of its top ``expert_used_count``
 experts of ``expert_count``, weighted by their softmax probabilities, renormalized to sum 1 where the row
@@ -141,6 +156,25 @@ class Family:
     attn_output_gate: bool = False
     """Each query head carries a gate of its width (``attn_q`` is twice as wide, query and gate interleaved per
     head): the attention's output is multiplied by sigmoid(gate) before ``attn_output`` (qwen35)."""
+    swa_pattern_array: bool = False
+    """``attention.sliding_window_pattern`` is a required bool per layer and ``attention.sliding_window`` is
+    required (gemma4's loader reads both without defaults)."""
+    kq_scale: float | None = None
+    """A fixed q·k scale in place of 1/sqrt(head size) (gemma4: 1)."""
+    v_norm: bool = False
+    """Values get an RMS norm without a gain before attention (gemma4)."""
+    swa_rope_factors: bool = True
+    """Sliding layers divide their rope frequencies by ``rope_freqs`` too (gemma4's divisors are the global layers'
+    alone)."""
+    layer_widths: bool = False
+    """Per-layer shapes: ``head_count_kv`` and ``feed_forward_length`` may be arrays, sliding layers have their own
+    head size (``attention.key_length_swa``) and rope width (``rope.dimension_count_swa``) (gemma4)."""
+    shared_kv: bool = False
+    """The last ``attention.shared_kv_layers`` layers reuse the K/V of an earlier layer of their kind (gemma4)."""
+    per_layer_inputs: bool = False
+    """Per-layer embeddings when ``embedding_length_per_layer_input`` > 0 (gemma4 E2B/E4B)."""
+    dense_beside_experts: bool = False
+    """A MoE layer keeps its dense MLP and adds the routed experts' output, each branch with its own norms (gemma4)."""
     rope_sections: bool = False
     """Multi-section rope (ggml's IMROPE): ``rope.dimension_sections`` assigns each rotated pair a position kind;
     text tokens sit at the same position in the first three and at 0 in the fourth, whose pairs do not turn."""
@@ -176,5 +210,9 @@ FAMILIES: dict[str, Family] = {
                      attn_output_gate=True, rope_sections=True),
     "qwen35moe": Family(rope="neox", qk_norm=True, ffn_norm="attn_post_norm", linear_attention=True,
                         attn_output_gate=True, rope_sections=True, experts="required", shared_expert=True),
+    "gemma4": Family(rope="neox", qk_norm=True, post_norms=True, embedding_scale=True, activation="gelu",
+                     swa_period=1, swa_pattern_array=True, swa_rope_base="default", kq_scale=1.0, v_norm=True,
+                     swa_rope_factors=False, layer_widths=True, shared_kv=True, per_layer_inputs=True,
+                     experts="optional", dense_beside_experts=True, expert_width="n_ff"),
 }
 """``general.architecture`` -> its row. Architectures not listed are refused by name."""

@@ -33,8 +33,8 @@ FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGM
 
 
 @dataclass
-class LoadedLlama:
-    """What load_llama returns: the model, its config and tokenizer, and the opened file."""
+class LoadedModel:
+    """What load_model_file returns: the model, its config and tokenizer, and the opened file."""
 
     model: Transformer
     config: ModelConfig
@@ -54,6 +54,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for bid in range(c.n_layer):
         for kind, shape in layer_shapes(c, bid).items():
             shapes[names.gguf_name(kind, bid)] = shape
+    if c.n_embd_per_layer:
+        width = c.n_layer * c.n_embd_per_layer
+        shapes |= {names.gguf_name("per_layer_token_embd"): (c.n_vocab, width),
+                   names.gguf_name("per_layer_model_proj"): (width, c.n_embd),
+                   names.gguf_name("per_layer_proj_norm"): (c.n_embd_per_layer,)}
     if "output" in c.biases:
         shapes[names.gguf_name("output_bias")] = (c.n_vocab,)
     if c.rope_freqs:
@@ -66,25 +71,39 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def layer_shapes(config: ModelConfig, bid: int) -> dict[str, tuple[int, ...]]:
     """Tensor kind -> torch-order shape, for every tensor of layer ``bid``."""
     c = config
+    n_ff = c.n_ff_at(bid)
     per_layer: dict[str, tuple[int, ...]] = {"attn_norm": (c.n_embd,), c.family.ffn_norm: (c.n_embd,)}
+    dense = not c.n_expert or c.family.dense_beside_experts
+    if dense:
+        per_layer |= {"ffn_up": (2 * n_ff if c.family.fused_up else n_ff, c.n_embd), "ffn_down": (c.n_embd, n_ff)}
+        if not c.family.fused_up:
+            per_layer["ffn_gate"] = (n_ff, c.n_embd)
     if c.n_expert:
         per_layer |= _expert_shapes(c)
-    else:
-        per_layer |= {"ffn_up": (2 * c.n_ff if c.family.fused_up else c.n_ff, c.n_embd), "ffn_down": (c.n_embd, c.n_ff)}
-        if not c.family.fused_up:
-            per_layer["ffn_gate"] = (c.n_ff, c.n_embd)
     if c.family.post_norms:
         per_layer |= {"attn_post_norm": (c.n_embd,), "ffn_post_norm": (c.n_embd,)}
+    if c.n_embd_per_layer:
+        per_layer |= {"per_layer_inp_gate": (c.n_embd_per_layer, c.n_embd),
+                      "per_layer_proj": (c.n_embd, c.n_embd_per_layer), "per_layer_post_norm": (c.n_embd,)}
+    if c.layer_output_scale:
+        per_layer["layer_output_scale"] = (1,)
     if c.is_recurrent(bid):
         return per_layer | _delta_net_shapes(c)
-    per_layer["attn_output"] = (c.n_embd, c.n_embd_q)
+    head_dim, n_embd_q, n_embd_kv = c.head_dim_at(bid), c.n_embd_q_at(bid), c.n_embd_kv_at(bid)
+    n_embd_q_proj = n_embd_q * (2 if c.family.attn_output_gate else 1)
+    per_layer["attn_output"] = (c.n_embd, n_embd_q)
     if c.fused_qkv:
-        per_layer["attn_qkv"] = (c.n_embd_q_proj + 2 * c.n_embd_kv, c.n_embd)
+        per_layer["attn_qkv"] = (n_embd_q_proj + 2 * n_embd_kv, c.n_embd)
     else:
-        per_layer |= {"attn_q": (c.n_embd_q_proj, c.n_embd), "attn_k": (c.n_embd_kv, c.n_embd),
-                      "attn_v": (c.n_embd_kv, c.n_embd)}
+        per_layer["attn_q"] = (n_embd_q_proj, c.n_embd)
+        if c.has_kv(bid):
+            per_layer["attn_k"] = (n_embd_kv, c.n_embd)
+            if not c.k_as_v(bid):
+                per_layer["attn_v"] = (n_embd_kv, c.n_embd)
     if c.family.qk_norm:
-        per_layer |= {"attn_q_norm": (c.head_dim,), "attn_k_norm": (c.head_dim,)}
+        per_layer["attn_q_norm"] = (head_dim,)
+        if c.has_kv(bid):
+            per_layer["attn_k_norm"] = (head_dim,)
     if c.family.attn_sinks:
         per_layer["attn_sinks"] = (c.n_head,)
     for kind in c.biases:
@@ -115,10 +134,18 @@ def _expert_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     assert c.n_ff_exp is not None
     shapes: dict[str, tuple[int, ...]] = {
         "ffn_gate_inp": (c.n_expert, c.n_embd),
-        "ffn_gate_exps": (c.n_expert, c.n_ff_exp, c.n_embd),
-        "ffn_up_exps": (c.n_expert, c.n_ff_exp, c.n_embd),
         "ffn_down_exps": (c.n_expert, c.n_embd, c.n_ff_exp),
     }
+    if c.fused_gate_up_exps:
+        shapes["ffn_gate_up_exps"] = (c.n_expert, 2 * c.n_ff_exp, c.n_embd)
+    else:
+        shapes |= {"ffn_gate_exps": (c.n_expert, c.n_ff_exp, c.n_embd),
+                   "ffn_up_exps": (c.n_expert, c.n_ff_exp, c.n_embd)}
+    if c.expert_scales:  # after the stack: the loader sets it on the stack's module
+        shapes["ffn_down_exps_scale"] = (c.n_expert,)
+    if c.family.dense_beside_experts:
+        shapes |= {"ffn_gate_inp_scale": (c.n_embd,), "ffn_pre_norm_2": (c.n_embd,), "ffn_post_norm_1": (c.n_embd,),
+                   "ffn_post_norm_2": (c.n_embd,)}
     if c.family.shared_expert:
         assert c.n_ff_shexp is not None
         shapes |= {"ffn_gate_inp_shexp": (c.n_embd,), "ffn_gate_shexp": (c.n_ff_shexp, c.n_embd),
@@ -154,9 +181,9 @@ def _check_biases(f: GGUFFile, config: ModelConfig) -> None:
                               "ggtorch cannot use this model")
 
 
-def load_llama(path: str | PathLike[str], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               keep_quantized: bool = False) -> LoadedLlama:
-    """Open a llama GGUF and build the model on ``device``.
+def load_model_file(path: str | PathLike[str], device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> LoadedModel:
+    """Open a GGUF model of any supported family and build it on ``device``.
 
     ``keep_quantized=False``: every weight is dequantized to ``dtype``.
     ``keep_quantized=True``: quantized matrices stay as raw ggml blocks (QuantLinear /
@@ -173,8 +200,8 @@ def load_llama(path: str | PathLike[str], device: torch.device | str = "cpu", dt
     if tokenizer.n_vocab != config.n_vocab:
         raise BadGGUF(f"{f.path}: the tokenizer has {tokenizer.n_vocab} tokens but the model's vocabulary "
                       f"size is {config.n_vocab}")
-    model = build_llama(f, config, device, dtype, keep_quantized)
-    return LoadedLlama(model, config, tokenizer, f)
+    model = build_model(f, config, device, dtype, keep_quantized)
+    return LoadedModel(model, config, tokenizer, f)
 
 
 def check_tensor_names(f: GGUFFile, config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -194,10 +221,10 @@ def check_tensor_names(f: GGUFFile, config: ModelConfig) -> dict[str, tuple[int,
     return expected
 
 
-def build_llama(f: GGUFFile, config: ModelConfig, device: torch.device | str = "cpu",
+def build_model(f: GGUFFile, config: ModelConfig, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
                 embedding_dtype: torch.dtype | None = None) -> Transformer:
-    """The weights of ``f`` placed into a Transformer of ``config`` (see load_llama).
+    """The weights of ``f`` placed into a Transformer of ``config`` (see load_model_file).
 
     ``embedding_dtype``: the dtype of a float token_embd (default ``dtype``). An embedding's
     rows start the residual stream, which autocast leaves in f32, so a trainer computing in
@@ -227,7 +254,7 @@ def build_llama(f: GGUFFile, config: ModelConfig, device: torch.device | str = "
             _set_module(model, names.gguf_to_module(name), nn.Parameter(bias, requires_grad=False))
             release_pages(info)
             continue
-        kind_dtype = embedding_dtype if kind == "token_embd" and embedding_dtype is not None else dtype
+        kind_dtype = embedding_dtype if kind in names.EMBEDDING_KINDS and embedding_dtype is not None else dtype
         module = _make_module(info, kind, device, kind_dtype, keep_quantized, config.rms_eps)
         if not _uses_mapping(module, info):
             release_pages(info)  # a copy was made: the file's pages need not stay resident too
@@ -250,7 +277,7 @@ def _make_module(info: TensorInfo, kind: str, device: torch.device, dtype: torch
         return norm
     if keep_quantized and info.ggml_type not in FLOAT_TYPES:
         raw = raw.reshape(*info.shape[:-1], -1)  # whole rows of blocks
-        if kind == "token_embd":
+        if kind in names.EMBEDDING_KINDS:
             return QuantEmbedding(raw, info.ggml_type, info.shape)
         if kind in names.EXPERT_KINDS:
             return QuantExperts(raw, info.ggml_type, info.shape)
@@ -258,7 +285,7 @@ def _make_module(info: TensorInfo, kind: str, device: torch.device, dtype: torch
     weight = nn.Parameter(_float_weight(raw, info, dtype), requires_grad=False)
     if kind in names.EXPERT_KINDS:
         return Experts.holding(weight)
-    return float_module(weight, embedding=kind == "token_embd")
+    return float_module(weight, embedding=kind in names.EMBEDDING_KINDS)
 
 
 def _float_weight(raw: torch.Tensor, info: TensorInfo, dtype: torch.dtype) -> torch.Tensor:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ggtorch.models.attention import attention
@@ -32,7 +33,7 @@ from ggtorch.models.delta_net import GatedDeltaNet, RecurrentState
 from ggtorch.models.norm import RMSNorm
 from ggtorch.ops import fused, policy
 from ggtorch.ops.experts import Experts
-from ggtorch.ops.fused import geglu, swiglu
+from ggtorch.ops.fused import geglu, rms_norm, swiglu
 from ggtorch.ops.matmul import Linear
 
 
@@ -225,7 +226,7 @@ class KVCache:
     and advances it, so generating N tokens costs one T=1 forward per token.
     """
 
-    k: list[torch.Tensor]  # per layer (B, Hkv, max_len, D); empty for a recurrent layer
+    k: list[torch.Tensor]  # per layer (B, Hkv, max_len, D); empty for a recurrent or K/V-sharing layer
     v: list[torch.Tensor]
     length: int = 0
     max_len: int = field(init=False)
@@ -238,9 +239,10 @@ class KVCache:
     @classmethod
     def empty(cls, config: ModelConfig, batch_size: int, max_len: int, device: torch.device | str,
               dtype: torch.dtype) -> KVCache:
-        def zeros(layer: int) -> torch.Tensor:
-            length = 0 if config.is_recurrent(layer) else max_len
-            return torch.zeros(batch_size, config.n_head_kv, length, config.head_dim, device=device, dtype=dtype)
+        def zeros(layer: int) -> torch.Tensor:  # a recurrent layer or one reading another's K/V keeps none
+            length = 0 if config.is_recurrent(layer) or not config.has_kv(layer) else max_len
+            return torch.zeros(batch_size, config.n_head_kv_at(layer), length, config.head_dim_at(layer),
+                               device=device, dtype=dtype)
 
         k = [zeros(i) for i in range(config.n_layer)]
         v = [zeros(i) for i in range(config.n_layer)]
@@ -303,28 +305,42 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         c = config
-        self.n_head, self.n_head_kv, self.head_dim = c.n_head, c.n_head_kv, c.head_dim
-        self.widths = (c.n_embd_q_proj, c.n_embd_kv, c.n_embd_kv)
+        self.n_head, self.n_head_kv, self.head_dim = c.n_head, c.n_head_kv_at(layer), c.head_dim_at(layer)
+        n_embd_q, n_embd_kv = c.n_embd_q_at(layer), c.n_embd_kv_at(layer)
+        n_embd_q_proj = n_embd_q * (2 if c.family.attn_output_gate else 1)
+        self.widths = (n_embd_q_proj, n_embd_kv, n_embd_kv)
+        self.has_kv = c.has_kv(layer)
+        """False in a layer that reads an earlier layer's K/V (gemma4's last ``shared_kv_layers``): it has no k, v."""
+        self.k_as_v = c.k_as_v(layer)
+        """No ``attn_v``: V is the K projection's output (gemma4's global layers in its larger models)."""
+        self.returns_kv = any(c.kv_source(j) == layer for j in range(layer + 1, c.n_layer))
+        """Later layers read this layer's K/V: forward returns them with its output."""
         self.group_forward: GroupForward | None = None
         """How q, k and v run together (:func:`shared_input`); None: one by one."""
         if c.fused_qkv:
             self.qkv = Linear(c.n_embd, sum(self.widths), bias=False)
             self.qkv_bias = _bias(c, "attn_qkv", sum(self.widths))
         else:
-            self.q = Linear(c.n_embd, c.n_embd_q_proj, bias=False)
-            self.k = Linear(c.n_embd, c.n_embd_kv, bias=False)
-            self.v = Linear(c.n_embd, c.n_embd_kv, bias=False)
-            self.q_bias = _bias(c, "attn_q", c.n_embd_q_proj)
-            self.k_bias = _bias(c, "attn_k", c.n_embd_kv)
-            self.v_bias = _bias(c, "attn_v", c.n_embd_kv)
-        self.o = Linear(c.n_embd_q, c.n_embd, bias=False)
+            self.q = Linear(c.n_embd, n_embd_q_proj, bias=False)
+            self.q_bias = _bias(c, "attn_q", n_embd_q_proj)
+            self.k_bias = self.v_bias = None
+            if self.has_kv:
+                self.k = Linear(c.n_embd, n_embd_kv, bias=False)
+                self.k_bias = _bias(c, "attn_k", n_embd_kv)
+                if not self.k_as_v:
+                    self.v = Linear(c.n_embd, n_embd_kv, bias=False)
+                    self.v_bias = _bias(c, "attn_v", n_embd_kv)
+        self.o = Linear(n_embd_q, c.n_embd, bias=False)
         self.o_bias = _bias(c, "attn_output", c.n_embd)
         self.sinks = nn.Parameter(torch.zeros(c.n_head)) if c.family.attn_sinks else None
         """gpt-oss's ``attn_sinks``: per head, a logit that joins the softmax's denominator."""
         if c.family.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_eps)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_eps)
+            self.q_norm = RMSNorm(self.head_dim, c.rms_eps)
+            if self.has_kv:
+                self.k_norm = RMSNorm(self.head_dim, c.rms_eps)
         self.qk_norm = c.family.qk_norm
+        self.v_norm_eps = c.rms_eps if c.family.v_norm else 0.0
+        """gemma4: values get an RMS norm without a gain (0: no norm)."""
         self.output_gate = c.family.attn_output_gate
         """qwen35: each query head comes with a gate of its width; the output is multiplied by sigmoid(gate)."""
         self.prescale = c.family.query_prescale
@@ -336,48 +352,82 @@ class Attention(nn.Module):
         self.use_rope = not (step and (layer + 1) % step == 0)
         """False in a NoPE layer (smollm3): q and k are not rotated."""
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         if hasattr(self, "qkv"):
-            return _with_bias(self.qkv(x), self.qkv_bias).split(self.widths, dim=-1)
+            q, k, v = _with_bias(self.qkv(x), self.qkv_bias).split(self.widths, dim=-1)
+            return (q, k, v) if self.has_kv else (q, None, None)
+        if not self.has_kv:
+            return _with_bias(self.q(x), self.q_bias), None, None
+        if self.k_as_v:
+            q, k = shared_input(self, (self.q, self.k), x)
+            k = _with_bias(k, self.k_bias)
+            return _with_bias(q, self.q_bias), k, k
         q, k, v = shared_input(self, (self.q, self.k, self.v), x)
         return _with_bias(q, self.q_bias), _with_bias(k, self.k_bias), _with_bias(v, self.v_bias)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                start_pos: int = 0, attn_mask: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                start_pos: int = 0, attn_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The attention's output (B, T, C); with ``returns_kv`` also its keys and values (B, Hkv, S, D) for the
+        layers that read them, which pass them as ``shared_kv`` (they compute none)."""
         B, T, _ = x.shape
         q, k, v = self._qkv(x)
         gate = None
         if self.output_gate:  # per head: the query, then its gate
             q, gate = q.view(B, T, self.n_head, 2 * self.head_dim).split(self.head_dim, dim=-1)
         q = q.reshape(B, T, self.n_head, self.head_dim)
-        k = k.view(B, T, self.n_head_kv, self.head_dim)
-        v = v.view(B, T, self.n_head_kv, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
         if self.use_rope:
             q = apply_rope(q, rope.cos, rope.sin, rope.neox)
-            k = apply_rope(k, rope.cos, rope.sin, rope.neox)
         if rope.q_scale is not None:
             q = q * rope.q_scale[..., None, None].to(q.dtype)
         scale = self.scale
         if self.prescale:  # llama.cpp scales q after rope and multiplies scores by 1
             q, scale = q * scale, 1.0
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|Hkv, T, D)
-        if kv is not None:
-            k_cache, v_cache = kv  # (B, Hkv, max_len, D)
-            k_cache[:, :, start_pos:start_pos + T] = k
-            v_cache[:, :, start_pos:start_pos + T] = v
-            k, v = k_cache[:, :, :start_pos + T], v_cache[:, :, :start_pos + T]  # (B, Hkv, S, D)
+        q = q.transpose(1, 2)  # (B, H, T, D)
+        if k is None or v is None:
+            if shared_kv is None:
+                raise ValueError("this layer reads an earlier layer's keys and values: pass them as shared_kv")
+            k, v = shared_kv  # (B, Hkv, S, D), normed and turned by the layer that computed them
+        else:
+            k, v = self._keys_values(k, v, rope, B, T)
+            if kv is not None:
+                k_cache, v_cache = kv  # (B, Hkv, max_len, D)
+                k_cache[:, :, start_pos:start_pos + T] = k
+                v_cache[:, :, start_pos:start_pos + T] = v
+                k, v = k_cache[:, :, :start_pos + T], v_cache[:, :, :start_pos + T]  # (B, Hkv, S, D)
+        y = self._attend(q, k, v, scale, attn_mask, positions, gate)
+        return (y, (k, v)) if self.returns_kv else y
+
+    def _keys_values(self, k: torch.Tensor, v: torch.Tensor, rope: Rope, B: int,
+                     T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This call's keys and values (B, Hkv, T, D): normed, keys turned."""
+        k = k.view(B, T, self.n_head_kv, self.head_dim)
+        v = v.view(B, T, self.n_head_kv, self.head_dim)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        if self.v_norm_eps:
+            v = fused.rms_norm(v, torch.ones(self.head_dim, device=v.device), self.v_norm_eps)
+        if self.use_rope:
+            k = apply_rope(k, rope.cos, rope.sin, rope.neox)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                attn_mask: torch.Tensor | None, positions: torch.Tensor | None,
+                gate: torch.Tensor | None) -> torch.Tensor:
+        """Attention of q (B, H, T, D) over k, v (B, Hkv, S, D), projected out (B, T, C)."""
+        B, _, T, _ = q.shape
         S = k.shape[2]
         mask, causal = None, T > 1
         if attn_mask is not None:  # packed records: (B, 1, T, T), True where a query may attend
             mask, causal = attn_mask, False
         elif (causal and S > T) or self.window:
             # Queries sit at positions start_pos..S-1: is_causal would align them to 0..T-1.
-            mask, causal = _causal_mask(T, S, x.device), False
+            mask, causal = _causal_mask(T, S, q.device), False
         if self.window:
-            mask = mask & _window_mask(T, S, self.window, x.device, positions)
+            mask = mask & _window_mask(T, S, self.window, q.device, positions)
         if self.softcap:  # no family has both soft-capping and sinks
             y = _capped_attention(q, k, v, scale, self.softcap, mask, causal)
         else:
@@ -424,11 +474,11 @@ class MLP(nn.Module):
     """Gated feed-forward: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or GELU (GeGLU); phi3 keeps
     gate and up in one matrix (``fused_up``: the gate is its first half)."""
 
-    def __init__(self, config: ModelConfig, n_ff: int | None = None) -> None:
-        """``n_ff``: another hidden width than the config's (qwen2moe's shared expert, which has no biases)."""
+    def __init__(self, config: ModelConfig, n_ff: int | None = None, *, shared: bool = False) -> None:
+        """``n_ff``: another hidden width than the config's (a layer's own, gemma4; qwen2moe's shared expert, which
+        has no biases: ``shared``)."""
         super().__init__()
         c = config
-        shared = n_ff is not None
         n_ff = c.n_ff if n_ff is None else n_ff
         self.fused = c.family.fused_up
         self.group_forward: GroupForward | None = None
@@ -443,13 +493,19 @@ class MLP(nn.Module):
         self.gelu = c.family.activation == "gelu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            gate, up = self.up(x).chunk(2, dim=-1)
-        else:
-            gate, up = shared_input(self, (self.gate, self.up), x)
-            gate, up = _with_bias(gate, self.gate_bias), _with_bias(up, self.up_bias)
-        hidden = geglu(gate, up) if self.gelu else swiglu(gate, up)
-        return _with_bias(self.down(hidden), self.down_bias)
+        return gated_ffn(self, x)
+
+
+def gated_ffn(ffn: MLP | DenseAndExperts, x: torch.Tensor) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) with ``ffn``'s matrices and biases: an MLP's forward, and the dense half of
+    gemma4's MoE layers (whose matrices sit beside its experts)."""
+    if ffn.fused:
+        gate, up = ffn.up(x).chunk(2, dim=-1)
+    else:
+        gate, up = shared_input(ffn, (ffn.gate, ffn.up), x)
+        gate, up = _with_bias(gate, ffn.gate_bias), _with_bias(up, ffn.up_bias)
+    hidden = geglu(gate, up) if ffn.gelu else swiglu(gate, up)
+    return _with_bias(ffn.down(hidden), ffn.down_bias)
 
 
 class MoE(nn.Module):
@@ -472,8 +528,11 @@ class MoE(nn.Module):
         assert c.n_ff_exp is not None
         self.router = Linear(c.n_embd, c.n_expert, bias=False)
         self.router_bias = _bias(c, "ffn_gate_inp", c.n_expert)
-        self.gate_exps = Experts(c.n_expert, c.n_ff_exp, c.n_embd)
-        self.up_exps = Experts(c.n_expert, c.n_ff_exp, c.n_embd)
+        if c.fused_gate_up_exps:  # gemma4: one stack, each expert's gate rows then its up rows
+            self.gate_up_exps = Experts(c.n_expert, 2 * c.n_ff_exp, c.n_embd)
+        else:
+            self.gate_exps = Experts(c.n_expert, c.n_ff_exp, c.n_embd)
+            self.up_exps = Experts(c.n_expert, c.n_ff_exp, c.n_embd)
         self.down_exps = Experts(c.n_expert, c.n_embd, c.n_ff_exp)
         self.gate_exps_bias = _bias(c, "ffn_gate_exps", c.n_expert, c.n_ff_exp)
         self.up_exps_bias = _bias(c, "ffn_up_exps", c.n_expert, c.n_ff_exp)
@@ -481,11 +540,11 @@ class MoE(nn.Module):
         self.n_expert, self.n_used = c.n_expert, c.n_expert_used
         self.normalize = c.family.normalize_expert_weights
         self.gating = c.family.expert_gating
-        self.activation = swiglu_oai if c.family.activation == "swiglu_oai" else swiglu
+        self.activation = {"swiglu_oai": swiglu_oai, "gelu": geglu}.get(c.family.activation, swiglu)
         self.shared: MLP | None = None
         if c.family.shared_expert:
             assert c.n_ff_shexp is not None
-            self.shared = MLP(c, c.n_ff_shexp)
+            self.shared = MLP(c, c.n_ff_shexp, shared=True)
             self.shared_gate = nn.Parameter(torch.zeros(c.n_embd))
             """``ffn_gate_inp_shexp``: the shared expert's output is scaled by sigmoid(shared_gate · x)."""
 
@@ -522,8 +581,11 @@ class MoE(nn.Module):
         if self.down_exps_bias is not None or self.gate_exps_bias is not None or self.up_exps_bias is not None:
             ids = torch.arange(len(counts), device=rows.device).repeat_interleave(
                 torch.tensor(counts, device=rows.device), output_size=rows.shape[0])
-        gate = _expert_bias(self.gate_exps(rows, counts), self.gate_exps_bias, ids)
-        up = _expert_bias(self.up_exps(rows, counts), self.up_exps_bias, ids)
+        if hasattr(self, "gate_up_exps"):
+            gate, up = self.gate_up_exps(rows, counts).chunk(2, dim=-1)
+        else:
+            gate = _expert_bias(self.gate_exps(rows, counts), self.gate_exps_bias, ids)
+            up = _expert_bias(self.up_exps(rows, counts), self.up_exps_bias, ids)
         return _expert_bias(self.down_exps(self.activation(gate, up), counts), self.down_exps_bias, ids)
 
     def _routed(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -536,6 +598,49 @@ class MoE(nn.Module):
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return y[back].reshape(N, k, -1)
+
+
+class DenseAndExperts(MoE):
+    """gemma4's MoE layer: its dense MLP (``ffn_gate/up/down`` after ``ffn_norm``, then ``post_ffw_norm_1``) plus
+    routed experts (after ``pre_ffw_norm_2``, then ``post_ffw_norm_2``), summed. The router reads the residual
+    stream itself: RMS-normed without a gain, times 1/sqrt(n_embd) and ``ffn_gate_inp.scale`` (llama.cpp's gemma4
+    graph). Softmax over all experts, top k, weights renormalized, GeGLU experts."""
+
+    def __init__(self, config: ModelConfig, n_ff: int) -> None:
+        super().__init__(config)
+        c = config
+        self.fused = False
+        self.group_forward: GroupForward | None = None
+        """How the dense gate and up run together (:func:`shared_input`); None: one by one."""
+        self.gate = Linear(c.n_embd, n_ff, bias=False)
+        self.up = Linear(c.n_embd, n_ff, bias=False)
+        self.down = Linear(n_ff, c.n_embd, bias=False)
+        self.gate_bias = self.up_bias = self.down_bias = None
+        self.gelu = True
+        self.router_scale = nn.Parameter(torch.ones(c.n_embd))
+        self.pre_norm_2 = RMSNorm(c.n_embd, c.rms_eps)
+        self.post_norm_1 = RMSNorm(c.n_embd, c.rms_eps)
+        self.post_norm_2 = RMSNorm(c.n_embd, c.rms_eps)
+        self.router_input_scale = float(1 / torch.tensor(c.n_embd, dtype=torch.float32, device="cpu").sqrt())
+        """1/sqrtf(n_embd) as llama.cpp's f32 computes it."""
+        self.eps = c.rms_eps
+
+    def router_input(self, residual: torch.Tensor) -> torch.Tensor:
+        """What the router multiplies: rows of the residual stream RMS-normed, times 1/sqrt(n_embd) and the scale."""
+        unit = torch.ones(residual.shape[-1], device=residual.device)
+        return rms_norm(residual, unit, self.eps) * self.router_input_scale * self.router_scale.to(residual.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        """``x``: the residual stream after ``ffn_norm`` (the dense MLP's input); ``residual``: before it."""
+        if residual is None:
+            raise ValueError("gemma4's MoE layer reads the residual stream too: pass it as residual")
+        dense = self.post_norm_1(gated_ffn(self, x))
+        shape = residual.shape
+        flat = residual.reshape(-1, shape[-1])
+        weights, experts = self.route(self.router_input(flat))
+        y = self._routed(self.pre_norm_2(flat), experts)  # (N, k, C)
+        routed = (y.float() * weights.unsqueeze(-1)).sum(dim=1).to(y.dtype).reshape(shape)
+        return dense + self.post_norm_2(routed)
 
 
 def _expert_bias(y: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None) -> torch.Tensor:
@@ -565,7 +670,10 @@ class Block(nn.Module):
         self.ffn_norm_name = c.family.ffn_norm
         """The attribute holding the norm before the FFN, named after its tensor kind (gpt-oss: attn_post_norm)."""
         setattr(self, self.ffn_norm_name, RMSNorm(c.n_embd, c.rms_eps))
-        self.ffn = MoE(c) if c.n_expert else MLP(c)
+        n_ff = c.n_ff_at(layer)
+        self.ffn: MLP | MoE = MLP(c, n_ff)
+        if c.n_expert:
+            self.ffn = DenseAndExperts(c, n_ff) if c.family.dense_beside_experts else MoE(c)
         self.post_norms = c.family.post_norms
         if self.post_norms:
             self.attn_post_norm = RMSNorm(c.n_embd, c.rms_eps)
@@ -574,22 +682,46 @@ class Block(nn.Module):
         """Whether the layer attends within a sliding window (its own rope in gemma3)."""
         self.residual_multiplier = c.residual_multiplier
         """granite's ``residual_scale``: each branch's output is multiplied by it before its residual add (0: not)."""
+        if c.n_embd_per_layer:  # gemma4 E2B/E4B: the layer's own embedding, gated in after the FFN
+            self.inp_gate = Linear(c.n_embd, c.n_embd_per_layer, bias=False)
+            self.proj = Linear(c.n_embd_per_layer, c.n_embd, bias=False)
+            self.post_norm = RMSNorm(c.n_embd, c.rms_eps)
+        self.out_scale = nn.Parameter(torch.ones(1)) if c.layer_output_scale else None
+        """gemma4's ``layer_output_scale``: the block's output is multiplied by it (None: not)."""
 
     def forward(self, x: torch.Tensor, rope: Rope,
                 kv: tuple[torch.Tensor, torch.Tensor] | RecurrentState | None = None, start_pos: int = 0,
-                attn_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.attn(self.attn_norm(x), rope, kv, start_pos, attn_mask, positions)
+                attn_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None, *,
+                shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                per_layer_input: torch.Tensor | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The block's output (B, T, C); for a layer whose K/V later layers read (``attn.returns_kv``) also those
+        K/V, which the later layers take as ``shared_kv``. ``per_layer_input`` (B, T, n_embd_per_layer): gemma4's
+        input of this layer."""
+        kv_out = None
+        if isinstance(self.attn, Attention):
+            out = self.attn(self.attn_norm(x), rope, kv, start_pos, attn_mask, positions, shared_kv)
+            h, kv_out = out if isinstance(out, tuple) else (out, None)
+        else:
+            h = self.attn(self.attn_norm(x), rope, kv, start_pos, attn_mask, positions)
         if self.post_norms:
             h = self.attn_post_norm(h)
         if self.residual_multiplier:
             h = h * self.residual_multiplier
         x = x + h
-        h = self.ffn(getattr(self, self.ffn_norm_name)(x))
+        normed = getattr(self, self.ffn_norm_name)(x)
+        h = self.ffn(normed, x) if isinstance(self.ffn, DenseAndExperts) else self.ffn(normed)
         if self.post_norms:
             h = self.ffn_post_norm(h)
         if self.residual_multiplier:
             h = h * self.residual_multiplier
-        return x + h
+        x = x + h
+        if per_layer_input is not None:
+            gate = F.gelu(self.inp_gate(x), approximate="tanh")
+            x = x + self.post_norm(self.proj(gate * per_layer_input.to(gate.dtype)))
+        if self.out_scale is not None:
+            x = x * self.out_scale.to(x.dtype)
+        return x if kv_out is None else (x, kv_out)
 
 
 class Transformer(nn.Module):
@@ -602,6 +734,12 @@ class Transformer(nn.Module):
         c = self.config = config
         empty = None if init_weights else torch.empty(c.n_vocab, c.n_embd)
         self.tok_embd = nn.Embedding(c.n_vocab, c.n_embd, _weight=empty)
+        if c.n_embd_per_layer:  # gemma4 E2B/E4B: every layer's own input, from a second table and the embedding
+            width = c.n_layer * c.n_embd_per_layer
+            self.per_layer_tok_embd = nn.Embedding(c.n_vocab, width, _weight=None if init_weights else
+                                                   torch.empty(c.n_vocab, width))
+            self.per_layer_model_proj = Linear(c.n_embd, width, bias=False)
+            self.per_layer_proj_norm = RMSNorm(c.n_embd_per_layer, c.rms_eps)
         self.layers = nn.ModuleList(Block(c, i) for i in range(c.n_layer))
         self.output_norm = RMSNorm(c.n_embd, c.rms_eps)
         self.output = Linear(c.n_embd, c.n_vocab, bias=False)
@@ -673,19 +811,34 @@ class Transformer(nn.Module):
         where = positions if positions is not None else torch.arange(start_pos, start_pos + T, device=device)
         q_scale = attention_temperature(where, c.attn_temp_scale, c.n_ctx_orig_yarn) if c.attn_temp_scale else None
 
-        def angles(base: float, scale: float, freq_factors: torch.Tensor | None) -> Rope:
-            cos, sin = rope_angles_at(where, c.n_rot, base, scale, freq_factors, attn_factor, **yarn)
+        def angles(n_rot: int, base: float, scale: float, freq_factors: torch.Tensor | None) -> Rope:
+            cos, sin = rope_angles_at(where, n_rot, base, scale, freq_factors, attn_factor, **yarn)
             if c.rope_sections:  # pairs of the fourth position kind stay at position 0
-                cos0, sin0 = rope_angles_at(torch.zeros_like(where), c.n_rot, base, scale, freq_factors, attn_factor,
+                cos0, sin0 = rope_angles_at(torch.zeros_like(where), n_rot, base, scale, freq_factors, attn_factor,
                                             **yarn)
-                turns = rope_section_turns(c.rope_sections, c.n_rot).to(cos.device)
+                turns = rope_section_turns(c.rope_sections, n_rot).to(cos.device)
                 cos, sin = torch.where(turns, cos, cos0), torch.where(turns, sin, sin0)
             return Rope(cos, sin, neox, q_scale)
 
-        rope = angles(c.rope_freq_base, c.rope_freq_scale, factors)
+        assert c.n_rot is not None
+        rope = angles(c.n_rot, c.rope_freq_base, c.rope_freq_scale, factors)
         if not any(c.swa_layers):
             return rope, None
-        return rope, angles(c.rope_freq_base_swa, c.rope_freq_scale_swa, factors)
+        swa_layer = c.swa_layers.index(True)
+        return rope, angles(c.n_rot_at(swa_layer), c.rope_freq_base_swa, c.rope_freq_scale_swa,
+                            factors if c.family.swa_rope_factors else None)
+
+    def per_layer_inputs(self, tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """gemma4's per-layer inputs (B, T, n_layer, n_embd_per_layer) of ``tokens`` and their scaled embeddings
+        ``x``, as llama.cpp's project_per_layer_inputs: the rows of ``per_layer_token_embd`` times
+        sqrt(n_embd_per_layer), plus the RMS-normed projection of x times 1/sqrt(n_embd), times 1/sqrt(2)."""
+        c = self.config
+        B, T = tokens.shape
+        rows = self.per_layer_tok_embd(tokens).view(B, T, c.n_layer, c.n_embd_per_layer)
+        rows = rows * _f32(c.n_embd_per_layer).sqrt().item()
+        proj = self.per_layer_model_proj(x) * (1 / _f32(c.n_embd).sqrt()).item()
+        proj = self.per_layer_proj_norm(proj.view(B, T, c.n_layer, c.n_embd_per_layer))
+        return (proj + rows.to(proj.dtype)) * (1 / _f32(2.0).sqrt()).item()
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
                 last_only: bool = False, *, positions: torch.Tensor | None = None,
@@ -717,15 +870,26 @@ class Transformer(nn.Module):
             x = x * self.config.embedding_multiplier
         rope, rope_swa = self._ropes(start_pos, T, x.device, positions)
         mask = None if segments is None else segment_mask(segments)
+        per_layer = self.per_layer_inputs(tokens, x) if self.config.n_embd_per_layer else None
+        kv_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # K/V that later layers read, by layer
         for i, block in enumerate(self.layers):
             kv = None
             if cache is not None:
                 kv = cache.states[i] if block.recurrent else (cache.k[i], cache.v[i])
             layer_rope = rope_swa if block.sliding and rope_swa is not None else rope
+            extra: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
+            if not self.config.has_kv(i):
+                extra["shared_kv"] = kv_of[self.config.kv_source(i)]
+            if per_layer is not None:
+                extra["per_layer_input"] = per_layer[:, :, i]
             if self.block_wrapper is None:
-                x = block(x, layer_rope, kv, start_pos, mask, positions)  # (B, T, C)
+                out = block(x, layer_rope, kv, start_pos, mask, positions, **extra)  # (B, T, C)
             else:
-                x = self.block_wrapper(block, x, layer_rope, kv, start_pos, mask, positions)
+                out = self.block_wrapper(block, x, layer_rope, kv, start_pos, mask, positions, **extra)
+            if isinstance(out, tuple):
+                x, kv_of[i] = out
+            else:
+                x = out
         if cache is not None:
             cache.length += T
         x = self.output_norm(x)

@@ -61,6 +61,20 @@ TENSOR_KINDS: dict[str, tuple[str, str]] = {
     "ssm_conv1d": ("blk.{bid}.ssm_conv1d.weight", "layers.{bid}.attn.conv"),
     "ssm_dt": ("blk.{bid}.ssm_dt.bias", "layers.{bid}.attn.dt_bias"),
     "ssm_a": ("blk.{bid}.ssm_a", "layers.{bid}.attn.a"),
+    # gemma4: per-layer embeddings (E2B/E4B), the MoE layer's dense MLP beside its experts, a scale per layer
+    "per_layer_token_embd": ("per_layer_token_embd.weight", "per_layer_tok_embd"),
+    "per_layer_model_proj": ("per_layer_model_proj.weight", "per_layer_model_proj"),
+    "per_layer_proj_norm": ("per_layer_proj_norm.weight", "per_layer_proj_norm"),
+    "per_layer_inp_gate": ("blk.{bid}.inp_gate.weight", "layers.{bid}.inp_gate"),
+    "per_layer_proj": ("blk.{bid}.proj.weight", "layers.{bid}.proj"),
+    "per_layer_post_norm": ("blk.{bid}.post_norm.weight", "layers.{bid}.post_norm"),
+    "ffn_pre_norm_2": ("blk.{bid}.pre_ffw_norm_2.weight", "layers.{bid}.ffn.pre_norm_2"),
+    "ffn_post_norm_1": ("blk.{bid}.post_ffw_norm_1.weight", "layers.{bid}.ffn.post_norm_1"),
+    "ffn_post_norm_2": ("blk.{bid}.post_ffw_norm_2.weight", "layers.{bid}.ffn.post_norm_2"),
+    "ffn_gate_up_exps": ("blk.{bid}.ffn_gate_up_exps.weight", "layers.{bid}.ffn.gate_up_exps"),
+    "ffn_gate_inp_scale": ("blk.{bid}.ffn_gate_inp.scale", "layers.{bid}.ffn.router_scale"),
+    "ffn_down_exps_scale": ("blk.{bid}.ffn_down_exps.scale", "layers.{bid}.ffn.down_exps.scale"),
+    "layer_output_scale": ("blk.{bid}.layer_output_scale.weight", "layers.{bid}.out_scale"),
 }
 
 ROPE_FREQS = "rope_freqs.weight"
@@ -79,18 +93,24 @@ MODULE_TO_GGUF: dict[str, str] = {module: gguf for gguf, module in TENSOR_KINDS.
 LAYER_KINDS: tuple[str, ...] = tuple(k for k, (g, _) in TENSOR_KINDS.items() if "{bid}" in g)
 """Kinds that occur once per block."""
 NORM_KINDS: tuple[str, ...] = ("attn_norm", "ffn_norm", "output_norm", "attn_q_norm", "attn_k_norm",
-                               "attn_post_norm", "ffn_post_norm", "ssm_norm")
+                               "attn_post_norm", "ffn_post_norm", "ssm_norm", "per_layer_proj_norm",
+                               "per_layer_post_norm", "ffn_pre_norm_2", "ffn_post_norm_1", "ffn_post_norm_2")
 """RMS norm gains: 1-D, always kept in float."""
 BIAS_KINDS: tuple[str, ...] = tuple(k for k in TENSOR_KINDS if k.endswith("_bias"))
 """Biases: 1-D, or (n_expert, out) for an expert stack's; always kept in float;
 ``bias_of("attn_q") == "attn_q_bias"``."""
-VECTOR_KINDS: tuple[str, ...] = BIAS_KINDS + ("ffn_gate_inp_shexp", "attn_sinks", "ssm_conv1d", "ssm_dt", "ssm_a")
+VECTOR_KINDS: tuple[str, ...] = BIAS_KINDS + ("ffn_gate_inp_shexp", "attn_sinks", "ssm_conv1d", "ssm_dt", "ssm_a",
+                                              "ffn_gate_inp_scale", "ffn_down_exps_scale", "layer_output_scale")
 """Parameters that are no matrix product's weight and no norm gain: biases, qwen2moe's shared-expert gate (llama.cpp
 multiplies it with the hidden state as a one-row matrix; it is never quantized), gpt-oss's attention sinks, and a
 Gated DeltaNet's short convolution kernel, time-step bias and decay rates (llama.cpp's ssm_conv, add and mul: never
-adapted); kept in float."""
-EXPERT_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_down_exps", "ffn_up_exps")
-"""Stacks of per-expert matrices, (n_expert, out, in) in torch order."""
+adapted), and gemma4's router input scale, per-expert output scale and per-layer output scale (ggml_mul); kept in
+float."""
+EMBEDDING_KINDS: tuple[str, ...] = ("token_embd", "per_layer_token_embd")
+"""Tables read by row (gemma4's per-layer table too): embeddings, not products."""
+EXPERT_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_down_exps", "ffn_up_exps", "ffn_gate_up_exps")
+"""Stacks of per-expert matrices, (n_expert, out, in) in torch order (``ffn_gate_up_exps``: gate and up in one, the
+gate the first half of each expert's rows)."""
 MATRIX_KINDS: tuple[str, ...] = tuple(k for k in TENSOR_KINDS if k not in NORM_KINDS + VECTOR_KINDS)
 
 

@@ -22,6 +22,7 @@ and decoding goes through a per-token piece table built like llama.cpp's ``token
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Iterable, Sequence
 
@@ -221,9 +222,12 @@ class Tokenizer:
             default_ids = (None, None, None)
             self.add_bos, self.add_eos, self.add_space_prefix = pre_tokenizer.add_bos, False, False
             self.clean_spaces = pre_tokenizer.clean_spaces
+        elif self.model == "gemma4":
+            default_ids = (None, None, None)
+            self.add_bos, self.add_eos, self.add_space_prefix, self.clean_spaces = True, False, False, True
         else:
             raise Unsupported(f"{f.path}: tokenizer.ggml.model '{self.model}' is not supported; ggtorch handles "
-                              "'llama' (sentencepiece) and 'gpt2' (byte-level BPE)")
+                              "'llama' (sentencepiece), 'gpt2' (byte-level BPE) and 'gemma4' (BPE over text)")
         self.add_space_prefix = bool(f.get(Keys.Tokenizer.ADD_PREFIX, self.add_space_prefix))
 
         tokens = list(f.require(Keys.Tokenizer.LIST))
@@ -243,7 +247,8 @@ class Tokenizer:
 
         id_keys = (Keys.Tokenizer.BOS_ID, Keys.Tokenizer.EOS_ID, Keys.Tokenizer.UNK_ID)
         bos, eos, unk = (_special_id(f, key, d, self.n_vocab) for key, d in zip(id_keys, default_ids, strict=True))
-        self.add_bos = bool(f.get(Keys.Tokenizer.ADD_BOS, self.add_bos))
+        # llama.cpp adds Gemma 4's BOS whatever the file says (its workaround for early conversions)
+        self.add_bos = bool(f.get(Keys.Tokenizer.ADD_BOS, self.add_bos)) or self.model == "gemma4"
         self.add_eos = bool(f.get(Keys.Tokenizer.ADD_EOS, self.add_eos))
         for flag, tid, what in ((self.add_bos, bos, "BOS"), (self.add_eos, eos, "EOS")):
             if flag and tid is None:
@@ -274,7 +279,10 @@ class Tokenizer:
         for i in special:
             self._special_pieces[i] = self._piece(i, special=True)
         self._rstrip = self._phi3_rstrip(f, special)
-        if pre_tokenizer is None:
+        if self.model == "gemma4":
+            self._hf = self._build_text_bpe(f)
+            self._newline_runs = {t: i for i, t in enumerate(tokens) if t and not t.strip("\n")}
+        elif pre_tokenizer is None:
             self._sp = self._build_sentencepiece()
         else:
             self._hf = self._build_byte_level_bpe(f, pre_tokenizer)
@@ -315,7 +323,7 @@ class Tokenizer:
         if attr & (Attr.UNKNOWN | Attr.CONTROL | Attr.USER_DEFINED):
             return text.encode("utf-8")
         if attr & Attr.NORMAL:
-            if self.model == "llama":
+            if self.model in ("llama", "gemma4"):
                 return text.replace(SPACE_ESCAPE, " ").encode("utf-8")
             return self._byte_level_decode(text)
         if attr & Attr.BYTE:
@@ -387,21 +395,37 @@ class Tokenizer:
                           "re-download or re-convert the model") from None
         return sp
 
-    def _build_byte_level_bpe(self, f: GGUFFile, pre_tokenizer: PreTokenizer) -> HFTokenizer:
-        """A ``tokenizers`` byte-level BPE that merges like llama.cpp's ``llm_tokenizer_bpe``.
-
-        Each regex isolates its matches and leaves the text between them as pieces of their
-        own, as llama.cpp's ``unicode_regex_split`` does; the next regex splits those pieces.
-        """
+    def _merges(self, f: GGUFFile) -> list[tuple[str, str]]:
         merges = []
         for m in f.require(Keys.Tokenizer.MERGES):
             pos = m.find(" ", 1)  # llama.cpp splits a merge at the first space after its first character
             if pos < 0:
                 raise BadGGUF(f"{f.path}: merge {m!r} has no space; re-convert the model")
             merges.append((m[:pos], m[pos + 1:]))
+        return merges
+
+    def _build_text_bpe(self, f: GGUFFile) -> HFTokenizer:
+        """Gemma 4's tokenizer as llama.cpp runs it (LLAMA_VOCAB_PRE_TYPE_GEMMA4): BPE merges over the UTF-8 text
+        itself (no byte-level alphabet), spaces already escaped to ``▁``, the text split only into runs of newlines
+        and runs of anything else; a symbol left outside the vocabulary becomes its ``<0xXX>`` byte tokens."""
         vocab = {text: i for i, text in enumerate(self.tokens)}
         try:
-            bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre_tokenizer.ignore_merges)
+            bpe = models.BPE(vocab=vocab, merges=self._merges(f), byte_fallback=True, ignore_merges=False)
+        except Exception as e:  # tokenizers raises its own exception types for inconsistent merges
+            raise BadGGUF(f"{f.path}: the BPE merges do not fit the vocabulary ({e}); re-convert the model") from None
+        hf = HFTokenizer(bpe)
+        hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated", invert=False)
+        return hf
+
+    def _build_byte_level_bpe(self, f: GGUFFile, pre_tokenizer: PreTokenizer) -> HFTokenizer:
+        """A ``tokenizers`` byte-level BPE that merges like llama.cpp's ``llm_tokenizer_bpe``.
+
+        Each regex isolates its matches and leaves the text between them as pieces of their
+        own, as llama.cpp's ``unicode_regex_split`` does; the next regex splits those pieces.
+        """
+        vocab = {text: i for i, text in enumerate(self.tokens)}
+        try:
+            bpe = models.BPE(vocab=vocab, merges=self._merges(f), ignore_merges=pre_tokenizer.ignore_merges)
         except Exception as e:  # tokenizers raises its own exception types for inconsistent merges
             raise BadGGUF(f"{f.path}: the BPE merges do not fit the vocabulary ({e}); re-convert the model") from None
         hf = HFTokenizer(bpe)
@@ -448,7 +472,18 @@ class Tokenizer:
             return []
         if self.model == "llama":
             return self._sp.encode(texts)
+        if self.model == "gemma4":
+            return [self._encode_gemma4(text) for text in texts]
         return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
+
+    def _encode_gemma4(self, text: str) -> list[int]:
+        """One fragment: spaces escaped; a run of newlines that is a token stays whole (llama.cpp's fix for
+        Gemma 4), the rest goes through the merges."""
+        out: list[int] = []
+        for run in re.findall(r"\n+|[^\n]+", text.replace(" ", SPACE_ESCAPE)):
+            whole = self._newline_runs.get(run)
+            out.extend([whole] if whole is not None else self._hf.encode(run, add_special_tokens=False).ids)
+        return out
 
     def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Token ids of ``text`` as llama.cpp's ``llama_tokenize(text, add_special, parse_special)``."""

@@ -26,6 +26,11 @@ def grouped(x: torch.Tensor, counts: list[int],
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def scaled(y: torch.Tensor, scale: torch.Tensor | None, expert: int) -> torch.Tensor:
+    """Expert ``expert``'s product ``y`` times its entry of a stack's ``scale`` (ggml_mul in f32; None: y)."""
+    return y if scale is None else (y.float() * scale[expert].float()).to(y.dtype)
+
+
 class Experts(nn.Module):
     """E float matrices ``weight`` (E, out, in): one ``ffn_*_exps`` tensor of a GGUF.
 
@@ -38,6 +43,10 @@ class Experts(nn.Module):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_expert, n_out, n_in, device=device, dtype=dtype))
+        self.scale: nn.Parameter | None
+        self.register_parameter("scale", None)
+        """Per expert, a factor on its product (E,) (gemma4's ``ffn_down_exps.scale``, llama.cpp's ``w_s`` of
+        build_lora_mm_id: it scales the base product, not an adapter's; None: none)."""
 
     @classmethod
     def holding(cls, weight: nn.Parameter) -> Experts:
@@ -53,7 +62,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         weights = self.weight.unbind(0)
-        return grouped(x, counts, lambda e, rows: linear(rows, weights[e]))
+        return grouped(x, counts, lambda e, rows: scaled(linear(rows, weights[e]), self.scale, e))
 
     def extra_repr(self) -> str:
         n_expert, n_out, n_in = self.shape

@@ -23,7 +23,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from ggtorch.ops.experts import Experts, grouped
+from ggtorch.ops.experts import Experts, grouped, scaled
 from ggtorch.ops.matmul import Linear
 from ggtorch.quant import dequantize, row_nbytes
 from ggtorch.quant.autograd import quant_embedding, quant_linear
@@ -114,10 +114,16 @@ class QuantExperts(_QuantWeight):
     was routed to it, one expert at a time.
     """
 
+    def __init__(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType | int, shape: tuple[int, ...]) -> None:
+        super().__init__(raw, ggml_type, shape)
+        self.scale: nn.Parameter | None
+        self.register_parameter("scale", None)
+        """Per expert, a factor on its product (gemma4's ``ffn_down_exps.scale``; None: none), set by the loader."""
+
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         n_out, n_in = self.shape[1:]
-        return grouped(x, counts, lambda e, rows: quant_linear(rows, self.raw[e], self.ggml_type, (n_out, n_in),
-                                                               self.chunk_bytes))
+        return grouped(x, counts, lambda e, rows: scaled(quant_linear(rows, self.raw[e], self.ggml_type, (n_out, n_in),
+                                                                      self.chunk_bytes), self.scale, e))
 
 
 def float_twin(quant: _QuantWeight, weight: torch.Tensor) -> nn.Module:
@@ -125,7 +131,9 @@ def float_twin(quant: _QuantWeight, weight: torch.Tensor) -> nn.Module:
     Parameter given is used as it is, so modules given one stay tied)."""
     param = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
     if isinstance(quant, QuantExperts):
-        return Experts.holding(param)
+        experts = Experts.holding(param)
+        experts.scale = quant.scale
+        return experts
     return float_module(param, embedding=isinstance(quant, QuantEmbedding))
 
 

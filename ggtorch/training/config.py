@@ -384,6 +384,9 @@ class FinetuneConfig(RunConfig):
                                           "ssm_out (qwen35; its fused q|k|v takes --rank-qkv). The short "
                                           "convolution and the decay rates are never adapted.", LORA,
                                           default_text="--lora-r")
+    rank_per_layer: int | None = option(None, "Rank for gemma4's per-layer embedding products in each block "
+                                        "(inp_gate and proj; E2B/E4B). The model-wide per_layer_model_proj is never "
+                                        "adapted.", LORA, default_text="--lora-r")
 
     def __post_init__(self) -> None:
         super().__post_init__()

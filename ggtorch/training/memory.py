@@ -111,7 +111,7 @@ def estimate_memory(base: GGUFFile, config: ModelConfig, *, batch: int, ctx: int
 
 def _held_bytes(base: GGUFFile, name: str, matrix_dtype: torch.dtype, embedding_dtype: torch.dtype | None,
                 keep_quantized: bool) -> int:
-    """Bytes of one GGUF tensor as build_llama holds it."""
+    """Bytes of one GGUF tensor as build_model holds it."""
     info = base.tensors[name]
     kind = names.parse_gguf_name(name)
     if len(info.shape) == 1 or name in names.ROPE_BUFFERS or (kind and kind[0] in names.VECTOR_KINDS):
@@ -167,25 +167,33 @@ def _layer_bytes_per_token(c: ModelConfig, ctx: int, e: int, compute_dtype: torc
     gate, up and activation (the routed experts' per routed row, the router's probabilities)."""
     norms = 4 if c.family.post_norms else 2
     saved = norms * (8 + (e if e < 4 else 0)) * c.n_embd  # f32 input and output; autocast's copy of the output
-    kinds = {c.is_recurrent(i) for i in range(c.n_layer)}
-    saved += max(_delta_net_bytes_per_token(c, e, device) if recurrent
-                 else _attention_bytes_per_token(c, ctx, e, compute_dtype, device) for recurrent in kinds)
+    saved += max(_delta_net_bytes_per_token(c, e, device) if c.is_recurrent(layer)
+                 else _attention_bytes_per_token(c, layer, ctx, e, compute_dtype, device) for layer in range(c.n_layer))
+    n_ff = max(c.n_ff_at(layer) for layer in range(c.n_layer))  # the widest layer's (gemma4's vary)
     if c.n_expert:
         saved += c.n_expert_used * (c.n_embd + 3 * (c.n_ff_exp or c.n_ff)) * e + c.n_expert * 4
         saved += 3 * (c.n_ff_shexp or 0) * e
+        if c.family.dense_beside_experts:  # the dense MLP and the three extra norms of gemma4's MoE layers
+            saved += 3 * n_ff * e + 3 * (8 + e) * c.n_embd
     else:
-        saved += 3 * c.n_ff * e
+        saved += 3 * n_ff * e
+    if c.n_embd_per_layer:  # gemma4's per-layer input: the gate, its GELU, the product, the norm's input and output
+        saved += 3 * c.n_embd_per_layer * e + 2 * (8 + e) * c.n_embd
     return saved
 
 
-def _attention_bytes_per_token(c: ModelConfig, ctx: int, e: int, compute_dtype: torch.dtype,
+def _attention_bytes_per_token(c: ModelConfig, layer: int, ctx: int, e: int, compute_dtype: torch.dtype,
                                device: torch.device) -> int:
-    """q/k/v after rope, the attention output (and its probabilities on the products path), qwen35's output gate."""
-    saved = (2 * c.n_embd_q + 2 * c.n_embd_kv) * e
+    """q/k/v after rope, the attention output (and its probabilities on the products path), qwen35's output gate;
+    gemma4's V norm. Of ``layer``, whose widths may be its own (gemma4)."""
+    n_embd_q, n_embd_kv = c.n_embd_q_at(layer), c.n_embd_kv_at(layer)
+    saved = (2 * n_embd_q + 2 * n_embd_kv) * e
     if c.family.attn_output_gate:
-        saved += c.n_embd_q * (e + 4)  # the gate and its sigmoid
+        saved += n_embd_q * (e + 4)  # the gate and its sigmoid
     if c.family.qk_norm:
-        saved += (c.n_embd_q + c.n_embd_kv) * 2 * e
+        saved += (n_embd_q + n_embd_kv) * 2 * e
+    if c.family.v_norm:
+        saved += n_embd_kv * 2 * e
     if c.attn_softcap:
         saved += c.n_head * ctx * (4 + 4 + e)  # the capped scores, their softmax (f32) and the probabilities
     elif ctx <= products_max_tokens(compute_dtype, device):

@@ -38,7 +38,7 @@ from ggtorch.io.paths import Input, Output, check_files
 from ggtorch.lora import LoraConfig
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.generate import llama_cpp_context
-from ggtorch.models.loader import build_llama, check_tensor_names
+from ggtorch.models.loader import build_model, check_tensor_names
 from ggtorch.models.model import Block, Transformer
 from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.ops import policy
@@ -202,7 +202,7 @@ class Run:
         if not c.force:
             self._check_memory()
         self._check_compute_dtype()
-        self.model = build_llama(self.base, self.model_config, self.device, dtype=matrix_dtype,
+        self.model = build_model(self.base, self.model_config, self.device, dtype=matrix_dtype,
                                  keep_quantized=keep_quantized, embedding_dtype=embedding_dtype)
         self.model.n_ctx = llama_cpp_context(c.ctx)  # LongRoPE's factors: those llama.cpp uses at this context
         n_ctx_train = self.model_config.n_ctx_train

@@ -8,7 +8,7 @@ import pytest
 from click.testing import Result
 
 from ggtorch.models.generate import perplexity
-from ggtorch.models.loader import load_llama
+from ggtorch.models.loader import load_model_file
 from tests.helpers import run_cli
 from tests.llama_models import rewrite_gguf
 from tests.models.test_generate import REFERENCE_TEXT
@@ -63,7 +63,7 @@ def test_perplexity_prints_the_library_value(stories260k: Path, shakespeare: Pat
     (tmp_path / "t.txt").write_text(text)
     result = run("perplexity", "-m", str(stories260k), "-f", str(tmp_path / "t.txt"), "--ctx", "128")
     assert result.exit_code == 0, result.output
-    loaded = load_llama(stories260k)
+    loaded = load_model_file(stories260k)
     expected = perplexity(loaded.model, loaded.tokenizer.encode(text), 128, bos_id=loaded.tokenizer.bos_id)
     assert result.stdout.strip() == f"perplexity: {expected.perplexity:.4f}"
 

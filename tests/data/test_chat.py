@@ -26,7 +26,7 @@ from ggtorch.data.chat import answer_spans
 from ggtorch.data.records import Example
 from ggtorch.errors import BadData
 from ggtorch.io.gguf import read_gguf
-from ggtorch.models.loader import load_llama
+from ggtorch.models.loader import load_model_file
 from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.training.config import FinetuneConfig
 from ggtorch.training.trainer import Trainer
@@ -178,6 +178,7 @@ REAL_TEMPLATES = {
     "microsoft-Phi-3.5-mini-instruct": ("phi-3", "<|end|>", True),
     "google-gemma-2-2b-it": ("gemma2-like", "<end_of_turn>", False),
     "Qwen3.5-4B": ("qwen35", "<|im_end|>", True),
+    "google-gemma-4-31B-it": ("gemma-4", "<turn|>", True),
 }
 REAL_CHATS = [
     # short answers that also occur earlier: in the user's message and in the role headers ("a" in "assistant")
@@ -196,7 +197,7 @@ def real_tokenizers(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -
 
     from tests.models.test_tokenizer import write_gemma_like_vocab
 
-    paths = {name: vocab_file(name) for name in ("qwen2", "llama-bpe", "phi-3", "qwen35")}
+    paths = {name: vocab_file(name) for name in ("qwen2", "llama-bpe", "phi-3", "qwen35", "gemma-4")}
     paths["gemma2-like"] = write_gemma_like_vocab(tmp_path_factory.mktemp("gemma") / "gemma2-like.gguf",
                                                   read_gguf(vocab_file("llama-spm")),
                                                   TokenType.USER_DEFINED)
@@ -298,6 +299,19 @@ def test_reasoning_templates_train_what_they_write_for_each_turn(name: str, end_
                 {"role": "assistant", "content": "<think>End politely.</think>Bye."}]
     text, spans = answer_spans(template, messages, "record 1", end_texts)
     assert [text[start:end] for start, end in spans] == written
+
+
+def test_gemma4_strips_its_thought_channel_and_trains_the_answer() -> None:
+    """Gemma 4's template cuts an answer's ``<|channel>thought ... <channel|>`` out of every assistant turn: what
+    it writes, the answer and its ``<turn|>``, trains; the thought is in no render."""
+    template = ChatTemplate(template_file("google-gemma-4-31B-it").read_text(encoding="utf-8"), "<bos>", "<eos>")
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "<|channel>thought\nGreet back.<channel|>Hello."},
+                {"role": "user", "content": "Bye"},
+                {"role": "assistant", "content": "<|channel>thought\nEnd politely.<channel|>Bye."}]
+    text, spans = answer_spans(template, messages, "record 1", ["<turn|>"])
+    assert [text[start:end] for start, end in spans] == ["Hello.<turn|>", "Bye.<turn|>"]
+    assert "Greet back." not in text and "End politely." not in text
 
 
 def test_an_answer_the_template_does_not_write_is_refused_by_record_and_template(tokenizer: Tokenizer) -> None:
@@ -405,7 +419,7 @@ def _loss_and_grads(model: torch.nn.Module, inputs: torch.Tensor, targets: torch
 
 
 def test_masked_prompt_targets_do_not_change_loss_or_grads(stories260k: Path, tokenizer: Tokenizer) -> None:
-    model = load_llama(stories260k, keep_quantized=False).model
+    model = load_model_file(stories260k, keep_quantized=False).model
     for p in model.parameters():
         p.requires_grad_(True)
     enc = RecordEncoder(tokenizer).encode(Example("prompt-response", "t", instruction="Who is it?", response="Tom."))
@@ -453,7 +467,7 @@ def test_step_loss_is_the_sum_over_counted_targets_of_all_micro_batches(chat_mod
 # --- packing -----------------------------------------------------------------------------------
 
 def test_a_packed_row_gives_each_record_its_own_loss(stories260k: Path, tokenizer: Tokenizer) -> None:
-    model = load_llama(stories260k, keep_quantized=False).model.eval()
+    model = load_model_file(stories260k, keep_quantized=False).model.eval()
     encoder = RecordEncoder(tokenizer)
     encs = [encoder.encode(Example("prompt-response", "t", instruction=q, response=a)) for q, a in QA[:3]]
     n_ctx = sum(len(e) - 1 for e in encs) + 5
@@ -473,7 +487,7 @@ def test_a_packed_row_gives_each_record_its_own_loss(stories260k: Path, tokenize
 
 def test_one_segment_from_position_zero_is_the_default_forward(stories260k: Path) -> None:
     """positions/segments describe the default causal layout exactly: same logits; a cache refuses them."""
-    model = load_llama(stories260k).model.eval()
+    model = load_model_file(stories260k).model.eval()
     tokens = torch.randint(3, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(24).expand(2, 24)
     with torch.no_grad():

@@ -30,7 +30,7 @@ from ggtorch.export.peft import export_peft, import_peft
 from ggtorch.io.checkpoint import load_checkpoint, save_checkpoint
 from ggtorch.io.gguf import GGUFFile, read_gguf
 from ggtorch.lora.adapter_file import LoraAdapter, LoraPair, read_adapter, write_adapter
-from ggtorch.models.loader import load_llama
+from ggtorch.models.loader import load_model_file
 from tests.export.test_old_formats import write_ggla
 from tests.families import FAMILY_PRESETS, write_random_model
 
@@ -83,7 +83,7 @@ def make_seeds(folder: Path, stories260k: Path) -> list[Seed]:
     seeds = []
     models = [("model", stories260k)] + [(f"model-{name}", family_model_over(folder, name, stories260k))
                                          for name in FAMILY_SEEDS]
-    for name, path, load in (*((n, p, load_llama) for n, p in models), ("adapter", adapter_path, read_adapter),
+    for name, path, load in (*((n, p, load_model_file) for n, p in models), ("adapter", adapter_path, read_adapter),
                              ("checkpoint", ck_path, load_checkpoint)):
         header_end, offsets = field_offsets(path)
         load(path)  # the unmutated file loads
@@ -91,10 +91,12 @@ def make_seeds(folder: Path, stories260k: Path) -> list[Seed]:
     return seeds + [ggla_seed(folder, adapter), *peft_seeds(folder, adapter, base)]
 
 
-FAMILY_SEEDS = ("qwen2", "qwen3", "gemma2", "gemma3_pattern", "phi3", "mistral3", "smollm3", "qwen35", "qwen35moe")
+FAMILY_SEEDS = ("qwen2", "qwen3", "gemma2", "gemma3_pattern", "phi3", "mistral3", "smollm3", "qwen35", "qwen35moe",
+                "gemma4", "gemma4moe")
 """Presets of tests/families.py fuzzed as models too: their own keys and tensors (biases, q/k norms,
 sliding-window pattern, soft-caps, fused matrices, LongRoPE factors, YaRN and temperature keys, DeltaNet keys,
-tensors and layer patterns, MTP blocks) meet mutated headers."""
+tensors and layer patterns, MTP blocks, gemma4's per-layer arrays, K/V sharing, per-layer embeddings and experts
+beside a dense MLP) meet mutated headers."""
 
 
 def family_model_over(folder: Path, name: str, vocab: Path) -> Path:

@@ -31,7 +31,7 @@ from ggtorch.lora import (
     trainable_parameters,
     unmerge_lora,
 )
-from ggtorch.models.loader import load_llama
+from ggtorch.models.loader import load_model_file
 from ggtorch.models.model import RMSNorm, shared_input
 from ggtorch.quant.modules import QuantEmbedding, QuantLinear
 from ggtorch.rng import MT19937, libstdcpp_normal
@@ -60,8 +60,8 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("ftype", QUANT_FTYPES)
 def test_quantized_path_equals_dequantized_model(ftype: str, random_llama) -> None:
     path = random_llama(ftype, SHAPE)
-    quant = load_llama(path, keep_quantized=True).model
-    ref = load_llama(path, keep_quantized=False, dtype=torch.float32).model
+    quant = load_model_file(path, keep_quantized=True).model
+    ref = load_model_file(path, keep_quantized=False, dtype=torch.float32).model
     assert isinstance(quant.layers[0].attn.q, QuantLinear) and isinstance(quant.tok_embd, QuantEmbedding)
     config = LoraConfig(rank=3, alpha=5.0, ranks={"attn_norm": 2, "output_norm": 1})
     for m in (quant, ref):
@@ -82,7 +82,7 @@ def test_quantized_path_equals_dequantized_model(ftype: str, random_llama) -> No
 
 @pytest.fixture(scope="module")
 def q4_loaded(random_llama) -> nn.Module:
-    return load_llama(random_llama("Q4_0", SHAPE), keep_quantized=True).model
+    return load_model_file(random_llama("Q4_0", SHAPE), keep_quantized=True).model
 
 
 @pytest.fixture
@@ -217,7 +217,7 @@ def test_dropout_only_touches_the_lora_branch() -> None:
 
 
 def test_tied_model_skips_embedding_and_output(stories260k, caplog) -> None:
-    model = load_llama(stories260k).model
+    model = load_model_file(stories260k).model
     with caplog.at_level(logging.INFO, logger="ggtorch.lora"):
         attach_lora(model, LoraConfig(), seed=1)
     assert "tied output" in caplog.text
@@ -227,7 +227,7 @@ def test_tied_model_skips_embedding_and_output(stories260k, caplog) -> None:
     assert isinstance(model.layers[0].attn.q, LoRALinear)
     for kind in ("token_embd", "output"):
         with pytest.raises(Unsupported, match="ties its output"):
-            attach_lora(load_llama(stories260k).model, LoraConfig(ranks={kind: 4}), seed=1)
+            attach_lora(load_model_file(stories260k).model, LoraConfig(ranks={kind: 4}), seed=1)
 
 
 def test_lora_tensors_round_trip(q4_loaded) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ggtorch.lora import LoraConfig, attach_lora
-from ggtorch.models.model import MoE, Transformer
+from ggtorch.models.model import DenseAndExperts, MoE, Transformer
 from ggtorch.quant import autograd
 from ggtorch.quant.modules import QuantExperts
 from tests.families import eval_tokens
@@ -33,6 +33,8 @@ def routing_margins(model: Transformer, tokens: list[int]) -> torch.Tensor:
 
     def record(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         x = args[0].reshape(-1, args[0].shape[-1])
+        if isinstance(module, DenseAndExperts):  # gemma4's router reads the residual stream (its second input)
+            x = module.router_input(args[1].reshape(-1, args[1].shape[-1]))
         probs = torch.softmax(module.router_logits(x), dim=-1).sort(dim=-1, descending=True).values
         gaps.append(probs[:, module.n_used - 1] - probs[:, module.n_used])
 

@@ -20,7 +20,7 @@ from ggtorch.models.generate import (
     perplexity,
     sample,
 )
-from ggtorch.models.loader import LoadedLlama, load_llama
+from ggtorch.models.loader import LoadedModel, load_model_file
 from tests.llama_models import llama_cpp_logits, open_llama_cpp
 
 # llama.cpp's greedy decoding of stories260K (tests/fixtures) from BOS alone.
@@ -32,11 +32,11 @@ REFERENCE_TEXT = (
 
 
 @pytest.fixture(scope="module")
-def stories(stories260k: Path) -> LoadedLlama:
-    return load_llama(stories260k)
+def stories(stories260k: Path) -> LoadedModel:
+    return load_model_file(stories260k)
 
 
-def test_greedy_generation_from_bos_reproduces_reference(stories: LoadedLlama) -> None:
+def test_greedy_generation_from_bos_reproduces_reference(stories: LoadedModel) -> None:
     tok = stories.tokenizer
     new = generate_tokens(stories.model, [tok.bos_id], 120, stop_ids=tok.eog_ids)
     text = tok.decode(new)
@@ -44,7 +44,7 @@ def test_greedy_generation_from_bos_reproduces_reference(stories: LoadedLlama) -
     assert generate(stories.model, tok, "", 120).startswith(REFERENCE_TEXT)
 
 
-def test_generation_uses_the_cache_and_equals_full_forward(stories: LoadedLlama) -> None:
+def test_generation_uses_the_cache_and_equals_full_forward(stories: LoadedModel) -> None:
     model, prompt = stories.model, stories.tokenizer.encode("Once upon a time")
     seen: list[int] = []
     handle = model.register_forward_pre_hook(lambda _m, args, kwargs: seen.append(args[0].shape[1]), with_kwargs=True)
@@ -59,7 +59,7 @@ def test_generation_uses_the_cache_and_equals_full_forward(stories: LoadedLlama)
     assert full[len(prompt) - 1:-1].argmax(-1).tolist() == new
 
 
-def test_seeded_sampling_is_reproducible(stories: LoadedLlama) -> None:
+def test_seeded_sampling_is_reproducible(stories: LoadedModel) -> None:
     model, prompt = stories.model, [stories.tokenizer.bos_id]
     params = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, seed=123)
     a = generate_tokens(model, prompt, 40, params)
@@ -67,7 +67,7 @@ def test_seeded_sampling_is_reproducible(stories: LoadedLlama) -> None:
     assert a != generate_tokens(model, prompt, 40, SamplingParams(temperature=1.0, top_k=40, top_p=0.95, seed=7))
 
 
-def test_top_k_one_is_greedy(stories: LoadedLlama) -> None:
+def test_top_k_one_is_greedy(stories: LoadedModel) -> None:
     model, prompt = stories.model, [stories.tokenizer.bos_id]
     assert generate_tokens(model, prompt, 30, SamplingParams(temperature=0.8, top_k=1, seed=1)) == \
         generate_tokens(model, prompt, 30)
@@ -116,7 +116,7 @@ def test_bad_sampling_flags_are_rejected() -> None:
             SamplingParams(**kwargs)
 
 
-def test_generation_beyond_context_is_refused(stories: LoadedLlama) -> None:
+def test_generation_beyond_context_is_refused(stories: LoadedModel) -> None:
     with pytest.raises(BadFlag, match="context"):
         list(iter_tokens(stories.model, [1], stories.config.n_ctx_train))
 
@@ -135,7 +135,7 @@ def reference_perplexity(llm, tokens: list[int], n_ctx: int, bos: int) -> float:
     return math.exp(nll / count)
 
 
-def test_perplexity_equals_llama_cpp_definition(stories: LoadedLlama, shakespeare: Path) -> None:
+def test_perplexity_equals_llama_cpp_definition(stories: LoadedModel, shakespeare: Path) -> None:
     text = shakespeare.read_text()[:3000]
     n_ctx = 128
     tokens = stories.tokenizer.encode(text, add_special=True)
@@ -149,12 +149,12 @@ def test_perplexity_equals_llama_cpp_definition(stories: LoadedLlama, shakespear
     assert result.perplexity == pytest.approx(expected, rel=1e-4)
 
 
-def test_perplexity_needs_two_contexts_of_text(stories: LoadedLlama) -> None:
+def test_perplexity_needs_two_contexts_of_text(stories: LoadedModel) -> None:
     with pytest.raises(BadData, match="at least 256"):
         perplexity(stories.model, list(range(200)), 128)
 
 
-def test_generation_stops_after_a_stop_token(stories: LoadedLlama) -> None:
+def test_generation_stops_after_a_stop_token(stories: LoadedModel) -> None:
     model, prompt = stories.model, [stories.tokenizer.bos_id]
     params = SamplingParams(temperature=1.0, seed=5)
     free = generate_tokens(model, prompt, 60, params)

@@ -16,7 +16,7 @@ from ggtorch.lora import LoraConfig, attach_lora, merge_lora
 from ggtorch.models import names
 from ggtorch.models.config import LlamaConfig
 from ggtorch.models.families import FAMILIES
-from ggtorch.models.loader import build_llama, load_llama
+from ggtorch.models.loader import build_model, load_model_file
 from ggtorch.models.model import Llama
 from ggtorch.quant import dequantize
 from tests.llama_models import RandomLlamaShape, rewrite_gguf
@@ -35,12 +35,19 @@ def test_tensor_kinds_follow_gguf_py_names() -> None:
         "ffn_gate_shexp": T.FFN_GATE_SHEXP, "ffn_up_shexp": T.FFN_UP_SHEXP, "ffn_down_shexp": T.FFN_DOWN_SHEXP,
         "attn_sinks": T.ATTN_SINKS, "attn_gate": T.ATTN_GATE, "ssm_beta": T.SSM_BETA, "ssm_alpha": T.SSM_ALPHA,
         "ssm_out": T.SSM_OUT, "ssm_norm": T.SSM_NORM, "ssm_conv1d": T.SSM_CONV1D,
+        "per_layer_token_embd": T.PER_LAYER_TOKEN_EMBD, "per_layer_model_proj": T.PER_LAYER_MODEL_PROJ,
+        "per_layer_proj_norm": T.PER_LAYER_PROJ_NORM, "per_layer_inp_gate": T.PER_LAYER_INP_GATE,
+        "per_layer_proj": T.PER_LAYER_PROJ, "per_layer_post_norm": T.PER_LAYER_POST_NORM,
+        "ffn_pre_norm_2": T.FFN_PRE_NORM_2, "ffn_post_norm_1": T.FFN_POST_NORM_1, "ffn_post_norm_2": T.FFN_POST_NORM_2,
+        "ffn_gate_up_exps": T.FFN_GATE_UP_EXP, "layer_output_scale": T.LAYER_OUT_SCALE,
     }
     biases = {f"{kind}_bias": gguf_py[kind] for kind in
               ("output", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
                "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
     # a DeltaNet's dt bias has no weight beside it, and its decay rates no suffix at all (llama.cpp's SSM_A_NOSCAN)
-    unsuffixed = {"ssm_dt": (T.SSM_DT, ".bias"), "ssm_a": (T.SSM_A, "")}
+    unsuffixed = {"ssm_dt": (T.SSM_DT, ".bias"), "ssm_a": (T.SSM_A, ""),
+                  # gemma4's router input scale and per-expert scales sit beside their matrices as ".scale"
+                  "ffn_gate_inp_scale": (T.FFN_GATE_INP, ".scale"), "ffn_down_exps_scale": (T.FFN_DOWN_EXP, ".scale")}
     assert set(names.TENSOR_KINDS) == set(gguf_py) | set(biases) | set(unsuffixed)
     for kind, (tensor, suffix) in unsuffixed.items():
         assert names.TENSOR_KINDS[kind][0] == TENSOR_NAMES[tensor] + suffix
@@ -64,7 +71,7 @@ def test_every_model_weight_has_one_gguf_name() -> None:
 
 
 def test_stories260k_every_tensor_loaded_once(stories260k: Path) -> None:
-    loaded = load_llama(stories260k)
+    loaded = load_model_file(stories260k)
     model, f = loaded.model, loaded.gguf
     assert loaded.config.tied_output and model.output.weight is model.tok_embd.weight
     params = dict(model.named_parameters())  # shared parameters appear once
@@ -77,7 +84,7 @@ def test_stories260k_every_tensor_loaded_once(stories260k: Path) -> None:
 
 
 def test_untied_output_is_its_own_weight(random_llama: Callable[..., Path]) -> None:
-    loaded = load_llama(random_llama("F32"))
+    loaded = load_model_file(random_llama("F32"))
     assert not loaded.config.tied_output
     assert loaded.model.output.weight.data_ptr() != loaded.model.tok_embd.weight.data_ptr()
     assert loaded.config.n_head_kv < loaded.config.n_head  # the fixture exercises GQA
@@ -89,7 +96,7 @@ def test_f32_matrices_are_views_of_the_file_mapping_and_merges_leave_them_alone(
     Merging an adapter into one model must not show up in another model built from the same file."""
     f = read_gguf(random_llama("F32"))
     config = LlamaConfig.from_gguf(f)
-    a, b = build_llama(f, config), build_llama(f, config)
+    a, b = build_model(f, config), build_model(f, config)
     info = f.tensors["blk.0.attn_q.weight"]
     mapped = info.raw()
     start, end = mapped.data_ptr(), mapped.data_ptr() + mapped.numel()
@@ -110,7 +117,7 @@ def test_f32_matrices_are_views_of_the_file_mapping_and_merges_leave_them_alone(
 
 
 def test_bf16_weights(stories260k: Path) -> None:
-    f32, bf16 = load_llama(stories260k), load_llama(stories260k, dtype=torch.bfloat16)
+    f32, bf16 = load_model_file(stories260k), load_model_file(stories260k, dtype=torch.bfloat16)
     assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
     tokens = torch.tensor([[1, 403, 407, 261, 378]])
     with torch.no_grad():
@@ -123,7 +130,7 @@ def test_keep_quantized_matches_dequantized(random_llama: Callable[..., Path]) -
     from ggtorch.quant.modules import QuantEmbedding, QuantLinear
 
     path = random_llama("Q4_K_M")
-    quant, dense = load_llama(path, keep_quantized=True), load_llama(path)
+    quant, dense = load_model_file(path, keep_quantized=True), load_model_file(path)
     m = quant.model
     assert isinstance(m.layers[0].attn.q, QuantLinear) and isinstance(m.tok_embd, QuantEmbedding)
     assert m.layers[0].attn_norm.weight.dtype == torch.float32
@@ -134,7 +141,7 @@ def test_keep_quantized_matches_dequantized(random_llama: Callable[..., Path]) -
 
 def test_tied_quantized_output_shares_blocks_after_a_move(random_llama: Callable[..., Path]) -> None:
     path = random_llama("Q4_0", RandomLlamaShape(tied_output=True))
-    model = load_llama(path, keep_quantized=True).model
+    model = load_model_file(path, keep_quantized=True).model
     assert model.config.tied_output and model.output.raw.data_ptr() == model.tok_embd.raw.data_ptr()
     model._apply(lambda t: t.clone())  # what .to(other_device) does to every tensor
     assert model.output.raw.data_ptr() == model.tok_embd.raw.data_ptr()
@@ -152,32 +159,32 @@ def broken(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Calla
 
 def test_missing_tensor_is_named(broken: Callable[..., Path]) -> None:
     with pytest.raises(BadGGUF, match=r"'blk\.2\.ffn_up\.weight' is missing"):
-        load_llama(broken("missing", drop_tensors=("blk.2.ffn_up.weight",)))
+        load_model_file(broken("missing", drop_tensors=("blk.2.ffn_up.weight",)))
 
 
 def test_unexpected_tensor_is_named(broken: Callable[..., Path]) -> None:
     with pytest.raises(Unsupported, match=r"'blk\.0\.attn_q_norm\.weight'"):  # a qwen3/gemma3 tensor
-        load_llama(broken("extra", add_tensors={"blk.0.attn_q_norm.weight": np.ones(8, np.float32)}))
+        load_model_file(broken("extra", add_tensors={"blk.0.attn_q_norm.weight": np.ones(8, np.float32)}))
     with pytest.raises(Unsupported, match=r"'output\.bias' is not part of a llama model"):  # qwen2's only
-        load_llama(broken("bias", add_tensors={"output.bias": np.ones(512, np.float32)}))
+        load_model_file(broken("bias", add_tensors={"output.bias": np.ones(512, np.float32)}))
 
 
 def test_wrong_shape_is_named(broken: Callable[..., Path]) -> None:
     path = broken("shape", add_tensors={"blk.1.attn_k.weight": np.zeros((64, 64), np.float32)})
     with pytest.raises(BadGGUF, match=r"'blk\.1\.attn_k\.weight' has shape \(64, 64\), expected \(32, 64\)"):
-        load_llama(path)
+        load_model_file(path)
 
 
 def test_other_architecture_is_unsupported(broken: Callable[..., Path]) -> None:
     with pytest.raises(Unsupported, match="unsupported architecture 'gpt2'"):
-        load_llama(broken("gpt2", arch="gpt2"))
+        load_model_file(broken("gpt2", arch="gpt2"))
 
 
 @pytest.mark.parametrize("key", ["llama.embedding_length", "llama.block_count", "llama.attention.head_count",
                                  "llama.feed_forward_length", "llama.attention.layer_norm_rms_epsilon"])
 def test_missing_required_key_is_named(broken: Callable[..., Path], key: str) -> None:
     with pytest.raises(BadGGUF, match=f"'{key}' is missing"):
-        load_llama(broken(key, drop_keys=(key,)))
+        load_model_file(broken(key, drop_keys=(key,)))
 
 
 def test_config_defaults_and_scaling(broken: Callable[..., Path], stories260k: Path) -> None:
@@ -212,7 +219,7 @@ def test_loading_runs_no_random_init(stories260k: Path) -> None:
     import subprocess
     import sys
 
-    code = (f"import sys; from ggtorch.models.loader import load_llama; load_llama({str(stories260k)!r}); "
+    code = (f"import sys; from ggtorch.models.loader import load_model_file; load_model_file({str(stories260k)!r}); "
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -19,7 +19,7 @@ import torch
 
 from ggtorch.io.gguf import read_gguf
 from ggtorch.models.config import LlamaConfig
-from ggtorch.models.loader import build_llama
+from ggtorch.models.loader import build_model
 from ggtorch.models.model import Llama
 from tests.llama_models import llama_cpp_logits, open_llama_cpp, rewrite_gguf
 
@@ -44,7 +44,7 @@ TOLERANCE |= {ftype: 0.6 for ftype in QUANTIZED}
 
 def torch_logits(path: Path, tokens: list[int], dtype: torch.dtype = torch.float32) -> np.ndarray:
     f = read_gguf(path)
-    model = build_llama(f, LlamaConfig.from_gguf(f), dtype=dtype)
+    model = build_model(f, LlamaConfig.from_gguf(f), dtype=dtype)
     with torch.no_grad():
         return model(torch.tensor([tokens]))[0].float().numpy()
 
@@ -126,7 +126,7 @@ def test_kv_cache_equals_full_forward(which: str, request: pytest.FixtureRequest
     fixture = request.getfixturevalue(which)
     path = fixture if which == "stories260k" else fixture("F32")
     f = read_gguf(path)
-    model = build_llama(f, LlamaConfig.from_gguf(f))
+    model = build_model(f, LlamaConfig.from_gguf(f))
     tokens = random_tokens(model.config.n_vocab, 40, seed=3)
     full, cached = full_and_cached_logits(model, tokens, prefix=7)
     torch.testing.assert_close(cached, full, rtol=0, atol=1e-4)
@@ -135,7 +135,7 @@ def test_kv_cache_equals_full_forward(which: str, request: pytest.FixtureRequest
 def test_rope_depends_on_relative_position_only(stories260k: Path) -> None:
     """Rope makes q.k a function of the position difference: shifting every position keeps the logits."""
     f = read_gguf(stories260k)
-    model = build_llama(f, LlamaConfig.from_gguf(f))
+    model = build_model(f, LlamaConfig.from_gguf(f))
     tokens = torch.tensor([random_tokens(512, 12, seed=4)])
     with torch.no_grad():
         at0, at300 = model(tokens), model(tokens, start_pos=300)
@@ -144,7 +144,7 @@ def test_rope_depends_on_relative_position_only(stories260k: Path) -> None:
 
 def test_batch_rows_are_independent(stories260k: Path) -> None:
     f = read_gguf(stories260k)
-    model = build_llama(f, LlamaConfig.from_gguf(f))
+    model = build_model(f, LlamaConfig.from_gguf(f))
     a, b = random_tokens(512, 16, seed=6), random_tokens(512, 16, seed=7)
     with torch.no_grad():
         both = model(torch.tensor([a, b]))

@@ -22,7 +22,7 @@ from ggtorch.errors import Unsupported
 from ggtorch.io.gguf import GGUFFile, read_gguf, write_gguf
 from ggtorch.models.tokenizer import BPE_PRE_TOKENIZERS, Tokenizer
 
-VOCAB_NAMES = ("llama-spm", "llama-bpe", "qwen2", "phi-3", "qwen35")
+VOCAB_NAMES = ("llama-spm", "llama-bpe", "qwen2", "phi-3", "qwen35", "gemma-4")
 """llama.cpp's vocabulary files (tests/llama_cpp_files.py), each with its .inp/.out test vectors."""
 GEMMA_NAMES = ("gemma3-like", "gemma2-like")
 """llama-spm's vocabulary rewritten as Gemma files carry theirs (see ``write_gemma_like_vocab``)."""

@@ -150,9 +150,9 @@ def test_linear_module_is_an_nn_linear() -> None:
 
 
 def test_the_loaded_model_runs_its_matrices_on_onednn(stories260k) -> None:
-    from ggtorch.models.loader import load_llama
+    from ggtorch.models.loader import load_model_file
 
-    model = load_llama(stories260k).model
+    model = load_model_file(stories260k).model
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is matmul.Linear for m in linears)
     if ONEDNN:

@@ -12,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
-from ggtorch.models.loader import load_llama
+from ggtorch.models.loader import load_model_file
 from ggtorch.ops import policy
 from ggtorch.quant import native
 from ggtorch.quant.modules import QuantLinear
@@ -24,7 +24,7 @@ TOKENS = torch.randint(1, 512, (2, 33), generator=torch.Generator().manual_seed(
 
 def _lora_model(path: Path) -> torch.nn.Module:
     """The file's model cut to its first two blocks (tracing costs seconds per block), with LoRA on every matrix."""
-    model = load_llama(path, keep_quantized=True).model
+    model = load_model_file(path, keep_quantized=True).model
     model.layers = model.layers[:2]
     attach_lora(model, LoraConfig(rank=4), seed=1)
     with torch.no_grad():  # B = 0 would leave A's gradients zero

@@ -334,11 +334,11 @@ def test_block_checkpointing_on_and_off_gives_the_same_gradients(stories260k: Pa
     """enable_block_checkpointing recomputes each Block in backward (the same numbers), and
     disable_block_checkpointing puts the stored-activation forward back."""
     from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
-    from ggtorch.models.loader import load_llama
+    from ggtorch.models.loader import load_model_file
     from ggtorch.models.model import Block
     from ggtorch.training.trainer import disable_block_checkpointing, enable_block_checkpointing
 
-    model = load_llama(stories260k).model
+    model = load_model_file(stories260k).model
     attach_lora(model, LoraConfig(rank=2), seed=1)
     params = [p for _, p, _ in trainable_parameters(model)]
     with torch.no_grad():
@@ -392,14 +392,14 @@ def test_checkpointing_decodes_a_quantized_base_twice_per_step_with_the_same_gra
     backward: per step every block matrix is decoded twice (forward, recomputation), not three times, and
     the gradients are the same bit for bit (also when W is multiplied in row chunks)."""
     from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
-    from ggtorch.models.loader import load_llama
+    from ggtorch.models.loader import load_model_file
     from ggtorch.models.model import Block
     from ggtorch.quant.modules import QuantLinear
     from ggtorch.training.trainer import enable_block_checkpointing
 
     if chunk_bytes is not None:
         cpu_policy(dequantize_chunk_bytes=chunk_bytes)  # 16 rows of 64 f32 values per chunk
-    model = load_llama(stories_q8, keep_quantized=True).model
+    model = load_model_file(stories_q8, keep_quantized=True).model
     attach_lora(model, LoraConfig(rank=2), seed=1)
     params = [p for _, p, _ in trainable_parameters(model)]
     with torch.no_grad():

@@ -40,7 +40,7 @@ import json, resource, sys, time
 import torch
 import torch.nn.functional as F
 from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
-from ggtorch.models.loader import load_llama
+from ggtorch.models.loader import load_model_file
 
 def rss() -> int:
     # peak resident bytes of this address space
@@ -54,7 +54,7 @@ def rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 def train(path: str, keep_quantized: bool, steps: int) -> list[float]:
-    model = load_llama(path, keep_quantized=keep_quantized).model
+    model = load_model_file(path, keep_quantized=keep_quantized).model
     attach_lora(model, LoraConfig(rank=4), seed=1)
     opt = torch.optim.AdamW([p for _, p, _ in trainable_parameters(model)], lr=1e-3)
     gen = torch.Generator().manual_seed(0)
@@ -138,7 +138,7 @@ def mapped_rss(path: str) -> int:
 if sys.argv[2] == "keep-pages":
     loader.release_pages = lambda info: None
 torch.set_num_threads(1)
-loaded = loader.load_llama(sys.argv[1], dtype=torch.float32)
+loaded = loader.load_model_file(sys.argv[1], dtype=torch.float32)
 print(json.dumps({"mapped": mapped_rss(sys.argv[1])}))
 """
 

@@ -19,7 +19,8 @@ from tests.training.test_finetune import run
 
 
 @pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "gemma2", "gemma3_pattern", "phi3", "qwen3moe", "qwen3_yarn",
-                                  "mistral3", "smollm3", "granite", "gpt_oss", "qwen35", "qwen35moe"])
+                                  "mistral3", "smollm3", "granite", "gpt_oss", "qwen35", "qwen35moe", "gemma4",
+                                  "gemma4moe"])
 def test_full_finetune_writes_a_model_llama_cpp_runs_equally(family_model: Callable[..., Path],
                                                              texts: dict[str, Path], tmp_path: Path,
                                                              name: str) -> None:
