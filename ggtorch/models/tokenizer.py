@@ -1,6 +1,6 @@
 """GGUF vocabularies as tokenizers that tokenize and detokenize exactly like llama.cpp.
 
-Two vocabulary kinds are supported:
+Three vocabulary kinds are supported:
 
 - ``tokenizer.ggml.model = llama`` (sentencepiece BPE: LLaMA 1/2, Mistral 7B, Phi-3, Gemma 2/3):
   a sentencepiece ``ModelProto`` is built from the GGUF's tokens, scores and types and does
@@ -10,6 +10,9 @@ Two vocabulary kinds are supported:
 - ``tokenizer.ggml.model = gpt2`` (byte-level BPE: Llama 3, Qwen2/2.5/3, SmolLM, Phi-4-mini): a
   ``tokenizers`` BPE from the GGUF's tokens and merges, behind the pre-tokenizer regexes
   llama.cpp uses for that ``tokenizer.ggml.pre`` (``BPE_PRE_TOKENIZERS``).
+- ``tokenizer.ggml.model = gemma4`` (Gemma 4): BPE merges over the UTF-8 text itself with spaces written as ``▁``,
+  split only into runs of newlines and of other text, ``<0xXX>`` tokens for what no merge covers
+  (llama.cpp's LLAMA_VOCAB_PRE_TYPE_GEMMA4); a BOS is always added.
 
 Everything around the merging mirrors ``src/llama-vocab.cpp`` rather than the libraries'
 own conventions: special tokens are split out first (``tokenizer_st_partition``, with the
