@@ -3,7 +3,8 @@
 The names here are the public API (each documented where it is defined):
 
 - Models: :func:`load_model` → :class:`GGUFModel` (generate, perplexity, add_lora, load_adapter,
-  save_adapter, merge_lora); :class:`Llama`, :class:`LlamaConfig`, :class:`Tokenizer`.
+  save_adapter, merge_lora); :class:`Transformer` (every family's model), :class:`ModelConfig`,
+  :class:`Tokenizer`; ``Llama`` and ``LlamaConfig`` are their names from when llama was the one family.
 - Training: :func:`finetune` (LoRA, the old llama.cpp finetune) and :func:`train` (every weight,
   from scratch or a full finetune) return a :class:`Trainer`; options are :class:`FinetuneConfig`
   / :class:`TrainConfig` fields (the CLI's long flag names); :class:`Callback`,
@@ -33,8 +34,8 @@ from ggtorch.io.encode import quantize
 from ggtorch.io.gguf import GGUFFile, read_gguf
 from ggtorch.lora import LoraConfig
 from ggtorch.lora.adapter_file import LoraAdapter, read_adapter, write_adapter
-from ggtorch.models.config import LlamaConfig
-from ggtorch.models.model import Llama
+from ggtorch.models.config import LlamaConfig, ModelConfig
+from ggtorch.models.model import Llama, Transformer
 from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.quant import dequantize
 from ggtorch.training.config import FinetuneConfig, TrainConfig
@@ -44,8 +45,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BadData", "BadFlag", "BadGGUF", "Callback", "Checkpoint", "FinetuneConfig", "GGTorchError", "GGUFFile",
-    "GGUFModel", "Llama", "LlamaConfig", "LoraAdapter", "LoraConfig", "ProgressBar", "StepResult", "Tokenizer",
-    "TrainConfig", "Trainer", "Unsupported", "dequantize", "export_peft", "finetune", "import_peft",
-    "load_checkpoint", "load_model", "merge_adapters", "new_model", "plot_losses", "quantize", "read_adapter",
-    "read_gguf", "train", "write_adapter",
+    "GGUFModel", "Llama", "LlamaConfig", "LoraAdapter", "LoraConfig", "ModelConfig", "ProgressBar", "StepResult",
+    "Tokenizer", "TrainConfig", "Trainer", "Transformer", "Unsupported", "dequantize", "export_peft", "finetune",
+    "import_peft", "load_checkpoint", "load_model", "merge_adapters", "new_model", "plot_losses", "quantize",
+    "read_adapter", "read_gguf", "train", "write_adapter",
 ]

@@ -43,12 +43,13 @@ from ggtorch.io.gguf import GGUFFile, read_gguf
 from ggtorch.io.model_file import write_model
 from ggtorch.lora import LoraConfig, attach_lora, count_trainable_parameters, lora_modules, merge_lora
 from ggtorch.lora.adapter_file import LoraAdapter, adapter_from_model, load_adapter_into, read_adapter, write_adapter
-from ggtorch.models.config import LlamaConfig
+from ggtorch.models.config import ModelConfig
 from ggtorch.models.generate import PerplexityResult, generate, perplexity
 from ggtorch.models.init import init_tensors, new_config, new_metadata
 from ggtorch.models.loader import load_model_file
-from ggtorch.models.model import Llama
+from ggtorch.models.model import Transformer
 from ggtorch.models.tokenizer import Tokenizer
+from ggtorch.ops import policy
 from ggtorch.ops.dtypes import DTYPES
 from ggtorch.training.config import FinetuneConfig, RunConfig, TrainConfig
 from ggtorch.training.log import LoggedRun, draw_runs, plot_loss
@@ -59,11 +60,14 @@ __all__ = ["Checkpoint", "GGUFModel", "LoraAdapter", "ProgressBar", "export_peft
            "write_adapter"]
 
 
-def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def _torch_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``dtype`` as a torch dtype; ``auto``: the device's (bf16 on CUDA from Ampere, else f32)."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return DTYPES[policy.auto_dtype(device)]
     if dtype not in DTYPES:
-        raise BadFlag(f"dtype '{dtype}' is not one of {', '.join(DTYPES)}")
+        raise BadFlag(f"dtype '{dtype}' is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -71,9 +75,9 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class GGUFModel:
     """A GGUF model in torch: the module, its tokenizer and config, and the file it came from."""
 
-    model: Llama
+    model: Transformer
     tokenizer: Tokenizer
-    config: LlamaConfig
+    config: ModelConfig
     gguf: GGUFFile
 
     @classmethod
@@ -161,15 +165,17 @@ class GGUFModel:
         return total
 
 
-def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype = "f32", keep_quantized: bool = False) -> GGUFModel:
-    """Open a GGUF model (memory-mapped) and build it on ``device``.
+def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "auto",
+               dtype: str | torch.dtype = "auto", keep_quantized: bool = False) -> GGUFModel:
+    """Open a GGUF model (memory-mapped) and build it on ``device`` (``auto``: CUDA, else MPS, else the CPU).
 
     ``keep_quantized=True`` keeps quantized matrices as ggml blocks, dequantized on the fly
-    (a fraction of the memory); otherwise every weight becomes ``dtype`` (f32, bf16 or f16).
+    (a fraction of the memory); otherwise every weight becomes ``dtype`` (f32, bf16 or f16; ``auto``: bf16 where
+    the device multiplies it natively, else f32).
     """
     torch_device = resolve_device(str(device))
-    loaded = load_model_file(path, device=torch_device, dtype=_torch_dtype(dtype), keep_quantized=keep_quantized)
+    loaded = load_model_file(path, device=torch_device, dtype=_torch_dtype(dtype, torch_device),
+                             keep_quantized=keep_quantized)
     return GGUFModel(loaded.model, loaded.tokenizer, loaded.config, loaded.gguf)
 
 

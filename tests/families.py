@@ -620,10 +620,10 @@ def vocabulary_file(name: str) -> Path:
     return vocab_file(name)
 
 
-def write_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
-    """Write FAMILY_PRESETS[name] as ``out_dir/name-f32.gguf`` around its vocabulary; ``NAME-wide`` is
-    the preset with rows of 256 values (n_embd and n_ff multiples of 256), so that llama.cpp's K-quants quantize
-    its matrices instead of falling back to legacy types."""
+def write_preset(name: str, out_dir: Path, seed: int = 0, vocab_gguf: Path | None = None) -> Path:
+    """Write FAMILY_PRESETS[name] as ``out_dir/name-f32.gguf`` around its vocabulary (or ``vocab_gguf``'s: a
+    machine without llama.cpp's files); ``NAME-wide`` is the preset with rows of 256 values (n_embd and n_ff
+    multiples of 256), so that llama.cpp's K-quants quantize its matrices instead of falling back to legacy types."""
     base, _, wide = name.partition("-")
     arch, vocab, shape = FAMILY_PRESETS[base]
     if wide:
@@ -636,7 +636,7 @@ def write_preset(name: str, out_dir: Path, seed: int = 0) -> Path:
             # a DeltaNet layer and an attention layer: at these widths K-quants' rounding through four hybrid
             # layers moves the logits past the quantized tolerance in either program, not only between them
             shape = replace(shape, n_layer=2, full_attention_interval=2, nextn_layers=0)
-    return write_random_model(out_dir / f"{name}-f32.gguf", arch, vocabulary_file(vocab), shape, seed)
+    return write_random_model(out_dir / f"{name}-f32.gguf", arch, vocab_gguf or vocabulary_file(vocab), shape, seed)
 
 
 def eval_tokens(n_vocab: int, n: int = 48, seed: int = 1234) -> list[int]:

@@ -85,7 +85,7 @@ def finetune(**values: Any) -> None:
     n_trainable = sum(p.numel() for _, p, _ in trainer.params)
     echo = _echo(trainer)
     echo(f"model: {config.model_base} ({trainer.model_config.n_layer} layers, n_embd "
-         f"{trainer.model_config.n_embd}), base weights {config.base_dtype}, compute {config.dtype}, "
+         f"{trainer.model_config.n_embd}), base weights {config.base_dtype}, compute {trainer.config.dtype}, "
          f"device {trainer.device}, malloc {trainer.allocator}")
     echo(f"LoRA: {n_trainable:,} trainable parameters; seed {trainer.seed}")
     for note in trainer.notes:

@@ -82,9 +82,11 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = threads_option(fn)
     fn = click.option("--keep-quantized", is_flag=True,
                       help="Keep quantized weights as ggml blocks (less memory, slower).")(fn)
-    fn = click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="f32", show_default=True,
-                      help="Float type of the (dequantized) weights.")(fn)
-    fn = click.option("--device", default="cpu", show_default=True, help="torch device, e.g. cpu, cuda, cuda:1.")(fn)
+    fn = click.option("--dtype", type=click.Choice(["auto", *sorted(DTYPES)]), default="auto", show_default=True,
+                      help="Float type of the (dequantized) weights; auto: bf16 where the device multiplies it "
+                      "natively (CUDA from Ampere), else f32.")(fn)
+    fn = click.option("--device", default="auto", show_default=True,
+                      help="torch device: auto (CUDA, else MPS, else the CPU), cpu, cuda, cuda:1, mps.")(fn)
     fn = click.option("-m", "--model", "model_path", required=True, help="GGUF model file.")(fn)
     return fn
 

@@ -1,7 +1,8 @@
 """Causal self-attention for training: on CPU for short sequences (:func:`products_max_tokens`) the scores
 written out a block of queries at a time against only the keys it may see, in C (:mod:`ggtorch.ops.attention`,
 where it takes the call: f32, and bf16 on CPUs with bf16 dot products) or as batched matrix products;
-``F.scaled_dot_product_attention`` everywhere else (gpt-oss's sinks included).
+``F.scaled_dot_product_attention`` everywhere else (gpt-oss's sinks included); on a device whose policy says so (CUDA),
+FlexAttention's fused kernel for every training mask (:mod:`ggtorch.ops.flex_attention`).
 
 torch's CPU flash attention walks the sequence in small blocks; at training lengths that is
 slower than writing the score matrix out and running plain batched products. The products go a
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ggtorch.ops import attention as native
-from ggtorch.ops import policy
+from ggtorch.ops import flex_attention, policy
 
 SINK_COLUMNS = 8
 """Columns added to each query and key head to carry gpt-oss's sinks (:func:`_attention_with_sinks`): the first
@@ -42,13 +43,21 @@ isolated calls ran faster, whole training steps of tiny models slower, the rest 
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
-              mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+              mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+              softcap: float = 0.0) -> torch.Tensor:
     """softmax(q k^T · scale + masking) v for q (B, H, T, D) and k, v (B, Hkv, S, D), H a multiple
     of Hkv (query head h reads key/value head h // (H / Hkv), as llama.cpp's broadcast does).
 
     ``mask`` (broadcastable to (B, 1, T, S), True where a query may attend) or ``causal``. ``sinks`` (H,):
-    gpt-oss's per-head logit that joins every softmax's denominator (ggml_soft_max_add_sinks).
+    gpt-oss's per-head logit that joins every softmax's denominator (ggml_soft_max_add_sinks). ``softcap``:
+    gemma's cap·tanh(q·k / cap) before the scale (no family has both).
     """
+    flex = policy.current(q.device).flex_attention
+    if flex and _training_self_attention(q, k):
+        return flex_attention.attention(q, k, v, scale=scale, causal=causal, mask=mask, softcap=softcap, sinks=sinks,
+                                        compiled=flex == "compiled")
+    if softcap:
+        return _capped_attention(q, k, v, scale, softcap, mask, causal)
     if sinks is not None:
         return _attention_with_sinks(q, k, v, scale, causal, mask, sinks)
     if _as_products(q, k, v, causal, mask):
@@ -87,6 +96,38 @@ def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     out = F.scaled_dot_product_attention(widened(q, sink_column), keys, values, attn_mask=mask, scale=scale,
                                          enable_gqa=H != Hkv)
     return out[..., :D]
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap · tanh(x / cap): gemma's soft-capping of attention scores and logits."""
+    return torch.tanh(x / cap) * cap
+
+
+def causal_mask(T: int, S: int, device: torch.device) -> torch.Tensor:
+    """(T, S) True where query t (at position S - T + t) may see key s: s <= its position."""
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cap: float,
+                      mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """Attention with soft-capped scores, in llama.cpp's order: cap·tanh(q·k / cap), times the scale,
+    masked, softmax (f32), times v. Written out, where no fused kernel takes a cap (SDPA's)."""
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    k = k.repeat_interleave(G, dim=1) if G > 1 else k
+    v = v.repeat_interleave(G, dim=1) if G > 1 else v
+    scores = softcap(q.float() @ k.float().transpose(-1, -2), cap) * scale  # (B, H, T, S)
+    if causal:
+        mask = causal_mask(T, k.shape[2], q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1).to(v.dtype) @ v).to(q.dtype)
+
+
+def _training_self_attention(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """A training step's attention (a backward follows, queries and keys the same tokens): one compiled kernel per
+    shape serves every step; generation's growing caches keep SDPA."""
+    return q.shape[2] == k.shape[2] and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
 
 
 def _is_causal(mask: torch.Tensor, T: int) -> bool:

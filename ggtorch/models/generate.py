@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ggtorch.errors import BadData, BadFlag
-from ggtorch.models.model import Llama
+from ggtorch.models.model import Transformer
 from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.ops import policy
 from ggtorch.ops.threads import follow_free_cores
@@ -74,7 +74,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def check_fits(model: Llama, n_prompt: int, n_tokens: int) -> None:
+def check_fits(model: Transformer, n_prompt: int, n_tokens: int) -> None:
     """Refuse a generation the model's context cannot hold, saying which part to shorten."""
     n_ctx = model.config.n_ctx_train
     if n_prompt >= n_ctx:
@@ -86,8 +86,8 @@ def check_fits(model: Llama, n_prompt: int, n_tokens: int) -> None:
 
 
 @torch.no_grad()
-def iter_tokens(model: Llama, prompt_tokens: Sequence[int], n_tokens: int, params: SamplingParams = SamplingParams(),
-                stop_ids: Collection[int] = ()) -> Iterator[int]:
+def iter_tokens(model: Transformer, prompt_tokens: Sequence[int], n_tokens: int,
+                params: SamplingParams = SamplingParams(), stop_ids: Collection[int] = ()) -> Iterator[int]:
     """Yield up to n_tokens new token ids after prompt_tokens, one forward of T=1 per token.
 
     The prompt is evaluated once into a KV cache; each new token then costs one position.
@@ -113,13 +113,13 @@ def iter_tokens(model: Llama, prompt_tokens: Sequence[int], n_tokens: int, param
             return
 
 
-def generate_tokens(model: Llama, prompt_tokens: Sequence[int], n_tokens: int,
+def generate_tokens(model: Transformer, prompt_tokens: Sequence[int], n_tokens: int,
                     params: SamplingParams = SamplingParams(), stop_ids: Collection[int] = ()) -> list[int]:
     """The new token ids (see iter_tokens)."""
     return list(iter_tokens(model, prompt_tokens, n_tokens, params, stop_ids))
 
 
-def generate(model: Llama, tokenizer: Tokenizer, prompt: str, n_tokens: int, temperature: float = 0.0,
+def generate(model: Transformer, tokenizer: Tokenizer, prompt: str, n_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True) -> str:
     """The text the model writes after ``prompt`` (tokenized with BOS as llama.cpp does).
 
@@ -152,7 +152,7 @@ class PerplexityResult:
 
 
 @torch.no_grad()
-def perplexity(model: Llama, tokens: Sequence[int], n_ctx: int, bos_id: int | None = None,
+def perplexity(model: Transformer, tokens: Sequence[int], n_ctx: int, bos_id: int | None = None,
                batch_size: int = 1) -> PerplexityResult:
     """Perplexity as llama.cpp's llama-perplexity computes it.
 

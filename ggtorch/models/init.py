@@ -23,7 +23,7 @@ from ggtorch.errors import BadFlag, BadGGUF
 from ggtorch.io.gguf import GGUFFile
 from ggtorch.io.model_file import write_model
 from ggtorch.models import names
-from ggtorch.models.config import ARCH, LlamaConfig
+from ggtorch.models.config import ARCH, ModelConfig
 from ggtorch.models.loader import expected_shapes
 from ggtorch.rng import MT19937, libstdcpp_normal
 
@@ -34,13 +34,13 @@ INIT_ORDER: tuple[str, ...] = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_
 
 def new_config(vocab: GGUFFile, *, n_embd: int, n_ff: int, n_head: int, n_head_kv: int, n_layer: int,
                n_ctx: int, rms_eps: float = 1e-5, rope_freq_base: float = 10000.0,
-               rope_freq_scale: float = 1.0) -> LlamaConfig:
-    """The LlamaConfig of a new model over ``vocab``'s tokens (untied output, like the old program)."""
+               rope_freq_scale: float = 1.0) -> ModelConfig:
+    """The ModelConfig of a new model over ``vocab``'s tokens (untied output, like the old program)."""
     tokens = vocab.get(Keys.Tokenizer.LIST)
     if not tokens:
         raise BadGGUF(f"{vocab.path}: no '{Keys.Tokenizer.LIST}' in it; --vocab-model needs a GGUF with a tokenizer")
     try:
-        return LlamaConfig(n_vocab=len(tokens), n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+        return ModelConfig(n_vocab=len(tokens), n_embd=n_embd, n_layer=n_layer, n_head=n_head,
                            n_head_kv=n_head_kv, n_ff=n_ff, n_ctx_train=n_ctx, rms_eps=rms_eps,
                            rope_freq_base=rope_freq_base, rope_freq_scale=rope_freq_scale)
     except (BadGGUF, ValueError) as e:
@@ -56,7 +56,7 @@ INITS = ("ggml", "scaled")
 """--init: ``ggml`` is the old program's (reproducible with it); ``scaled`` learns far faster."""
 
 
-def init_tensors(config: LlamaConfig, seed: int, init: str = "ggml") -> dict[str, torch.Tensor]:
+def init_tensors(config: ModelConfig, seed: int, init: str = "ggml") -> dict[str, torch.Tensor]:
     """GGUF name -> f32 tensor of a new model.
 
     ``ggml``: filled as train-text-from-scratch's randomize_model did, bit-exact with the old
@@ -86,7 +86,7 @@ def init_tensors(config: LlamaConfig, seed: int, init: str = "ggml") -> dict[str
     return out
 
 
-def _scaled_init(config: LlamaConfig, seed: int) -> dict[str, torch.Tensor]:
+def _scaled_init(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     residual_std = 0.02 / (2 * config.n_layer) ** 0.5
     out: dict[str, torch.Tensor] = {}
@@ -100,7 +100,7 @@ def _scaled_init(config: LlamaConfig, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def new_metadata(vocab: GGUFFile, config: LlamaConfig, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def new_metadata(vocab: GGUFFile, config: ModelConfig, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(metadata, value_types) of a new llama: its hyperparameters plus ``vocab``'s tokenizer keys."""
     def k(template: str) -> str:
         return template.format(arch=ARCH)
@@ -130,7 +130,7 @@ def new_metadata(vocab: GGUFFile, config: LlamaConfig, name: str) -> tuple[dict[
     return meta, types
 
 
-def write_new_model(path: str | os.PathLike[str], vocab: GGUFFile, config: LlamaConfig, seed: int,
+def write_new_model(path: str | os.PathLike[str], vocab: GGUFFile, config: ModelConfig, seed: int,
                     name: str = "ggtorch scratch", init: str = "ggml") -> Path:
     """A freshly initialized F32 model of ``config`` over ``vocab``'s tokenizer, written to ``path``."""
     meta, types = new_metadata(vocab, config, name)

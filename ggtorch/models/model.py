@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ggtorch.models.attention import attention
+from ggtorch.models.attention import attention, causal_mask, softcap
 from ggtorch.models.config import ModelConfig
 from ggtorch.models.delta_net import GatedDeltaNet, RecurrentState
 from ggtorch.models.norm import RMSNorm
@@ -211,11 +211,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves: bool)
 def _pair_views(t: torch.Tensor, half: int, halves: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The first and second members of every pair of ``t``'s last dim, as views."""
     return (t[..., :half], t[..., half:]) if halves else (t[..., 0::2], t[..., 1::2])
-
-
-def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """cap · tanh(x / cap): gemma's soft-capping of attention scores and logits."""
-    return torch.tanh(x / cap) * cap
 
 
 @dataclass
@@ -425,22 +420,15 @@ class Attention(nn.Module):
             mask, causal = attn_mask, False
         elif (causal and S > T) or self.window:
             # Queries sit at positions start_pos..S-1: is_causal would align them to 0..T-1.
-            mask, causal = _causal_mask(T, S, q.device), False
+            mask, causal = causal_mask(T, S, q.device), False
         if self.window:
             mask = mask & _window_mask(T, S, self.window, q.device, positions)
-        if self.softcap:  # no family has both soft-capping and sinks
-            y = _capped_attention(q, k, v, scale, self.softcap, mask, causal)
-        else:
-            y = attention(q, k, v, scale=scale, causal=causal, mask=mask, sinks=self.sinks)  # (B, H, T, D)
+        y = attention(q, k, v, scale=scale, causal=causal, mask=mask, sinks=self.sinks,
+                      softcap=self.softcap)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         if gate is not None:
             y = (y.float() * torch.sigmoid(gate.float()).reshape(B, T, -1)).to(y.dtype)
         return _with_bias(self.o(y), self.o_bias)
-
-
-def _causal_mask(T: int, S: int, device: torch.device) -> torch.Tensor:
-    """(T, S) True where query t (at position S - T + t) may see key s: s <= its position."""
-    return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
 
 
 def _window_mask(T: int, S: int, window: int, device: torch.device,
@@ -452,22 +440,6 @@ def _window_mask(T: int, S: int, window: int, device: torch.device,
         return (positions[:, :, None] - positions[:, None, :] < window)[:, None]  # (B, 1, T, T)
     query = torch.arange(S - T, S, device=device)[:, None]
     return query - torch.arange(S, device=device)[None, :] < window  # (T, S)
-
-
-def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cap: float,
-                      mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-    """Attention with soft-capped scores, in llama.cpp's order: cap·tanh(q·k / cap), times the scale,
-    masked, softmax (f32), times v. Written out, since no fused kernel takes a cap."""
-    B, H, T, D = q.shape
-    G = H // k.shape[1]
-    k = k.repeat_interleave(G, dim=1) if G > 1 else k
-    v = v.repeat_interleave(G, dim=1) if G > 1 else v
-    scores = softcap(q.float() @ k.float().transpose(-1, -2), cap) * scale  # (B, H, T, S)
-    if causal:
-        mask = _causal_mask(T, k.shape[2], q.device)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return (torch.softmax(scores, dim=-1).to(v.dtype) @ v).to(q.dtype)
 
 
 class MLP(nn.Module):
@@ -779,6 +751,16 @@ class Transformer(nn.Module):
         """Whether the logits are exactly ``self.output(hidden)``: no output bias, no logit scale, no
         soft-capping, so a loss may apply the output projection itself (ggtorch.training.loss.output_cross_entropy)."""
         return self.output_bias is None and not self.config.final_softcap and not self.config.logit_scale
+
+    @property
+    def head_map(self) -> tuple[float, float] | None:
+        """(multiplier, cap) of the elementwise map :meth:`head` applies to the output projection's f32 logits
+        (``cap · tanh(l · multiplier / cap)``; cap 0: none), or None when the head adds a bias: what lets a loss
+        take the vocabulary a slab at a time."""
+        if self.output_bias is not None:
+            return None
+        c = self.config
+        return (float(1 / _f32(c.logit_scale)) if c.logit_scale else 1.0), c.final_softcap
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (f32) from the normed hidden states: output projection, bias, granite's logit scale, final

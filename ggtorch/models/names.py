@@ -125,7 +125,7 @@ def gguf_name(kind: str, bid: int | None = None) -> str:
 
 
 def module_path(kind: str, bid: int | None = None) -> str:
-    """Module path in Llama of a kind: ``module_path("attn_q", 3) == "layers.3.attn.q"``."""
+    """Module path in the Transformer of a kind: ``module_path("attn_q", 3) == "layers.3.attn.q"``."""
     return TENSOR_KINDS[kind][1].format(bid=bid)
 
 

@@ -10,6 +10,9 @@ import torch
 
 DTypeName = Literal["f32", "bf16", "f16"]
 
+DTypeChoice = Literal["auto", "f32", "bf16", "f16"]
+"""A --dtype flag: a float dtype, or ``auto`` (the device's choice: ``ggtorch.ops.policy.Policy.auto_dtype``)."""
+
 DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 """--dtype / --base-dtype / adapter and PEFT dtypes -> torch dtype."""
 

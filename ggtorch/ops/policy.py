@@ -41,6 +41,10 @@ class Policy:
     c_attention: bool = False
     """Training attention over short sequences runs in ``ops/attention.c`` (f32; bf16 where the CPU has bf16 dot
     products)."""
+    compiled_dequantize: bool = False
+    """Each chunk of quantized blocks decodes in one fused kernel (torch.compile of the type's decoder: Triton on
+    CUDA) instead of a dozen elementwise ones, each a pass over memory and a launch; the eager decoders stay the
+    reference it equals bit for bit."""
     onednn_f32: bool = False
     """f32 matrix products run on oneDNN's inner product instead of torch.mm (MKL): faster on AMD's CPUs, slower
     on Intel's (``bench/bench_gemm.py``)."""
@@ -48,6 +52,10 @@ class Policy:
     """Training self-attention over at most this many tokens writes its scores out (in C, or as batched products a
     block of queries at a time) instead of a flash kernel: faster on CPU up to there, at the price of the saved
     probabilities (0: never)."""
+    flex_attention: str = ""
+    """Training attention (any mask, soft-cap or sinks) runs through FlexAttention (``ops/flex_attention.py``):
+    ``compiled`` as one fused kernel per mask kind (CUDA), ``eager`` as torch's reference of it (the CPU's tests),
+    '' not at all (the CPU's written-out attention and SDPA)."""
     written_attention_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
     """The dtypes whose attention may be written out."""
     fused_adamw: bool = False
@@ -63,6 +71,14 @@ class Policy:
     temperature): float64, or float32 on a device without it (MPS)."""
     dist_backend: str = "gloo"
     """torch.distributed's backend for ranks on this device: NCCL between GPUs, gloo elsewhere."""
+    auto_dtype: str = "f32"
+    """What ``--dtype auto`` computes in: bf16 where the device multiplies bf16 natively (CUDA from compute
+    capability 8.0, Ampere), f32 elsewhere: a CPU keeps f32, as bf16 products without its dot-product instructions
+    run several times slower (``--dtype bf16`` asks for it, and warns where it is slow)."""
+    tf32: bool = False
+    """f32 matrix products may round their operands to TF32 on the tensor cores (CUDA from Ampere): the products of
+    an f32 run (a LoRA's, a full finetune's) run several times faster, at bf16-like operand precision with f32
+    accumulation; set only while a run computes (:func:`using`)."""
 
     # --- working sizes ---------------------------------------------------------------------------------------------
     lowrank_max_rank: int = 8
@@ -131,11 +147,38 @@ def choose(device_type: str) -> Policy:
                       onednn_f32="GenuineIntel" not in cpu_vendor(), written_attention_max_tokens=512,
                       fused_adamw=True, in_place_softmax=True, complex_rope=True)
     if device_type == "cuda":
-        return Policy("cuda", fused_adamw=True, in_place_softmax=True, complex_rope=True, device_rng=True,
-                      dist_backend="nccl")
+        return cuda_policy(torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0))
     if device_type == "mps":
         return Policy("mps", device_rng=True, wide_dtype=torch.float32)
     return Policy(device_type, device_rng=device_type == "xpu")
+
+
+def cuda_policy(capability: tuple[int, int]) -> Policy:
+    """The policy for a CUDA device of this compute capability: torch's kernels, compiled decoders and
+    FlexAttention, bf16 and TF32 from Ampere (8.0). Its sizes are the CPU's times 16 to 64: a kernel launch costs
+    microseconds whatever its size, so a GPU wants few large chunks (a Llama-3-8B matrix decodes whole, the loss
+    crosses a 128k vocabulary in a few slabs), and its memory is tens of GiB, not a cache."""
+    ampere = capability >= (8, 0)
+    return Policy("cuda", compiled_dequantize=True, flex_attention="compiled", fused_adamw=True,
+                  in_place_softmax=True, complex_rope=True, device_rng=True, dist_backend="nccl",
+                  auto_dtype="bf16" if ampere else "f32", tf32=ampere,
+                  decode_step_values=1 << 26, dequantize_chunk_bytes=256 << 20, keep_dequantized_bytes=512 << 20,
+                  loss_chunk_bytes=256 << 20, head_chunk_bytes=512 << 20, slab_rows=8192, slab_bytes=256 << 20,
+                  eval_head_bytes=1 << 30)
+
+
+def auto_device() -> str:
+    """The device ``--device auto`` trains on: CUDA, else MPS, else the CPU."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def auto_dtype(device: torch.device | str) -> str:
+    """What ``--dtype auto`` means on ``device`` (:attr:`Policy.auto_dtype`)."""
+    return current(device).auto_dtype
 
 
 _active: Policy | None = None
@@ -156,7 +199,11 @@ def using(policy: Policy) -> Iterator[Policy]:
     """Within, ops on ``policy.device_type`` follow ``policy`` (nested calls restore the outer one)."""
     global _active
     outer, _active = _active, policy
+    precision = torch.get_float32_matmul_precision()
+    if policy.tf32:
+        torch.set_float32_matmul_precision("high")
     try:
         yield policy
     finally:
         _active = outer
+        torch.set_float32_matmul_precision(precision)

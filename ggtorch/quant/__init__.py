@@ -111,6 +111,31 @@ def _decoder(ggml_type: GGMLQuantizationType | int, name: str | None
     return qtype, fn
 
 
+_compiled: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {}
+_tables_built: set[tuple[GGMLQuantizationType, torch.device]] = set()
+
+
+def compiled_decoder(ggml_type: GGMLQuantizationType, device: torch.device | str = "cpu"
+                     ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The type's decoder as one fused kernel (torch.compile) for blocks on ``device``: what
+    :attr:`ggtorch.ops.policy.Policy.compiled_dequantize` devices decode with.
+
+    Each type compiles its own function (torch.compile keeps one cache per function's code); a second block count
+    recompiles it once for any count, torch's automatic dynamic shapes making the count, and only the count,
+    symbolic (``dynamic=True`` would make the block's bytes symbolic too, where Inductor 2.13 misreads an f16
+    field past the block's first bytes). The type's lookup tables are built on the device first, by the eager
+    decoder on one block: a trace must find them made, as constants, not make them."""
+    qtype = GGMLQuantizationType(ggml_type)
+    where = torch.device(device)
+    if (qtype, where) not in _tables_built:
+        DEQUANTIZERS[qtype](torch.zeros(1, type_size(qtype), dtype=torch.uint8, device=where))
+        _tables_built.add((qtype, where))
+    fn = _compiled.get(qtype)
+    if fn is None:
+        fn = _compiled[qtype] = torch.compile(DEQUANTIZERS[qtype], fullgraph=True)
+    return fn
+
+
 def _native_cast(blocks: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...], step: int,
                  out: torch.Tensor) -> torch.Tensor:
     """Decode with the native library into ``out`` of a dtype it does not write (f16: ``native.OUT_DTYPES``),
@@ -148,6 +173,8 @@ def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[
     n_blocks = n_values // bs
     blocks = raw.reshape(n_blocks, ts)
     step = max(1, policy.current(raw.device).decode_step_values // bs)
+    if policy.current(raw.device).compiled_dequantize and bs > 1:
+        fn = compiled_decoder(qtype, raw.device)
     if native.decodes(blocks, qtype):
         result = torch.empty(shape, dtype=dtype) if out is None else out
         if dtype in native.OUT_DTYPES:  # one pass straight into the result, no temporaries to bound

@@ -47,11 +47,13 @@ _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
 
 def words(qs: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``qs``'s bytes, contiguous, viewed as the widest integer words its rows allow (``qs`` itself
-    when none), and that word's width: one shift and mask then handles several bytes at once."""
+    when none), and that word's width: one shift and mask then handles several bytes at once. (Traced by
+    torch.compile, a contiguous copy is aligned by construction: a trace has no addresses to check.)"""
     qs = qs.contiguous()
+    tracing = torch.compiler.is_compiling()
     for width, dtype in _WORDS:
         if qs.shape[-1] % width == 0:
-            if any(n % width for n in (qs.storage_offset(), qs.data_ptr(), *qs.stride()[:-1])):
+            if not tracing and any(n % width for n in (qs.storage_offset(), qs.data_ptr(), *qs.stride()[:-1])):
                 qs = qs.clone(memory_format=torch.contiguous_format)  # a view into a buffer: realign
             return qs.view(dtype), width
     return qs, 1
@@ -74,6 +76,8 @@ def crumbs(qs: torch.Tensor, bits: int) -> torch.Tensor:
     off), so the result is the byte-wise one on any little-endian device.
     """
     mask = (1 << bits) - 1
+    if torch.compiler.is_compiling():  # one fused kernel reads the bytes once whatever their grouping
+        return torch.stack([(qs >> shift) & mask for shift in range(0, 8, bits)], dim=-2)
     packed, width = words(qs)
     wide = mask * int.from_bytes(b"\x01" * width, "little")
     # each shift written straight into its place, then one mask over all: two passes fewer per

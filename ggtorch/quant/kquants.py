@@ -70,11 +70,9 @@ def _k4_scales_mins(scales: torch.Tensor) -> torch.Tensor:
     Cut from the three 4-byte words a, b, c at once, each byte keeping its own bits."""
     abc = words(scales)[0]  # (n, 3) int32: 12 bytes are 3 words
     a, b, c = abc[:, 0], abc[:, 1], abc[:, 2]
-    packed = torch.empty(2, abc.shape[0], 2, dtype=torch.int32, device=scales.device)  # (sc | mn, n, lo | hi)
-    torch.bitwise_and(a, 0x3F3F3F3F, out=packed[0, :, 0])
-    torch.bitwise_or(c & 0x0F0F0F0F, (a >> 2) & 0x30303030, out=packed[0, :, 1])
-    torch.bitwise_and(b, 0x3F3F3F3F, out=packed[1, :, 0])
-    torch.bitwise_or((c >> 4) & 0x0F0F0F0F, (b >> 2) & 0x30303030, out=packed[1, :, 1])
+    packed = torch.stack([  # (sc | mn, n, lo | hi): (n, 3) words, a few bytes per block
+        torch.stack([a & 0x3F3F3F3F, (c & 0x0F0F0F0F) | ((a >> 2) & 0x30303030)], dim=-1),
+        torch.stack([b & 0x3F3F3F3F, ((c >> 4) & 0x0F0F0F0F) | ((b >> 2) & 0x30303030)], dim=-1)])
     return packed.view(torch.uint8).to(torch.float32)
 
 

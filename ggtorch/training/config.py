@@ -38,7 +38,7 @@ from ggtorch.errors import BadFlag, flag
 from ggtorch.io.model_file import OUTTYPES
 from ggtorch.lora import LoraConfig
 from ggtorch.models.init import INITS
-from ggtorch.ops.dtypes import F32_MAX, DTypeName, finite_in_f32
+from ggtorch.ops.dtypes import F32_MAX, DTypeChoice, DTypeName, finite_in_f32
 from ggtorch.training.distributed import BACKENDS
 from ggtorch.training.optim import AdamConfig
 
@@ -215,8 +215,9 @@ class RunConfig:
                                  default_text="the cores other processes leave free, checked as it runs")
     use_checkpointing: bool = option(True, "Gradient checkpointing per transformer block (less memory, more "
                                      "compute).", TRAINING, off="--no-checkpointing")
-    device: str = option("cpu", "cpu, cuda, cuda:N or mps.", TRAINING)
-    dtype: DTypeName = option("f32", "Compute dtype (bf16/f16: autocast).", TRAINING)
+    device: str = option("auto", "auto (CUDA, else MPS, else the CPU), cpu, cuda, cuda:N or mps.", TRAINING)
+    dtype: DTypeChoice = option("auto", "Compute dtype (bf16/f16: autocast, f16 with a gradient scaler); auto: bf16 "
+                                "where the device multiplies it natively (CUDA from Ampere), else f32.", TRAINING)
     dist_backend: str | None = option(None, "torch.distributed backend under torchrun.", TRAINING, choices=BACKENDS,
                                       default_text="nccl on CUDA, else gloo")
     force: bool = option(False, "Start even when the expected peak memory exceeds the memory available.",

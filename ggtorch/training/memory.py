@@ -194,7 +194,7 @@ def _attention_bytes_per_token(c: ModelConfig, layer: int, ctx: int, e: int, com
         saved += (n_embd_q + n_embd_kv) * 2 * e
     if c.family.v_norm:
         saved += n_embd_kv * 2 * e
-    if c.attn_softcap:
+    if c.attn_softcap and not policy.current(device).flex_attention:  # FlexAttention caps inside its kernel
         saved += c.n_head * ctx * (4 + 4 + e)  # the capped scores, their softmax (f32) and the probabilities
     elif ctx <= products_max_tokens(compute_dtype, device):
         saved += int(c.n_head * saved_keys_per_query(ctx)) * e
@@ -223,7 +223,8 @@ def _loss_bytes(base: GGUFFile, c: ModelConfig, tokens: int, e: int, keep_quanti
     held = 3 * tokens * c.n_embd * 4
     if slabs:
         rows, width = slab_chunk(tokens, c.n_embd, device)
-        return held + rows * width * (4 + e) + width * c.n_embd * e
+        slope = 4 if c.final_softcap else 0  # a soft-capped head's d z / d logit beside the logits
+        return held + rows * width * (4 + e + slope) + width * c.n_embd * e
     out = base.tensors.get(names.gguf_name("output")) or base.tensors[names.gguf_name("token_embd")]
     rows = min(tokens, head_rows(c.n_vocab, device))
     held += rows * c.n_vocab * (4 + e)

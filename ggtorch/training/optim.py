@@ -252,6 +252,11 @@ class GGMLAdamW:
         self._conv = _Convergence(past=[0.0] * cfg.opt_past if cfg.opt_past else None)
 
     @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The parameters as torch's optimizers group them: what ``torch.amp.GradScaler`` unscales (f16 runs)."""
+        return [{"params": self.params}]
+
+    @property
     def sched(self) -> float:
         """Schedule factor the next update uses: learning_schedule(iteration)."""
         return learning_schedule(self.iteration, self.cfg)

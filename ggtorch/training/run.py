@@ -36,7 +36,7 @@ from ggtorch.io.gguf import GGUFFile, read_gguf
 from ggtorch.io.lock import OutputLock
 from ggtorch.io.paths import Input, Output, check_files
 from ggtorch.lora import LoraConfig
-from ggtorch.models.config import LlamaConfig
+from ggtorch.models.config import ModelConfig
 from ggtorch.models.generate import llama_cpp_context
 from ggtorch.models.loader import build_model, check_tensor_names
 from ggtorch.models.model import Block, Transformer
@@ -61,11 +61,14 @@ def output_name(template: str, pattern: str, value: str) -> str:
 
 
 def resolve_device(name: str) -> torch.device:
-    """A torch device for --device, with a clear error when it is not available here."""
+    """A torch device for --device (``auto``: CUDA, else MPS, else the CPU), with a clear error when it is not
+    available here."""
+    if name == "auto":
+        return torch.device(policy.auto_device())
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise BadFlag(f"--device: '{name}' is not a device name (use cpu, cuda, cuda:N or mps)") from None
+        raise BadFlag(f"--device: '{name}' is not a device name (use auto, cpu, cuda, cuda:N or mps)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BadFlag(f"--device {name}: this torch build or machine has no CUDA; use --device cpu")
     if device.type == "mps" and not torch.backends.mps.is_available():
@@ -76,6 +79,10 @@ def resolve_device(name: str) -> torch.device:
 SLOW_COMPUTE_DTYPE = 0.75
 """Below this share of f32's matrix-product speed, a --dtype is worth a warning (a CPU without bf16 and f16 dot
 products measures about 0.3 for bf16 and 0.01 for f16)."""
+
+
+F16_INITIAL_LOSS_SCALE = 2.0**16
+"""f16 runs' first loss scale (torch.amp.GradScaler's default): halved at each step whose gradients overflow."""
 
 
 def enable_block_checkpointing(model: torch.nn.Module) -> int:
@@ -122,7 +129,7 @@ class Run:
     """
 
     base: GGUFFile
-    model_config: LlamaConfig
+    model_config: ModelConfig
     tokenizer: Tokenizer
     model: torch.nn.Module
     weights: Weights
@@ -146,6 +153,8 @@ class Run:
         self.dist, self.device = setup(resolve_device(c.device), c.dist_backend)
         self.policy = policy.current(self.device)
         """The kernels and sizes the run computes with (ggtorch.ops.policy): the device's, or the one a caller set."""
+        if c.dtype == "auto":
+            self.config = c = dataclasses.replace(c, dtype=self.policy.auto_dtype)
         # under torchrun every rank trains the same order: rank 0's seed (drawn from the clock for -1)
         self.seed = self.dist.broadcast_int(c.seed if c.seed >= 0 else int(time.time()) & 0xFFFFFFFF, self.device)
         torch.manual_seed(self.seed)  # dropout masks; a resumed run restores the RNG state instead
@@ -186,7 +195,7 @@ class Run:
         c = self.config
         kind.check(c)
         self.base, self._scratch_dir = kind.open_base(c, self.seed)
-        self.model_config = dataclasses.replace(LlamaConfig.from_gguf(self.base), **self._model_overrides())
+        self.model_config = dataclasses.replace(ModelConfig.from_gguf(self.base), **self._model_overrides())
         self.tokenizer = Tokenizer.from_gguf(self.base)
         self.warnings = []
         self.data = self._open_data(records)  # before the model: the estimate below sees the tokenized data
@@ -212,6 +221,11 @@ class Run:
         self.notes = self._compute_notes()
         self.weights = kind(c, self.model, self.base, self.seed, self.device)
         self.optimizer = GGMLAdamW(self.weights.params, AdamConfig.from_finetune(c))
+        self.scaler = (torch.amp.GradScaler(self.device.type, init_scale=F16_INITIAL_LOSS_SCALE) if c.dtype == "f16"
+                       else None)
+        """f16 compute's loss scaler: f16 gradients underflow to zero below 6e-8 and overflow above 65504, so the
+        loss is multiplied by a scale that grows while the gradients stay finite and halves (skipping that step's
+        update) when they do not; ``None`` in f32 and bf16, whose exponents are f32's."""
         self.counters = {"iteration": 0, "samples": 0, "tokens": 0, "epochs": 0}
         self.resumed_from = None
         if resume is not None:
@@ -296,6 +310,7 @@ class Run:
             # dropout on CUDA draws from the device's generator
             "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
             "seed": self.seed,
+            "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
     def _resume(self, ck: Checkpoint) -> None:
@@ -307,6 +322,8 @@ class Run:
         torch.set_rng_state(ck.state["torch_rng"])
         if self.device.type == "cuda" and ck.state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(ck.state["cuda_rng"], self.device)
+        if self.scaler is not None and ck.state.get("grad_scaler"):
+            self.scaler.load_state_dict(ck.state["grad_scaler"])  # a run resumed in f16 goes on at its loss scale
         self.resumed_from = ck.path
 
     # --- files ---------------------------------------------------------------------------------

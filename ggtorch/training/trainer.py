@@ -75,6 +75,8 @@ class StepResult:
     seconds: float
     tokens_per_second: float
     eta_seconds: float
+    skipped: bool = False
+    """f16's loss scaler found inf/NaN gradients: no update (the iteration did not advance), the scale was halved."""
 
 
 OUT_OF_MEMORY_MESSAGES = ("can't allocate memory", "not enough memory", "out of memory")
@@ -85,6 +87,18 @@ def _is_out_of_memory(e: BaseException) -> bool:
     if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
         return True
     return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in OUT_OF_MEMORY_MESSAGES)
+
+
+ALLOCATION_UNITS = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def _failed_allocation(message: str) -> str | None:
+    """'N MiB more could not be allocated' from an allocator's message: the CPU's "tried to allocate 123 bytes",
+    CUDA's "Tried to allocate 2.00 GiB"; None when it names no size."""
+    asked = re.search(r"tried to allocate ([\d.]+) ?(bytes|[KMGT]iB)", message, re.IGNORECASE)
+    if asked is None:
+        return None
+    return f"{float(asked.group(1)) * ALLOCATION_UNITS[asked.group(2)] / 2**20:.0f} MiB more could not be allocated"
 
 
 class Callback:
@@ -125,9 +139,10 @@ class Trainer:
         if manage_process:
             malloc.keep_freed_memory()  # steps reuse each other's pages instead of faulting them in again
             threads.start_following()
-        self.config = config
         self.callbacks = list(callbacks)
         self.run = run = Run(config, records, val_records)
+        self.config = run.config
+        """The run's options, ``auto`` resolved (``--dtype auto`` -> the device's dtype)."""
         # the run's objects, under the names the API, the CLI and notebooks use
         self.dist, self.device, self.seed = run.dist, run.device, run.seed
         self.base, self.model_config, self.tokenizer, self.model = run.base, run.model_config, run.tokenizer, run.model
@@ -142,7 +157,7 @@ class Trainer:
         self.log = TrainLog(run.log_path() if log_records and self.dist.is_main else None)
         self.history: list[StepResult] = []
         self.skipped_steps = 0
-        """Steps whose update --on-nan skip dropped, in this process."""
+        """Steps whose update was dropped in this process: by --on-nan skip, or by f16's loss scaler."""
         self._last_save_iteration = self.iteration
         self._last_checkpoint: tuple[Path, int] | None = ((run.resumed_from, self.iteration) if run.resumed_from
                                                           else None)
@@ -314,7 +329,8 @@ class Trainer:
                 # the output projection runs inside the loss: the (N, n_vocab) logits never exist
                 hidden = self._forward(self.forward_model, batch, hidden_only=True)
                 loss = self._loss(hidden, batch.targets, count)
-                (loss * (count * self.dist.world_size / global_count)).backward()
+                weighted = loss * (count * self.dist.world_size / global_count)
+                (weighted if self.run.scaler is None else self.run.scaler.scale(weighted)).backward()
             loss_sum += loss.detach().double() * count
         loss_total, stop = self.dist.reduce_sum([float(loss_sum), float(self._stop_requested)], self.device)
         loss_value = loss_total / global_count if global_count else float("nan")
@@ -325,7 +341,8 @@ class Trainer:
                 "Lower --adam-alpha, or use --dtype f32 if you trained in f16")
         sched = self.optimizer.sched
         lr = self.optimizer.lr
-        self.optimizer.step()
+        if self._update():
+            return self._overflowed(loss_value, sched, lr, time.perf_counter() - t0)
         used = c.batch * c.grad_acc * self.dist.world_size
         self.counters["samples"] += samples_used  # with fill, a row can use several samples
         self.counters["tokens"] += used * c.ctx
@@ -341,6 +358,28 @@ class Trainer:
         self.log.write("iter", **asdict(result))
         self._notify("on_step", result)
         return result
+
+    def _update(self) -> bool:
+        """The optimizer step; under f16's loss scaler unscaled first, skipped when a gradient is inf or NaN (every
+        rank alike: DDP gave them the same gradients). Returns whether it was skipped."""
+        scaler = self.run.scaler
+        if scaler is None:
+            self.optimizer.step()
+            return False
+        scale = scaler.get_scale()
+        scaler.step(self.optimizer)
+        scaler.update()
+        return scaler.get_scale() < scale
+
+    def _overflowed(self, loss: float, sched: float, lr: float, seconds: float) -> StepResult:
+        """A step whose f16 gradients overflowed: logged as a skip, counted, not an iteration (nor in history)."""
+        self.skipped_steps += 1
+        self.log.write("skip", iteration=self.iteration + 1, reason="f16 gradients overflowed",
+                       loss_scale=self.run.scaler.get_scale(), skipped_steps=self.skipped_steps)
+        return StepResult(iteration=self.iteration, loss=loss, sched=sched, lr=lr,
+                          samples=min(self.data.next_sample + 1, self.data.n_samples), n_samples=self.data.n_samples,
+                          epoch=self.data.epoch, tokens=self.counters["tokens"], seconds=seconds,
+                          tokens_per_second=0.0, eta_seconds=0.0, skipped=True)
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor, count: int) -> torch.Tensor:
         """Mean cross-entropy of the counted targets, from the model's normed hidden states."""
@@ -406,7 +445,10 @@ class Trainer:
         with self._outputs_held(), _sigint_requests_stop(self):
             while self.iteration < self._target_iteration and not self._stopping():
                 try:
-                    results.append(self.step())
+                    result = self.step()
+                    if result.skipped:
+                        continue
+                    results.append(result)
                 except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
                     if not _is_out_of_memory(e):
                         raise
@@ -429,7 +471,8 @@ class Trainer:
                 self.save()
             self.log.write("end", iteration=self.iteration, steps=len(results),
                            loss=results[-1].loss if results else None,
-                           seconds=sum(r.seconds for r in results), stopped=self._stopping(),
+                           seconds=sum(r.seconds for r in results), skipped_steps=self.skipped_steps,
+                           stopped=self._stopping(),
                            interrupted=self._interrupted)
         # Ctrl-C here, or (under torchrun) on another rank: the CLI exits 130. A stop a callback asked for returns.
         if self._interrupted or (self.dist.enabled and self._stop_agreed and not self._stop_requested):
@@ -453,9 +496,7 @@ class Trainer:
                     f"--checkpoint-in {latest} and")
         else:
             kept = "no checkpoint of this run was saved yet; start again with"
-        asked = re.search(r"tried to allocate (\d+) bytes", str(e))
-        detail = f"{int(asked.group(1)) / 2**20:.0f} MiB more could not be allocated" if asked else \
-            " ".join(str(e).split())[:200]
+        detail = _failed_allocation(str(e)) or " ".join(str(e).split())[:200]
         return OutOfMemory(f"out of memory in iteration {self.iteration + 1} ({detail}); {kept} "
                            f"{ways_to_lower(c)}")
 

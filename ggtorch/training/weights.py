@@ -218,7 +218,7 @@ def weights_kind(config: RunConfig) -> type[LoraWeights] | type[FullWeights]:
 
 
 def full_trainable_parameters(model: nn.Module) -> Params:
-    """Every float weight of a Llama made trainable: (GGUF name, parameter, ggml n_dims).
+    """Every float weight of a model made trainable: (GGUF name, parameter, ggml n_dims).
 
     Each weight gets its own memory first (a loaded F32 weight can be a view of the model
     file's mapping). A tied output shares token_embd's Parameter and is listed once.

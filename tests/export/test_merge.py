@@ -22,7 +22,7 @@ from ggtorch.io.encode import QUANTIZABLE_TYPES
 from ggtorch.io.gguf import GGUFFile, read_gguf
 from ggtorch.lora import LoraConfig, attach_lora, lora_modules, lora_tensors_by_gguf_name
 from ggtorch.lora.adapter_file import LoraAdapter, LoraPair, adapter_from_model, read_adapter, write_adapter
-from ggtorch.models.config import LlamaConfig
+from ggtorch.models.config import ModelConfig
 from ggtorch.models.loader import build_model
 from ggtorch.quant import dequantize
 from tests.helpers import run_cli
@@ -62,7 +62,7 @@ def base_gguf(path: Path) -> GGUFFile:
 def write_test_adapter(base_path: Path, out: Path, alpha: float = 8.0, seed: int = 0) -> Path:
     """A trained-looking adapter (rank 4, random B) on every matrix except UNTOUCHED."""
     f = base_gguf(base_path)
-    model = build_model(f, LlamaConfig.from_gguf(f), keep_quantized=True)
+    model = build_model(f, ModelConfig.from_gguf(f), keep_quantized=True)
     attach_lora(model, LoraConfig(rank=4, alpha=alpha), seed=1)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -202,7 +202,7 @@ def test_checkpoint_with_norm_adapters_merges(random_llama: Callable[..., Path],
     """Norm-gain adapters exist only in checkpoints; a merge is how they reach llama.cpp."""
     base_path = random_llama("F32")
     f = base_gguf(base_path)
-    model = build_model(f, LlamaConfig.from_gguf(f))
+    model = build_model(f, ModelConfig.from_gguf(f))
     config = LoraConfig(rank=4, alpha=8.0, ranks={"attn_norm": 2, "ffn_norm": 1, "output_norm": 1})
     attach_lora(model, config, seed=3)
     gen = torch.Generator().manual_seed(0)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ggtorch.models import names
-from ggtorch.models.config import LlamaConfig
+from ggtorch.models.config import ModelConfig
 from ggtorch.models.loader import build_model
 from tests.export.test_merge import base_gguf, cli, one_line_error
 from tests.llama_models import llama_cpp_logits
@@ -103,7 +103,7 @@ def reference_logits(base_path: Path, tensors: dict[str, tuple[np.ndarray, np.nd
                      tokens: list[int], with_norms: bool) -> np.ndarray:
     """ggtorch's f32 model with W += s·B·Aᵀ (norms: g += s·A·b) applied to its weights here."""
     f = base_gguf(base_path)
-    model = build_model(f, LlamaConfig.from_gguf(f))
+    model = build_model(f, ModelConfig.from_gguf(f))
     with torch.no_grad():
         for name, (a, b) in tensors.items():
             is_norm = name.endswith("_norm.weight")

@@ -27,7 +27,7 @@ from ggtorch.lora.adapter_file import (
     load_adapter_into,
     write_adapter,
 )
-from ggtorch.models.config import LlamaConfig
+from ggtorch.models.config import ModelConfig
 from ggtorch.models.loader import build_model
 from tests.helpers import run_cli
 from tests.llama_models import RandomLlamaShape, llama_cpp_logits
@@ -106,7 +106,7 @@ def test_transformers_with_exported_peft_folder_equals_ggtorch(base_path: Path, 
     adapter, scale = adapter_variants[variant]
     f = read_gguf(base_path)
     tokens = random_tokens(32000, N_TOKENS)
-    ours_model = load_adapter_into(build_model(f, LlamaConfig.from_gguf(f)), f, [(adapter, scale)])
+    ours_model = load_adapter_into(build_model(f, ModelConfig.from_gguf(f)), f, [(adapter, scale)])
     ours = ggtorch_logits(ours_model, tokens)
 
     gguf_adapter = write_adapter(tmp_path / "adapter.gguf", adapter)
@@ -117,7 +117,7 @@ def test_transformers_with_exported_peft_folder_equals_ggtorch(base_path: Path, 
     assert config["task_type"] == "CAUSAL_LM" and config["base_model_name_or_path"] == "random-llama-256x2"
 
     base_logits = hf_logits(hf_model, tokens)
-    assert np.abs(base_logits - ggtorch_logits(build_model(f, LlamaConfig.from_gguf(f)), tokens)).max() <= TOL
+    assert np.abs(base_logits - ggtorch_logits(build_model(f, ModelConfig.from_gguf(f)), tokens)).max() <= TOL
     theirs = hf_logits(PeftModel.from_pretrained(copy.deepcopy(hf_model), str(tmp_path / "peft")), tokens)
     assert np.abs(theirs - ours).max() <= TOL
     assert np.abs(theirs - base_logits).max() > 100 * TOL  # the adapter matters

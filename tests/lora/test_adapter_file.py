@@ -25,7 +25,7 @@ from ggtorch.lora.adapter_file import (
     write_adapter,
 )
 from ggtorch.models import names
-from ggtorch.models.config import LlamaConfig
+from ggtorch.models.config import ModelConfig
 from ggtorch.models.loader import build_model
 from tests.llama_models import llama_cpp_logits, open_llama_cpp
 from tests.models.test_model import TOLERANCE, random_tokens
@@ -41,7 +41,7 @@ def llama_cpp_with_adapter(model_path: Path, adapter_path: Path | None, scale: f
 def trained_looking_model(path: Path, ranks: dict[str, int] | None = None, alpha: float = 8.0):
     """A model with every matrix adapted (rank 4, alpha 8) and B drawn at random, as after training."""
     f = read_gguf(path)
-    model = build_model(f, LlamaConfig.from_gguf(f), keep_quantized=True)
+    model = build_model(f, ModelConfig.from_gguf(f), keep_quantized=True)
     attach_lora(model, LoraConfig(rank=4, alpha=alpha, ranks=ranks or {}), seed=1)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -94,7 +94,7 @@ def test_adapter_round_trips_and_loads_onto_a_fresh_model(random_llama: Callable
         assert torch.equal(back.pairs[name].a, a) and torch.equal(back.pairs[name].b, b)
 
     tokens = random_tokens(32000, N_TOKENS)
-    fresh = build_model(f, LlamaConfig.from_gguf(f), keep_quantized=True)
+    fresh = build_model(f, ModelConfig.from_gguf(f), keep_quantized=True)
     load_adapter_into(fresh, f, [(back, 0.5)])
     np.testing.assert_allclose(ggtorch_logits(fresh, tokens), ggtorch_logits(model, tokens, 0.5), atol=1e-4, rtol=0)
 
@@ -105,12 +105,12 @@ def test_stacked_adapters_equal_llama_cpps_sum(random_llama: Callable[..., Path]
     f, m1 = trained_looking_model(base_path)
     _, m2 = trained_looking_model(base_path, alpha=2.0)
     a1, a2 = adapter_from_model(m1, f), adapter_from_model(m2, f)
-    fresh = build_model(f, LlamaConfig.from_gguf(f))
+    fresh = build_model(f, ModelConfig.from_gguf(f))
     load_adapter_into(fresh, f, [(a1, 1.0), (a2, 0.5)])
     tokens = random_tokens(32000, 16)
     with torch.no_grad():
         ours = fresh(torch.tensor([tokens]))[0]
-        plain = build_model(f, LlamaConfig.from_gguf(f))
+        plain = build_model(f, ModelConfig.from_gguf(f))
         for name in a1.pairs:  # the formula, applied to float weights directly
             module = plain.get_submodule(names.gguf_to_module(name))
             module.weight.data = module.weight.data + a1.delta(name, 1.0) + a2.delta(name, 0.5)
@@ -137,20 +137,20 @@ def test_bad_adapters_are_refused(random_llama: Callable[..., Path], stories260k
     f, model = trained_looking_model(base_path)
     adapter = adapter_from_model(model, f)
     stories = read_gguf(stories260k)
-    fresh = build_model(stories, LlamaConfig.from_gguf(stories))
+    fresh = build_model(stories, ModelConfig.from_gguf(stories))
     layers_only = LoraAdapter("llama", adapter.alpha, {k: v for k, v in adapter.pairs.items() if k.startswith("blk.")})
     with pytest.raises(GGTorchError, match="tensors do not fit the base model .*: the adapter was made for another"):
         load_adapter_into(fresh, stories, [(layers_only, 1.0)])
 
     other_arch = LoraAdapter("qwen2", adapter.alpha, adapter.pairs)
     with pytest.raises(GGTorchError, match="the adapter is for a qwen2 model"):
-        load_adapter_into(build_model(f, LlamaConfig.from_gguf(f)), f, [(other_arch, 1.0)])
+        load_adapter_into(build_model(f, ModelConfig.from_gguf(f)), f, [(other_arch, 1.0)])
 
     name = "blk.0.attn_q.weight"
     pair = adapter.pairs[name]
     broken = LoraAdapter("llama", 4.0, {name: LoraPair(pair.a[:3], pair.b)})
     with pytest.raises(GGTorchError, match="rank 3 but lora_b of rank 4"):
-        load_adapter_into(build_model(f, LlamaConfig.from_gguf(f)), f, [(broken, 1.0)])
+        load_adapter_into(build_model(f, ModelConfig.from_gguf(f)), f, [(broken, 1.0)])
 
     with pytest.raises(BadGGUF, match="is a model, not a LoRA adapter"):
         read_adapter(base_path)
@@ -162,12 +162,12 @@ def test_token_embd_adapter_on_a_tied_base_is_refused(stories260k: Path) -> None
     pair = LoraPair(torch.zeros(512, 4), torch.zeros(64, 4))
     adapter = LoraAdapter("llama", 4.0, {"token_embd.weight": pair})
     with pytest.raises(GGTorchError, match="ties its output"):
-        load_adapter_into(build_model(stories, LlamaConfig.from_gguf(stories)), stories, [(adapter, 1.0)])
+        load_adapter_into(build_model(stories, ModelConfig.from_gguf(stories)), stories, [(adapter, 1.0)])
 
 
 def test_norm_adapters_cannot_go_into_a_llama_cpp_file(stories260k: Path) -> None:
     f = read_gguf(stories260k)
-    model = build_model(f, LlamaConfig.from_gguf(f))
+    model = build_model(f, ModelConfig.from_gguf(f))
     attach_lora(model, LoraConfig(ranks={"attn_norm": 1}))
     with pytest.raises(GGTorchError, match="cannot carry norm-vector deltas"):
         adapter_from_model(model, f)

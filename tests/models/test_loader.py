@@ -14,10 +14,10 @@ from ggtorch.errors import BadGGUF, Unsupported
 from ggtorch.io.gguf import read_gguf
 from ggtorch.lora import LoraConfig, attach_lora, merge_lora
 from ggtorch.models import names
-from ggtorch.models.config import LlamaConfig
+from ggtorch.models.config import ModelConfig
 from ggtorch.models.families import FAMILIES
 from ggtorch.models.loader import build_model, load_model_file
-from ggtorch.models.model import Llama
+from ggtorch.models.model import Transformer
 from ggtorch.quant import dequantize
 from tests.llama_models import RandomLlamaShape, rewrite_gguf
 
@@ -61,7 +61,7 @@ def test_tensor_kinds_follow_gguf_py_names() -> None:
 
 
 def test_every_model_weight_has_one_gguf_name() -> None:
-    model = Llama(LlamaConfig(n_vocab=10, n_embd=8, n_layer=3, n_head=2, n_head_kv=1, n_ff=16, n_ctx_train=8))
+    model = Transformer(ModelConfig(n_vocab=10, n_embd=8, n_layer=3, n_head=2, n_head_kv=1, n_ff=16, n_ctx_train=8))
     paths = [n.removesuffix(".weight") for n, _ in model.named_parameters()]
     gguf = [names.module_to_gguf(p) for p in paths]
     assert len(set(gguf)) == len(paths) == 2 + 3 * 9 + 1
@@ -95,7 +95,7 @@ def test_f32_matrices_are_views_of_the_file_mapping_and_merges_leave_them_alone(
     """An F32 file costs its size once in RSS: the weights are the mapping's pages, not a copy of them.
     Merging an adapter into one model must not show up in another model built from the same file."""
     f = read_gguf(random_llama("F32"))
-    config = LlamaConfig.from_gguf(f)
+    config = ModelConfig.from_gguf(f)
     a, b = build_model(f, config), build_model(f, config)
     info = f.tensors["blk.0.attn_q.weight"]
     mapped = info.raw()
@@ -188,28 +188,28 @@ def test_missing_required_key_is_named(broken: Callable[..., Path], key: str) ->
 
 
 def test_config_defaults_and_scaling(broken: Callable[..., Path], stories260k: Path) -> None:
-    base = LlamaConfig.from_gguf(read_gguf(stories260k))
+    base = ModelConfig.from_gguf(read_gguf(stories260k))
     assert (base.n_vocab, base.n_embd, base.n_layer, base.n_head, base.n_head_kv, base.n_ff) == (512, 64, 5, 8, 4, 172)
     assert base.head_dim == base.n_rot == 8 and base.n_ctx_train == 512 and base.rope_freq_scale == 1.0
     no_vocab_key = broken("novocab", drop_keys=("llama.vocab_size", "llama.attention.head_count_kv"))
-    cfg = LlamaConfig.from_gguf(read_gguf(no_vocab_key))
+    cfg = ModelConfig.from_gguf(read_gguf(no_vocab_key))
     assert cfg.n_vocab == 512 and cfg.n_head_kv == cfg.n_head  # len(tokens); MHA when head_count_kv is absent
-    scaled = LlamaConfig.from_gguf(read_gguf(broken("scaled", set_keys={"llama.rope.scaling.factor": 4.0})))
+    scaled = ModelConfig.from_gguf(read_gguf(broken("scaled", set_keys={"llama.rope.scaling.factor": 4.0})))
     assert scaled.rope_freq_scale == 0.25
-    old = LlamaConfig.from_gguf(read_gguf(broken("oldscale", set_keys={"llama.rope.scale_linear": 2.0})))
+    old = ModelConfig.from_gguf(read_gguf(broken("oldscale", set_keys={"llama.rope.scale_linear": 2.0})))
     assert old.rope_freq_scale == 0.5
-    unscaled = LlamaConfig.from_gguf(read_gguf(broken("none", set_keys={"llama.rope.scaling.type": "none",
+    unscaled = ModelConfig.from_gguf(read_gguf(broken("none", set_keys={"llama.rope.scaling.type": "none",
                                                                           "llama.rope.scaling.factor": 4.0})))
     assert unscaled.rope_freq_scale == 1.0  # as llama.cpp: type none never scales
     with pytest.raises(Unsupported, match="'longrope' is not supported"):
-        LlamaConfig.from_gguf(read_gguf(broken("longrope", set_keys={"llama.rope.scaling.type": "longrope"})))
+        ModelConfig.from_gguf(read_gguf(broken("longrope", set_keys={"llama.rope.scaling.type": "longrope"})))
 
 
 def test_inconsistent_hyperparameters_are_rejected(broken: Callable[..., Path]) -> None:
     with pytest.raises(BadGGUF, match="divisible"):
-        LlamaConfig.from_gguf(read_gguf(broken("heads", set_keys={"llama.attention.head_count": 7})))
+        ModelConfig.from_gguf(read_gguf(broken("heads", set_keys={"llama.attention.head_count": 7})))
     with pytest.raises(BadGGUF, match="'llama.block_count' is 0; a model has at least 1"):
-        LlamaConfig.from_gguf(read_gguf(broken("zero", set_keys={"llama.block_count": 0})))
+        ModelConfig.from_gguf(read_gguf(broken("zero", set_keys={"llama.block_count": 0})))
 
 
 def test_loading_runs_no_random_init(stories260k: Path) -> None:

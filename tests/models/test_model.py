@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from ggtorch.io.gguf import read_gguf
-from ggtorch.models.config import LlamaConfig
+from ggtorch.models.config import ModelConfig
 from ggtorch.models.loader import build_model
-from ggtorch.models.model import Llama
+from ggtorch.models.model import Transformer
 from tests.llama_models import llama_cpp_logits, open_llama_cpp, rewrite_gguf
 
 N_TOKENS = 48
@@ -44,7 +44,7 @@ TOLERANCE |= {ftype: 0.6 for ftype in QUANTIZED}
 
 def torch_logits(path: Path, tokens: list[int], dtype: torch.dtype = torch.float32) -> np.ndarray:
     f = read_gguf(path)
-    model = build_model(f, LlamaConfig.from_gguf(f), dtype=dtype)
+    model = build_model(f, ModelConfig.from_gguf(f), dtype=dtype)
     with torch.no_grad():
         return model(torch.tensor([tokens]))[0].float().numpy()
 
@@ -110,7 +110,7 @@ def test_rope_freq_factors_equal_llama_cpp(random_llama: Callable[..., Path], tm
     assert np.abs(torch_logits(base, tokens) - ours).max() > 0.1  # the factors matter
 
 
-def full_and_cached_logits(model: Llama, tokens: list[int], prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+def full_and_cached_logits(model: Transformer, tokens: list[int], prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of one full forward, and through a KV cache: the prefix, a 5-token chunk, then one at a time."""
     x = torch.tensor([tokens])
     with torch.no_grad():
@@ -126,7 +126,7 @@ def test_kv_cache_equals_full_forward(which: str, request: pytest.FixtureRequest
     fixture = request.getfixturevalue(which)
     path = fixture if which == "stories260k" else fixture("F32")
     f = read_gguf(path)
-    model = build_model(f, LlamaConfig.from_gguf(f))
+    model = build_model(f, ModelConfig.from_gguf(f))
     tokens = random_tokens(model.config.n_vocab, 40, seed=3)
     full, cached = full_and_cached_logits(model, tokens, prefix=7)
     torch.testing.assert_close(cached, full, rtol=0, atol=1e-4)
@@ -135,7 +135,7 @@ def test_kv_cache_equals_full_forward(which: str, request: pytest.FixtureRequest
 def test_rope_depends_on_relative_position_only(stories260k: Path) -> None:
     """Rope makes q.k a function of the position difference: shifting every position keeps the logits."""
     f = read_gguf(stories260k)
-    model = build_model(f, LlamaConfig.from_gguf(f))
+    model = build_model(f, ModelConfig.from_gguf(f))
     tokens = torch.tensor([random_tokens(512, 12, seed=4)])
     with torch.no_grad():
         at0, at300 = model(tokens), model(tokens, start_pos=300)
@@ -144,7 +144,7 @@ def test_rope_depends_on_relative_position_only(stories260k: Path) -> None:
 
 def test_batch_rows_are_independent(stories260k: Path) -> None:
     f = read_gguf(stories260k)
-    model = build_model(f, LlamaConfig.from_gguf(f))
+    model = build_model(f, ModelConfig.from_gguf(f))
     a, b = random_tokens(512, 16, seed=6), random_tokens(512, 16, seed=7)
     with torch.no_grad():
         both = model(torch.tensor([a, b]))
@@ -152,8 +152,8 @@ def test_batch_rows_are_independent(stories260k: Path) -> None:
 
 
 def test_config_built_model_runs_and_ties_output() -> None:
-    config = LlamaConfig(n_vocab=50, n_embd=32, n_layer=2, n_head=4, n_head_kv=2, n_ff=64, n_ctx_train=32,
+    config = ModelConfig(n_vocab=50, n_embd=32, n_layer=2, n_head=4, n_head_kv=2, n_ff=64, n_ctx_train=32,
                          tied_output=True)
-    model = Llama(config)
+    model = Transformer(config)
     assert model.output.weight is model.tok_embd.weight
     assert model(torch.zeros(2, 5, dtype=torch.long)).shape == (2, 5, 50)

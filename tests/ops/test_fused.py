@@ -208,10 +208,10 @@ def test_recomputed_outputs_give_bit_identical_gradients_and_are_not_kept(monkey
     must not notice."""
     from ggtorch.lora import LoraConfig, attach_lora
     from ggtorch.models import model as llama
-    from ggtorch.models.config import LlamaConfig
+    from ggtorch.models.config import ModelConfig
 
     torch.manual_seed(0)
-    model = llama.Llama(LlamaConfig(n_vocab=64, n_embd=32, n_layer=2, n_head=4, n_head_kv=2, n_ff=48,
+    model = llama.Transformer(ModelConfig(n_vocab=64, n_embd=32, n_layer=2, n_head=4, n_head_kv=2, n_ff=48,
                                     n_ctx_train=16))
     for p in model.parameters():
         p.requires_grad_(False)

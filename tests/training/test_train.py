@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 
 from ggtorch.io.gguf import read_gguf
 from ggtorch.models import names
-from ggtorch.models.config import LlamaConfig
+from ggtorch.models.config import ModelConfig
 from ggtorch.models.init import init_tensors
 from ggtorch.training.config import TrainConfig
 from ggtorch.training.trainer import Trainer
@@ -37,7 +37,7 @@ def test_new_model_init_is_train_text_from_scratch(spm_vocab: Path, tmp_path: Pa
     """randomize_model's stream: one mt19937 + normal_distribution<float>, clamped to [-1, 1], in its tensor order."""
     if shutil.which("g++") is None:
         pytest.skip("g++ (libstdc++) is needed for the reference stream")
-    config = LlamaConfig(n_vocab=40, n_embd=8, n_layer=2, n_head=2, n_head_kv=1, n_ff=12, n_ctx_train=16)
+    config = ModelConfig(n_vocab=40, n_embd=8, n_layer=2, n_head=2, n_head_kv=1, n_ff=12, n_ctx_train=16)
     tensors = init_tensors(config, seed=77)
     order = ["token_embd", "output_norm", "output"]
     per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_down",
@@ -60,7 +60,7 @@ def test_new_model_init_is_train_text_from_scratch(spm_vocab: Path, tmp_path: Pa
 
 def test_scaled_init_is_gpt2s() -> None:
     """--init scaled: normal(0, 0.02) matrices, residual projections / sqrt(2 n_layer), norms 1."""
-    config = LlamaConfig(n_vocab=512, n_embd=256, n_layer=8, n_head=4, n_head_kv=4, n_ff=512, n_ctx_train=16)
+    config = ModelConfig(n_vocab=512, n_embd=256, n_layer=8, n_head=4, n_head_kv=4, n_ff=512, n_ctx_train=16)
     tensors = init_tensors(config, seed=3, init="scaled")
     assert set(tensors) == set(init_tensors(config, seed=3))  # the same tensors as the ggml init
     for name, t in tensors.items():
@@ -178,7 +178,7 @@ def test_log_records_full_training(stories260k: Path, texts: dict[str, Path], tm
                      "-n", "2", "--checkpoint-in", ""], tmp_path)
     assert code == 0, out
     start = json.loads((tmp_path / "checkpoint-log.jsonl").read_text().splitlines()[0])
-    config = LlamaConfig(n_vocab=512, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128)
+    config = ModelConfig(n_vocab=512, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128)
     n = 2 * 512 * 64 + 64 + 2 * (2 * 64 + 2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128)
     assert start["trainable_parameters"] == n, config
     assert read_gguf(tmp_path / "checkpoint-LATEST.gguf").get("training.mode") == "full"
