@@ -241,8 +241,8 @@ class _SlabCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, targets: torch.Tensor, n_vocab: int,  # type: ignore[override]
-                slab: Callable[[int, int], torch.Tensor], rows_of: Callable[[torch.Tensor], torch.Tensor]
-                ) -> torch.Tensor:
+                slab: Callable[[int, int], torch.Tensor], rows_of: Callable[[torch.Tensor], torch.Tensor],
+                multiplier: float = 1.0, cap: float = 0.0) -> torch.Tensor:
         n, c = x.shape
         f32 = torch.float32
         need_grad = ctx.needs_input_grad[0]
@@ -264,6 +264,9 @@ class _SlabCrossEntropy(torch.autograd.Function):
                 for r0 in range(0, n, rows):
                     r = slice(r0, min(r0 + rows, n))
                     logits = mm_t(xc[r], w)  # (rows, width) in the compute dtype
+                    slope = None
+                    if multiplier != 1.0 or cap:
+                        logits, slope = _mapped_logits(logits, multiplier, cap)
                     if fused.softmax_slab_takes(logits):  # one pass in C, the exponentials over the logits
                         moved = fused.softmax_slab_(logits, safe[r], v0, run_max[r], run_sum[r], picked[r],
                                                     rescale[r])
@@ -283,6 +286,8 @@ class _SlabCrossEntropy(torch.autograd.Function):
                     if acc is not None:
                         if moved:
                             acc[r].mul_(rescale[r, None])  # a view: acc itself
+                        if slope is not None:  # d z / d logit: the chain rule through the head's map
+                            e = (e.float() * slope).to(w.dtype)
                         if w.dtype == f32:
                             add_mm_(acc[r], e, w)
                         else:
@@ -290,7 +295,10 @@ class _SlabCrossEntropy(torch.autograd.Function):
             losses = (run_max + torch.log(run_sum) - picked) * valid
             grad_x = None
             if acc is not None:
-                grad_x = acc.div_(run_sum[:, None]).sub_(rows_of(safe).float()).mul_(valid[:, None])
+                target_rows = rows_of(safe).float()
+                if multiplier != 1.0 or cap:  # the target logit's slope
+                    target_rows.mul_(_slope(picked, multiplier, cap)[:, None])
+                grad_x = acc.div_(run_sum[:, None]).sub_(target_rows).mul_(valid[:, None])
         ctx.save_for_backward(grad_x)
         ctx.x_dtype = x.dtype
         return losses.sum()
@@ -299,7 +307,25 @@ class _SlabCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         (grad_x,) = ctx.saved_tensors
         gx = (grad_x * grad_out.float()).to(ctx.x_dtype) if grad_x is not None and ctx.needs_input_grad[0] else None
-        return gx, None, None, None, None
+        return gx, None, None, None, None, None, None
+
+
+def _mapped_logits(logits: torch.Tensor, multiplier: float, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's map of a slab of logits, in f32 and in the order ``Transformer.head`` takes (granite's scale, then
+    gemma's cap·tanh(l / cap)), and its slope d z / d logit per element."""
+    z = logits.float()
+    if multiplier != 1.0:
+        z = z.mul_(multiplier)
+    if not cap:
+        return z, torch.full_like(z[:1, :1], multiplier)
+    z = z.div_(cap).tanh_()
+    slope = (1 - z * z).mul_(multiplier)
+    return z.mul_(cap), slope
+
+
+def _slope(z: torch.Tensor, multiplier: float, cap: float) -> torch.Tensor:
+    """d z / d logit at mapped values ``z`` (what :func:`_mapped_logits` gives for one element)."""
+    return (1 - (z / cap) ** 2) * multiplier if cap else torch.full_like(z, multiplier)
 
 
 def _output_parts(output: torch.nn.Module, x: torch.Tensor
@@ -350,7 +376,7 @@ def output_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets:
 
     ``output`` is the model's output projection (``nn.Linear``, ``QuantLinear``, or a
     ``LoRALinear`` around either); ``hidden`` (..., C) the normed hidden states
-    (``Llama.forward(..., hidden_only=True)``). Call it under the same autocast as the model.
+    (``Transformer.forward(..., hidden_only=True)``). Call it under the same autocast as the model.
     Other modules, and LoRA with dropout, go through ``output(hidden)`` and :func:`cross_entropy`.
     """
     x = hidden.reshape(-1, hidden.shape[-1])
@@ -404,7 +430,16 @@ def head_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
 def model_cross_entropy(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
                         reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
     """The loss of a Transformer's normed hidden states: the fused output loss when its logits are the
-    output projection alone, else its head a chunk of tokens at a time."""
+    output projection alone or an elementwise map of it (a scale, a soft-cap) over a frozen output; else its head a
+    chunk of tokens at a time."""
     if model.plain_head:
         return output_cross_entropy(model.output, hidden, targets, reduction)
+    mapped = model.head_map
+    if mapped is not None and not has_forward_hooks(model.output):
+        x = hidden.reshape(-1, hidden.shape[-1])
+        slabs = _weight_slabs(model.output, x)
+        if slabs is not None:
+            t = targets.reshape(-1)
+            total = _SlabCrossEntropy.apply(x, t, *slabs, *mapped)
+            return total if reduction == "sum" else total / (t != IGNORE_INDEX).sum()
     return head_cross_entropy(model.head, hidden, targets, model.config.n_vocab, reduction)

@@ -278,3 +278,59 @@ def test_a_head_of_more_than_one_projection_takes_the_estimated_rows_per_chunk(n
     (expected_grad,) = torch.autograd.grad(expected, hidden)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_grad, expected_grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["linear", "quant"])
+@pytest.mark.parametrize(("multiplier", "cap"), [(1.0, 30.0), (0.125, 0.0), (0.5, 4.0)],
+                         ids=["gemma soft-cap", "granite scale", "both"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_mapped_head_takes_the_vocabulary_a_slab_at_a_time(kind: str, multiplier: float, cap: float,
+                                                            autocast: bool, cpu_policy) -> None:
+    """A frozen output under the head's elementwise map (gemma's final soft-cap, granite's logit scale): the slab
+    loss, with the map's slope in the gradient, equals the loss of the whole mapped logits written out (float64)."""
+    from ggtorch.models.attention import softcap
+
+    cpu_policy(slab_rows=16, slab_bytes=7 * 4 * N_VOCAB)
+    output = _output(kind, lora=False)
+    g = torch.Generator().manual_seed(4)
+    hidden = (torch.randn(3, 30, N_EMBD, generator=g) * 3).requires_grad_()
+    targets = torch.randint(0, N_VOCAB, (3, 30), generator=g)
+    targets[1, :5] = -100
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx:
+        x = hidden.reshape(-1, N_EMBD)
+        ours = loss_mod._SlabCrossEntropy.apply(x, targets.reshape(-1), *loss_mod._weight_slabs(output, x),
+                                                multiplier, cap)
+    (ours_grad,) = torch.autograd.grad(ours, hidden)
+    weight = output.weight if kind == "linear" else output.dequantized_weight(torch.float32)
+    h64 = hidden.detach().double().requires_grad_()
+    logits = (h64 @ weight.double().T) * multiplier
+    logits = softcap(logits, cap) if cap else logits
+    ref = F.cross_entropy(logits.reshape(-1, N_VOCAB), targets.reshape(-1), reduction="sum")
+    (ref_grad,) = torch.autograd.grad(ref, h64)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(ours.double(), ref, **tol)
+    torch.testing.assert_close(ours_grad.double(), ref_grad, **tol)
+    assert torch.all(ours_grad[1, :5] == 0)
+
+
+def test_a_soft_capped_model_trains_its_loss_through_the_slabs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gemma's head (a soft-cap over a frozen output) takes the slab loss, not a chunk of whole logit rows, and its
+    loss and gradient equal the head's logits written out."""
+    from ggtorch.models.config import ModelConfig
+    from ggtorch.models.model import Transformer
+    from ggtorch.training.loss import model_cross_entropy
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(n_vocab=300, n_embd=32, n_layer=1, n_head=2, n_head_kv=1, n_ff=48,
+                                    n_ctx_train=32, final_softcap=5.0))
+    model.requires_grad_(False)
+    monkeypatch.setattr(loss_mod, "head_cross_entropy", lambda *a, **k: pytest.fail("took the whole-row path"))
+    hidden = torch.randn(2, 10, 32, requires_grad=True)
+    targets = torch.randint(0, 300, (2, 10))
+    ours = model_cross_entropy(model, hidden, targets)
+    (ours_grad,) = torch.autograd.grad(ours, hidden)
+    ref = F.cross_entropy(model.head(hidden).reshape(-1, 300), targets.reshape(-1))
+    (ref_grad,) = torch.autograd.grad(ref, hidden)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours_grad, ref_grad, rtol=1e-5, atol=1e-7)
