@@ -363,6 +363,8 @@ class RecordEncoder:
             return split_at_spans(*self.chat_render(example))
         if example.format == "prompt-response":
             return [(default_prompt(example), False), (example.response, True)]
+        if example.format == "completion":  # a preference record's text form: the prompt as written
+            return [(example.instruction, False), (example.response, True)]
         return [(example.text, True)]
 
     def _encode_chat(self, example: Example) -> tuple[list[int], np.ndarray]:

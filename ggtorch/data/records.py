@@ -41,7 +41,8 @@ class Example:
 
     chat: ``messages`` is a tuple of ``(role, content)`` and ``fields`` holds each message's
     other keys (e.g. ``reasoning_content``), which the chat template sees too; prompt-response:
-    ``instruction``, ``input`` (may be empty) and ``response``; text: ``text``.
+    ``instruction``, ``input`` (may be empty) and ``response``; text: ``text``; completion (a preference
+    record's text form, ``data.preference``): ``instruction`` written as it is, then ``response``.
     """
 
     format: str

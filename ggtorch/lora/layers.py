@@ -42,10 +42,18 @@ class _LoRA(nn.Module):
         self.lora_a = nn.Parameter(torch.zeros(*a_shape, device=device))
         self.lora_b = nn.Parameter(torch.zeros(*b_shape, device=device))
         self.merged = False
+        self.enabled = True
+        """False: the layer is its base alone, its pair kept but not computed (a preference run's reference
+        model: ``training.preference.adapters_off``)."""
         self.gguf_name: str | None = None
         """The base tensor's GGUF name (``blk.0.attn_q.weight``), set by attach_lora."""
         self._unmerged_base: nn.Module | None = None
         self._unmerged_weight: nn.Parameter | None = None
+
+    @property
+    def passes_through(self) -> bool:
+        """Whether the forward is the base's alone: merged into it, or switched off."""
+        return self.merged or not self.enabled
 
     def delta_weight(self) -> torch.Tensor:
         """s·ΔW in the base weight's orientation, f32."""
@@ -104,7 +112,7 @@ class LoRALinear(_LoRA):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.merged:
+        if self.passes_through:
             return self.base(x)
         together = LoRALinear.forward_group((self,), x)
         if together is not None:
@@ -137,7 +145,7 @@ class LoRALinear(_LoRA):
         """The frozen base's products when this layer's forward on x is the one-node product in ``dtype``; None
         when it is not: merged, dropout in training, a base that trains, or a half-precision base without
         autocast (whose delta stays in f32)."""
-        if self.merged or (self.training and self.dropout_p > 0):
+        if self.passes_through or (self.training and self.dropout_p > 0):
             return None
         products = _frozen_products(self.base, dtype)
         if products is None or not (dtype == self.lora_a.dtype or torch.is_autocast_enabled(x.device.type)):
@@ -152,7 +160,7 @@ class LoRALinear(_LoRA):
         """``(base, lora_a, lora_b, scale)`` for code that computes ``base(x) + scale·(x @ A.T) @ B.T``
         itself (the fused output loss); None when this layer's forward is not that: merged, or with
         dropout on its input."""
-        if self.merged or self.dropout_p > 0:
+        if self.passes_through or self.dropout_p > 0:
             return None
         return self.base, self.lora_a, self.lora_b, float(self.scale)
 
@@ -178,7 +186,7 @@ class LoRAExperts(_LoRA):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        if self.merged:
+        if self.passes_through:
             return self.base(x, counts)
         dtype = compute_dtype(x)
         a, b = self.lora_a.unbind(0), self.lora_b.unbind(0)
@@ -218,7 +226,7 @@ class LoRAEmbedding(_LoRA):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         y = self.base(ids)
-        if self.merged:
+        if self.passes_through:
             return y
         h = F.embedding(ids, self.lora_a)  # (..., r)
         return y + (F.linear(h, self.lora_b) * self.scale).to(y.dtype)
@@ -236,7 +244,7 @@ class LoRANorm(_LoRA):
         super().__init__(base, rank, None, (rank, n_embd), (1, rank))  # scale 1, as the old finetune trained
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.merged:
+        if self.passes_through:
             return self.base(x)
         gain = self.base.weight.float() + self.delta_weight()
         return functional_call(self.base, {"weight": gain}, (x,))

@@ -381,6 +381,8 @@ def output_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets:
     """
     x = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
+    if isinstance(output, LoRALinear) and output.passes_through and not has_forward_hooks(output):
+        output = output.base  # merged or switched off: the frozen projection's slab path
     slabs = parts = None
     if not has_forward_hooks(output):  # a hook expects to see the module's call and its logits
         slabs = _weight_slabs(output, x)
