@@ -53,7 +53,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     gemma's cap·tanh(q·k / cap) before the scale (no family has both).
     """
     flex = policy.current(q.device).flex_attention
-    if flex and _training_self_attention(q, k):
+    if flex and _training_self_attention(q, k, v):
         return flex_attention.attention(q, k, v, scale=scale, causal=causal, mask=mask, softcap=softcap, sinks=sinks,
                                         compiled=flex == "compiled")
     if softcap:
@@ -124,10 +124,12 @@ def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return (torch.softmax(scores, dim=-1).to(v.dtype) @ v).to(q.dtype)
 
 
-def _training_self_attention(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """A training step's attention (a backward follows, queries and keys the same tokens): one compiled kernel per
-    shape serves every step; generation's growing caches keep SDPA."""
-    return q.shape[2] == k.shape[2] and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+def _training_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """A training step's attention (a backward follows, queries and keys the same tokens), what the written-out
+    and FlexAttention paths take: one kernel per shape serves every step; inference and generation's growing caches
+    keep flash."""
+    return (q.shape[2] == k.shape[2] and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
 def _is_causal(mask: torch.Tensor, T: int) -> bool:
@@ -160,10 +162,8 @@ def _blocks(T: int) -> list[tuple[int, int]]:
 def _as_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> bool:
     """Training (a backward will follow) on CPU, self-attention over a short sequence, causal or a
     boolean mask; inference and KV-cache calls keep flash."""
-    T, S = q.shape[2], k.shape[2]
-    return (T == S and T <= products_max_tokens(q.dtype, q.device)
-            and k.dtype == v.dtype == q.dtype and (causal or (mask is not None and mask.dtype == torch.bool))
-            and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    return (_training_self_attention(q, k, v) and q.shape[2] <= products_max_tokens(q.dtype, q.device)
+            and k.dtype == v.dtype == q.dtype and (causal or (mask is not None and mask.dtype == torch.bool)))
 
 
 def _key_ends(allowed: torch.Tensor, T: int) -> list[int]:

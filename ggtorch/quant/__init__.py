@@ -172,8 +172,9 @@ def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[
         return torch.empty(shape, dtype=dtype, device=raw.device) if out is None else out.view(shape)
     n_blocks = n_values // bs
     blocks = raw.reshape(n_blocks, ts)
-    step = max(1, policy.current(raw.device).decode_step_values // bs)
-    if policy.current(raw.device).compiled_dequantize and bs > 1:
+    device_policy = policy.current(raw.device)
+    step = max(1, device_policy.decode_step_values // bs)
+    if device_policy.compiled_dequantize and bs > 1:
         fn = compiled_decoder(qtype, raw.device)
     if native.decodes(blocks, qtype):
         result = torch.empty(shape, dtype=dtype) if out is None else out

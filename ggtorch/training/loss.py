@@ -379,25 +379,42 @@ def output_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets:
     (``Transformer.forward(..., hidden_only=True)``). Call it under the same autocast as the model.
     Other modules, and LoRA with dropout, go through ``output(hidden)`` and :func:`cross_entropy`.
     """
+    slab_loss = _slab_cross_entropy(output, hidden, targets, reduction)
+    if slab_loss is not None:
+        return slab_loss
     x = hidden.reshape(-1, hidden.shape[-1])
+    parts = None if has_forward_hooks(output) else _output_parts(output, x)
+    if parts is None:
+        return cross_entropy(output(hidden).float(), targets, reduction)
+    weight, lora_a, lora_b, scale = parts
     t = targets.reshape(-1)
+    return _reduced(_LinearCrossEntropy.apply(x, lora_a, lora_b, weight, t, scale), t, reduction)
+
+
+def _slab_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                        reduction: Literal["mean", "sum"], head_map: tuple[float, float] = (1.0, 0.0)
+                        ) -> torch.Tensor | None:
+    """The loss over ``output``'s vocabulary a slab at a time (:class:`_SlabCrossEntropy`), the logits mapped by
+    ``head_map`` (multiplier, cap); None where the output is not a frozen projection (a LoRA that computes, a
+    forward hook that expects to see the module's call and its logits)."""
     if isinstance(output, LoRALinear) and output.passes_through and not has_forward_hooks(output):
         output = output.base  # merged or switched off: the frozen projection's slab path
-    slabs = parts = None
-    if not has_forward_hooks(output):  # a hook expects to see the module's call and its logits
-        slabs = _weight_slabs(output, x)
-        parts = None if slabs is not None else _output_parts(output, x)
-    if slabs is not None:
-        total = _SlabCrossEntropy.apply(x, t, *slabs)
-    elif parts is not None:
-        weight, lora_a, lora_b, scale = parts
-        total = _LinearCrossEntropy.apply(x, lora_a, lora_b, weight, t, scale)
-    else:
-        return cross_entropy(output(hidden).float(), targets, reduction)
+    if has_forward_hooks(output):
+        return None
+    x = hidden.reshape(-1, hidden.shape[-1])
+    slabs = _weight_slabs(output, x)
+    if slabs is None:
+        return None
+    t = targets.reshape(-1)
+    return _reduced(_SlabCrossEntropy.apply(x, t, *slabs, *head_map), t, reduction)
+
+
+def _reduced(total: torch.Tensor, targets: torch.Tensor, reduction: Literal["mean", "sum"]) -> torch.Tensor:
+    """A summed loss as ``reduction`` asks: itself, or over the counted targets."""
     if reduction == "sum":
         return total
     if reduction == "mean":
-        return total / (t != IGNORE_INDEX).sum()
+        return total / (targets != IGNORE_INDEX).sum()
     raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
 
 
@@ -422,11 +439,7 @@ def head_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
             total = total + checkpoint(chunk_loss, x[r0:r1], t[r0:r1])
         else:
             total = total + chunk_loss(x[r0:r1], t[r0:r1])
-    if reduction == "sum":
-        return total
-    if reduction == "mean":
-        return total / (t != IGNORE_INDEX).sum()
-    raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    return _reduced(total, t, reduction)
 
 
 def model_cross_entropy(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
@@ -437,11 +450,7 @@ def model_cross_entropy(model: torch.nn.Module, hidden: torch.Tensor, targets: t
     if model.plain_head:
         return output_cross_entropy(model.output, hidden, targets, reduction)
     mapped = model.head_map
-    if mapped is not None and not has_forward_hooks(model.output):
-        x = hidden.reshape(-1, hidden.shape[-1])
-        slabs = _weight_slabs(model.output, x)
-        if slabs is not None:
-            t = targets.reshape(-1)
-            total = _SlabCrossEntropy.apply(x, t, *slabs, *mapped)
-            return total if reduction == "sum" else total / (t != IGNORE_INDEX).sum()
+    slab_loss = None if mapped is None else _slab_cross_entropy(model.output, hidden, targets, reduction, mapped)
+    if slab_loss is not None:
+        return slab_loss
     return head_cross_entropy(model.head, hidden, targets, model.config.n_vocab, reduction)

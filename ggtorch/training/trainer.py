@@ -348,12 +348,9 @@ class Trainer:
         self.counters["tokens"] += used * c.ctx
         seconds = time.perf_counter() - t0
         remaining = self._target_iteration - self.iteration
-        result = StepResult(
-            iteration=self.iteration, loss=loss_value, sched=sched, lr=lr,
-            samples=min(self.data.next_sample + 1, self.data.n_samples), n_samples=self.data.n_samples,
-            epoch=self.data.epoch, tokens=self.counters["tokens"], seconds=seconds,
-            tokens_per_second=used * c.ctx / seconds if seconds > 0 else 0.0,
-            eta_seconds=self._smoothed_seconds(seconds) * remaining)
+        result = self._result(loss_value, sched, lr, seconds,
+                              tokens_per_second=used * c.ctx / seconds if seconds > 0 else 0.0,
+                              eta_seconds=self._smoothed_seconds(seconds) * remaining)
         self.history.append(result)
         self.log.write("iter", **asdict(result))
         self._notify("on_step", result)
@@ -376,10 +373,13 @@ class Trainer:
         self.skipped_steps += 1
         self.log.write("skip", iteration=self.iteration + 1, reason="f16 gradients overflowed",
                        loss_scale=self.run.scaler.get_scale(), skipped_steps=self.skipped_steps)
+        return self._result(loss, sched, lr, seconds, tokens_per_second=0.0, eta_seconds=0.0, skipped=True)
+
+    def _result(self, loss: float, sched: float, lr: float, seconds: float, **rest: Any) -> StepResult:
+        """The StepResult of the step just run, where the run and its data stand now."""
         return StepResult(iteration=self.iteration, loss=loss, sched=sched, lr=lr,
                           samples=min(self.data.next_sample + 1, self.data.n_samples), n_samples=self.data.n_samples,
-                          epoch=self.data.epoch, tokens=self.counters["tokens"], seconds=seconds,
-                          tokens_per_second=0.0, eta_seconds=0.0, skipped=True)
+                          epoch=self.data.epoch, tokens=self.counters["tokens"], seconds=seconds, **rest)
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor, count: int) -> torch.Tensor:
         """Mean cross-entropy of the counted targets, from the model's normed hidden states."""
