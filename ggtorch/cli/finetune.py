@@ -25,6 +25,7 @@ from ggtorch.training.config import (
     OPTIMIZER,
     OUTPUTS,
     OVERRIDES,
+    PREFERENCE,
     RECORDS,
     SAMPLES,
     TRAINING,
@@ -35,7 +36,7 @@ from ggtorch.training.config import (
 from ggtorch.training.distributed import env_rank
 from ggtorch.training.trainer import Callback, Interrupted, StepResult, Trainer
 
-GROUPS = (FILES, RECORDS, OUTPUTS, TRAINING, LORA, OPTIMIZER, SAMPLES, OVERRIDES)
+GROUPS = (FILES, RECORDS, PREFERENCE, OUTPUTS, TRAINING, LORA, OPTIMIZER, SAMPLES, OVERRIDES)
 """``finetune --help``'s headings, in order."""
 
 

@@ -31,6 +31,7 @@ from ggtorch.data.packing import (
     group_rows,
     load_records,
 )
+from ggtorch.data.preference import PreferenceData, PreferencePair, encode_pairs, pair_examples
 from ggtorch.data.records import (
     FORMATS,
     Example,
@@ -54,9 +55,9 @@ from ggtorch.data.stream import DataState, TrainingData, eval_batches, eval_wind
 from ggtorch.data.text import check_utf8, process_escapes, read_text_file
 
 __all__ = ["FORMATS", "IGNORE_INDEX", "PROMPT_TEMPLATE", "PROMPT_TEMPLATE_WITH_INPUT", "Batch", "ChatTemplate",
-           "DataOptions", "DataState", "DataStream", "Encoded", "Example", "HeldOutSource", "Record", "RecordData",
-           "RecordEncoder", "RecordOptions", "Samples", "Shuffled", "TokenizerLike", "TrainingData", "Vocab",
-           "build_batch", "check_utf8", "collate", "detect_format", "eval_batches", "eval_windows", "fit_to_context",
-           "group_rows", "is_record_source", "load_records", "make_samples", "process_escapes", "read_records",
-           "read_text_file", "records_from_dicts", "resolve_seed", "samples_hash", "shuffle_samples",
-           "stream_samples"]
+           "DataOptions", "DataState", "DataStream", "Encoded", "Example", "HeldOutSource", "PreferenceData",
+           "PreferencePair", "Record", "RecordData", "RecordEncoder", "RecordOptions", "Samples", "Shuffled",
+           "TokenizerLike", "TrainingData", "Vocab", "build_batch", "check_utf8", "collate", "detect_format",
+           "encode_pairs", "eval_batches", "eval_windows", "fit_to_context", "group_rows", "is_record_source",
+           "load_records", "make_samples", "pair_examples", "process_escapes", "read_records", "read_text_file",
+           "records_from_dicts", "resolve_seed", "samples_hash", "shuffle_samples", "stream_samples"]

@@ -32,18 +32,28 @@ class Batch:
     """The next token of each input position, or IGNORE_INDEX where nothing is trained."""
     positions: torch.Tensor | None = None
     segments: torch.Tensor | None = None
+    answers: torch.Tensor | None = None
+    """Preference batches only: which answer each target belongs to (pair p's chosen answer 2p, its rejected one
+    2p + 1; -1 for no answer), so that each answer's log-probability is summed over its tokens wherever the
+    answer's pieces sit."""
 
     @property
     def n_counted(self) -> int:
         """Targets that count in the loss."""
         return int((self.targets != IGNORE_INDEX).sum())
 
+    @property
+    def n_pairs(self) -> int:
+        """Preference pairs in the batch (0 for other batches)."""
+        return 0 if self.answers is None else (int(self.answers.max()) + 2) // 2
+
     def to(self, device: torch.device) -> Batch:
         """The same batch on ``device``."""
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
 
-        return Batch(self.inputs.to(device), self.targets.to(device), move(self.positions), move(self.segments))
+        return Batch(self.inputs.to(device), self.targets.to(device), move(self.positions), move(self.segments),
+                     move(self.answers))
 
 
 HeldOutSource = str | os.PathLike[str] | Sequence[Mapping[str, Any]]

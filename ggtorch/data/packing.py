@@ -99,15 +99,18 @@ def fit_to_context(encoded: Sequence[Encoded], n_ctx: int, long_records: str) ->
     return pieces, counts
 
 
-def collate(rows: Sequence[Sequence[Encoded]], n_ctx: int, pad_id: int, pack: bool) -> Batch:
+def collate(rows: Sequence[Sequence[Encoded]], n_ctx: int, pad_id: int, pack: bool,
+            answer_ids: Sequence[Sequence[int]] | None = None) -> Batch:
     """Rows of pieces -> a batch; padding positions get target -100 (and their own segment).
 
-    Packed rows carry positions and segments; padded rows (one piece each) need neither."""
+    Packed rows carry positions and segments; padded rows (one piece each) need neither. ``answer_ids`` (preference
+    batches), one per piece in the same shape as ``rows``: the answer each piece's targets belong to."""
     n = len(rows)
     inputs = np.full((n, n_ctx), pad_id, dtype=np.int64)
     targets = np.full((n, n_ctx), IGNORE_INDEX, dtype=np.int64)
     positions = np.zeros((n, n_ctx), dtype=np.int64)
     segments = np.full((n, n_ctx), -1, dtype=np.int64)
+    answers = np.full((n, n_ctx), -1, dtype=np.int64)
     for r, row in enumerate(rows):
         at = 0
         for s, piece in enumerate(row):
@@ -116,12 +119,15 @@ def collate(rows: Sequence[Sequence[Encoded]], n_ctx: int, pad_id: int, pack: bo
             targets[r, at:at + m] = np.where(piece.trained[1:], piece.tokens[1:], IGNORE_INDEX)
             positions[r, at:at + m] = np.arange(m)
             segments[r, at:at + m] = s
+            if answer_ids is not None:
+                answers[r, at:at + m] = np.where(piece.trained[1:], answer_ids[r][s], -1)
             at += m
         positions[r, at:] = np.arange(n_ctx - at)
+    answers_t = torch.from_numpy(answers) if answer_ids is not None else None
     if not pack:
-        return Batch(torch.from_numpy(inputs), torch.from_numpy(targets))
+        return Batch(torch.from_numpy(inputs), torch.from_numpy(targets), answers=answers_t)
     return Batch(torch.from_numpy(inputs), torch.from_numpy(targets), torch.from_numpy(positions),
-                 torch.from_numpy(segments))
+                 torch.from_numpy(segments), answers_t)
 
 
 def group_rows(pieces: Sequence[Encoded], n_ctx: int, pack: bool) -> list[list[Encoded]]:
@@ -171,6 +177,13 @@ def read_template_file(path: str | os.PathLike[str]) -> str:
         raise BadFlag(f"--chat-template {p}: cannot be read as UTF-8 text ({e})") from None
 
 
+def chat_template(options: RecordOptions, model_template: str | None) -> tuple[str | None, str]:
+    """The chat template records are rendered with (--chat-template's file, else the model's) and its name."""
+    if options.chat_template:
+        return read_template_file(options.chat_template), f"chat template {options.chat_template}"
+    return model_template, "model's chat template (tokenizer.chat_template)"
+
+
 class RecordData:
     """A record dataset as the trainer's :class:`~ggtorch.data.batch.DataStream`.
 
@@ -185,9 +198,7 @@ class RecordData:
         self.n_ctx = n_ctx
         self.seed = resolve_seed(seed)
         self.name = name
-        template, template_name = model_template, "model's chat template (tokenizer.chat_template)"
-        if o.chat_template:
-            template, template_name = read_template_file(o.chat_template), f"chat template {o.chat_template}"
+        template, template_name = chat_template(o, model_template)
         self.format = detect_format(list(records), o.data_format, name)
         self.encoder = RecordEncoder(tokenizer, template, o.train_on_prompt, template_name)
         self.pad_id = max(tokenizer.eos_id, 0)

@@ -135,6 +135,9 @@ def detect_format(records: list[Record], forced: str = "auto", name: str = "--tr
     if forced != "auto":
         return forced
     keys = set(records[0].data)
+    if {"chosen", "rejected"} <= keys:
+        raise BadData(f"{name} {records[0].where}: a preference record ('chosen' and 'rejected' answers); train on "
+                      "preference records with --objective dpo, ipo or orpo (docs/preference.md)")
     if "messages" in keys:
         return "chat"
     if keys & {"prompt", "response", "instruction", "output"}:  # a missing partner is reported by to_example

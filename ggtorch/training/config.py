@@ -41,6 +41,7 @@ from ggtorch.models.init import INITS
 from ggtorch.ops.dtypes import F32_MAX, DTypeChoice, DTypeName, finite_in_f32
 from ggtorch.training.distributed import BACKENDS
 from ggtorch.training.optim import AdamConfig
+from ggtorch.training.preference import OBJECTIVES, REFERENCE_OBJECTIVES
 
 DEFAULT_CHECKPOINT_IN = "checkpoint.gguf"
 """What a run resumes from when --checkpoint-in is not given, if that file exists (the old finetune's default)."""
@@ -58,6 +59,7 @@ LORA = "LoRA"
 OPTIMIZER = "Optimizer (ggml AdamW)"
 SAMPLES = "Samples (as the old finetune built them)"
 OVERRIDES = "Model overrides"
+PREFERENCE = "Preference training (docs/preference.md)"
 
 
 @dataclass(frozen=True)
@@ -389,15 +391,53 @@ class FinetuneConfig(RunConfig):
                                         "(inp_gate and proj; E2B/E4B). The model-wide per_layer_model_proj is never "
                                         "adapted.", LORA, default_text="--lora-r")
 
+    # --- preference training (docs/preference.md) ------------------------------------------------
+    objective: str = option("sft", "sft: the answers' (or the text's) cross-entropy; dpo, ipo or orpo: preference "
+                            "pairs ({prompt, chosen, rejected} records) with that objective.", PREFERENCE,
+                            choices=OBJECTIVES)
+    beta: float = option(0.1, "DPO and IPO: how far the trained model may move from the reference (TRL's beta; "
+                         "smaller moves further).", PREFERENCE)
+    label_smoothing: float = option(0.0, "DPO: the share of pairs assumed mislabelled (conservative DPO), 0 to "
+                                    "below 0.5.", PREFERENCE)
+    orpo_lambda: float = option(0.1, "ORPO: the weight of the odds-ratio term beside the chosen answers' NLL "
+                                "(TRL's ORPOConfig.beta).", PREFERENCE)
+    ref_model: str | None = option(None, "DPO and IPO: a reference GGUF with the base's vocabulary, instead of the "
+                                   "base with the adapter switched off.", PREFERENCE,
+                                   default_text="the base, adapter off")
+
     def __post_init__(self) -> None:
         super().__post_init__()
         LoraConfig.from_finetune(self)  # the LoRA rules: ranks, alpha, dropout
+        self._check_preference()
         if self.keep_dequantized_mib and self.use_checkpointing:
             raise BadFlag(f"{flag('keep_dequantized_mib')} needs --no-checkpointing (checkpointed blocks already "
                           "keep the matrices they decode for their backward)")
         if self.keep_dequantized_mib and self.base_dtype != "quantized":
             raise BadFlag(f"{flag('keep_dequantized_mib')} applies to a base held quantized; with --base-dtype "
                           f"{self.base_dtype} nothing is decoded, drop it")
+
+    def _check_preference(self) -> None:
+        if not self.beta > 0:
+            raise BadFlag(f"{flag('beta')} must be above 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise BadFlag(f"{flag('label_smoothing')} must be in [0, 0.5), got {self.label_smoothing}")
+        if not self.orpo_lambda >= 0:
+            raise BadFlag(f"{flag('orpo_lambda')} must be 0 or above, got {self.orpo_lambda}")
+        if self.objective == "sft":
+            return
+        if self.ref_model and self.objective not in REFERENCE_OBJECTIVES:
+            raise BadFlag(f"{flag('ref_model')} applies to --objective dpo or ipo; {self.objective} has no reference "
+                          "model, drop it")
+        if self.label_smoothing and self.objective != "dpo":
+            raise BadFlag(f"{flag('label_smoothing')} applies to --objective dpo, not {self.objective}")
+        if self.train_on_prompt:
+            raise BadFlag(f"{flag('train_on_prompt')} does not apply to --objective {self.objective}: preference "
+                          "losses compare the answers")
+
+    @property
+    def preference(self) -> bool:
+        """Whether the run trains on preference pairs (--objective dpo, ipo or orpo)."""
+        return self.objective != "sft"
 
     @property
     def alpha(self) -> float:

@@ -16,11 +16,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ggtorch.data import IGNORE_INDEX
 from ggtorch.lora import lora_modules
 from ggtorch.training.loss import model_cross_entropy
 
-OBJECTIVES = ("dpo", "ipo", "orpo")
+OBJECTIVES = ("sft", "dpo", "ipo", "orpo")
+"""--objective: supervised finetuning (the answers' cross-entropy), or a preference objective over pairs."""
+
+REFERENCE_OBJECTIVES = ("dpo", "ipo")
+"""The objectives that compare with a reference model."""
 
 
 @dataclass(frozen=True)
@@ -36,15 +39,26 @@ class AnswerLogps:
         return self.total / self.count.clamp_min(1)
 
 
-def answer_logps(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                 hidden: torch.Tensor | None = None) -> AnswerLogps:
-    """Each row's summed log-probability of its counted targets (``targets`` != -100: the answer's tokens), through
-    the model's fused output loss a row at a time (no (T, V) logits kept)."""
-    if hidden is None:
-        hidden = model(inputs, hidden_only=True)
-    totals = torch.stack([-model_cross_entropy(model, hidden[i:i + 1], targets[i:i + 1], "sum")
-                          for i in range(hidden.shape[0])])
-    return AnswerLogps(totals.float(), (targets != IGNORE_INDEX).sum(dim=1).float())
+def answer_logps(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, answers: torch.Tensor,
+                 n_answers: int) -> AnswerLogps:
+    """Each answer's summed log-probability of its tokens (``answers`` tags each target with its answer, -1 none):
+    the hidden states of its targets gathered wherever its pieces sit (rows, packed segments, split pieces), through
+    the model's fused output loss one answer at a time, so no (T, V) logits are kept."""
+    n_embd = hidden.shape[-1]
+    flat_answers = answers.reshape(-1)
+    order = torch.argsort(flat_answers, stable=True)
+    counts = torch.bincount(flat_answers.clamp_min(-1) + 1, minlength=n_answers + 1)
+    sizes = counts.tolist()  # one host sync: [no answer, answer 0, answer 1, ...]
+    positions = order.split(sizes)[1:]
+    flat_hidden, flat_targets = hidden.reshape(-1, n_embd), targets.reshape(-1)
+    totals = torch.stack([-model_cross_entropy(model, flat_hidden[at][None], flat_targets[at][None], "sum")
+                          for at in positions])
+    return AnswerLogps(totals.float(), counts[1:].float())
+
+
+def pick(logps: AnswerLogps, side: int) -> AnswerLogps:
+    """The chosen (``side`` 0) or rejected (1) answers of the pairs: answers 2p and 2p + 1."""
+    return AnswerLogps(logps.total[side::2], logps.count[side::2])
 
 
 @contextlib.contextmanager
@@ -116,3 +130,42 @@ def orpo(chosen: AnswerLogps, rejected: AnswerLogps, lam: float) -> PreferenceLo
     log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
     return PreferenceLoss(-lam * F.logsigmoid(log_odds), (lam * c).detach(), (lam * r).detach(),
                           nll=(-chosen.total.sum(), chosen.count.sum()))
+
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")
+"""TRL's names of the means a preference run logs per step and evaluation."""
+
+
+@dataclass(frozen=True)
+class PreferenceObjective:
+    """A preference objective with its settings (the run's --objective, --beta, --label-smoothing,
+    --orpo-lambda): from the answers' log-probabilities to a batch's loss and its metrics."""
+
+    name: str
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    orpo_lambda: float = 0.1
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.name in REFERENCE_OBJECTIVES
+
+    def __call__(self, policy: AnswerLogps, reference: AnswerLogps | None) -> PreferenceLoss:
+        chosen, rejected = pick(policy, 0), pick(policy, 1)
+        if self.name == "orpo":
+            return orpo(chosen, rejected, self.orpo_lambda)
+        assert reference is not None, "DPO and IPO compare with the reference's log-probabilities"
+        ref_chosen, ref_rejected = pick(reference, 0), pick(reference, 1)
+        if self.name == "ipo":
+            return ipo(chosen.mean, rejected.mean, ref_chosen.mean, ref_rejected.mean, self.beta)
+        return dpo(chosen.total, rejected.total, ref_chosen.total, ref_rejected.total, self.beta,
+                   self.label_smoothing)
+
+
+def metric_sums(result: PreferenceLoss, policy: AnswerLogps) -> list[float]:
+    """The batch's sums over pairs of each of :data:`METRICS` (summed over micro-batches and ranks, then divided by
+    the pairs: the step's means)."""
+    chosen, rejected = pick(policy, 0).total.detach(), pick(policy, 1).total.detach()
+    return [float(t.sum()) for t in (result.chosen_rewards, result.rejected_rewards, result.margins,
+                                      result.accuracies, chosen, rejected)]

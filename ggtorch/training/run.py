@@ -23,6 +23,7 @@ from ggtorch.data import (
     Batch,
     DataOptions,
     DataStream,
+    PreferenceData,
     RecordData,
     RecordOptions,
     TrainingData,
@@ -30,7 +31,7 @@ from ggtorch.data import (
     load_records,
     read_text_file,
 )
-from ggtorch.errors import BadFlag, GGTorchError, flag
+from ggtorch.errors import BadData, BadFlag, GGTorchError, flag
 from ggtorch.io.checkpoint import Checkpoint, load_checkpoint
 from ggtorch.io.gguf import GGUFFile, read_gguf
 from ggtorch.io.lock import OutputLock
@@ -51,6 +52,7 @@ from ggtorch.training.config import DEFAULT_CHECKPOINT_IN, RunConfig
 from ggtorch.training.distributed import setup
 from ggtorch.training.memory import GIB, available_bytes, estimate_memory, ways_to_lower
 from ggtorch.training.optim import AdamConfig, GGMLAdamW
+from ggtorch.training.preference import PreferenceObjective
 from ggtorch.training.recompute import checkpoint
 from ggtorch.training.weights import LoraWeights, Weights, weights_kind
 
@@ -143,6 +145,10 @@ class Run:
     counters: dict[str, int]
     """Samples, tokens and epochs trained, checkpointed with the optimizer state."""
     resumed_from: Path | None
+    objective: PreferenceObjective | None
+    """The preference objective of --objective dpo, ipo or orpo; None for the cross-entropy."""
+    reference: torch.nn.Module | None
+    """--ref-model's model (frozen); None: DPO's reference is the base with the adapters off."""
 
     def __init__(self, config: RunConfig, records: Sequence[Mapping[str, Any]] | None = None,
                  val_records: Sequence[Mapping[str, Any]] | None = None) -> None:
@@ -159,6 +165,9 @@ class Run:
         self.seed = self.dist.broadcast_int(c.seed if c.seed >= 0 else int(time.time()) & 0xFFFFFFFF, self.device)
         torch.manual_seed(self.seed)  # dropout masks; a resumed run restores the RNG state instead
         self.records_given = records is not None
+        self.objective = (PreferenceObjective(c.objective, c.beta, c.label_smoothing, c.orpo_lambda)
+                          if getattr(c, "preference", False) else None)
+        self.reference = None
         self._scratch_dir: tempfile.TemporaryDirectory[str] | None = None
         # an error on any rank (a bad file, an unwritable output) stops every rank here, reported once
         self.dist.agree_on_errors(lambda: self._build(records, val_records), self.device)
@@ -203,8 +212,9 @@ class Run:
         self.val_batches = self._validation_batches(val_records)
         matrix_dtype, embedding_dtype, keep_quantized = kind.base_dtypes(c)
         check_tensor_names(self.base, self.model_config)  # the estimate reads them: a bad file fails here, named
+        rows = 2 * c.batch if self.objective is not None else c.batch  # a pair is two sequences
         self.memory = estimate_memory(
-            self.base, self.model_config, batch=c.batch, ctx=c.ctx, checkpointing=c.use_checkpointing,
+            self.base, self.model_config, batch=rows, ctx=c.ctx, checkpointing=c.use_checkpointing,
             compute_dtype=DTYPES[c.dtype], matrix_dtype=matrix_dtype, embedding_dtype=embedding_dtype,
             keep_quantized=keep_quantized, lora=LoraConfig.from_finetune(c) if kind is LoraWeights else None,
             device=self.device, keep_dequantized=getattr(c, "keep_dequantized_mib", 0) << 20)
@@ -218,6 +228,8 @@ class Run:
         if c.ctx > n_ctx_train:
             self.warnings.append(f"--ctx {c.ctx} is above the model's training context {n_ctx_train}; "
                                  "quality beyond it is not what the model learned")
+        if getattr(c, "ref_model", None):
+            self.reference = self._reference_model(matrix_dtype, embedding_dtype, keep_quantized)
         self.notes = self._compute_notes()
         self.weights = kind(c, self.model, self.base, self.seed, self.device)
         self.optimizer = GGMLAdamW(self.weights.params, AdamConfig.from_finetune(c))
@@ -232,6 +244,23 @@ class Run:
             self._resume(load_checkpoint(resume))
         if c.use_checkpointing:
             enable_block_checkpointing(self.model)
+
+    def _reference_model(self, matrix_dtype: torch.dtype, embedding_dtype: torch.dtype | None,
+                         keep_quantized: bool) -> torch.nn.Module:
+        """--ref-model, held as the base is held, frozen; its vocabulary must be the base's (the log-probabilities
+        of the same token ids are compared)."""
+        c = self.config
+        self._reference_file = ref = read_gguf(c.ref_model)
+        config = ModelConfig.from_gguf(ref)
+        check_tensor_names(ref, config)
+        if Tokenizer.from_gguf(ref).tokens != self.tokenizer.tokens:
+            raise BadFlag(f"{flag('ref_model')} {c.ref_model}: its vocabulary is not the base's "
+                          f"({config.n_vocab:,} tokens against {self.model_config.n_vocab:,}, or other texts); a "
+                          "reference model must tokenize as the base does")
+        model = build_model(ref, config, self.device, dtype=matrix_dtype, keep_quantized=keep_quantized,
+                            embedding_dtype=embedding_dtype)
+        model.n_ctx = llama_cpp_context(c.ctx)
+        return model.requires_grad_(False).eval()
 
     def _compute_notes(self) -> list[str]:
         """A quantized base whose blocks the C decoders would take, when they could not be built here."""
@@ -280,6 +309,15 @@ class Run:
     def _open_data(self, records: Sequence[Mapping[str, Any]] | None) -> DataStream:
         """Records (a list, a .jsonl/.parquet file or folder, or a forced record format) or plain text."""
         c = self.config
+        if self.objective is not None:
+            if records is None and not is_record_source(c.train_data):
+                raise BadData(f"--objective {c.objective} trains on preference records ({{prompt, chosen, rejected}}) "
+                              f"in a .jsonl or .parquet file (or a folder of them); --train-data {c.train_data} is "
+                              "plain text")
+            source = records if records is not None else c.train_data
+            flag = "records" if records is not None else "--train-data"
+            return PreferenceData(load_records(source, flag), self.tokenizer, c.ctx, RecordOptions.from_finetune(c),
+                                  self.seed, self.base.get("tokenizer.chat_template"), name=flag)
         if records is not None or is_record_source(c.train_data) or c.data_format in ("chat", "prompt-response"):
             source = records if records is not None else c.train_data
             flag = "records" if records is not None else "--train-data"
@@ -337,6 +375,7 @@ class Run:
             inputs.append(Input(flag("train_data"), c.train_data, folder=None))
         inputs += [Input(flag("val_data"), c.val_data, folder=None)] if c.val_data else []
         inputs += [Input(flag("chat_template"), c.chat_template)] if c.chat_template else []
+        inputs += [Input(flag("ref_model"), c.ref_model)] if getattr(c, "ref_model", None) else []
         templated = {"pattern": c.pattern_fn_it, "latest": c.fn_latest}
         outputs = [Output(flag("checkpoint_out"), c.checkpoint_out, **templated),
                    Output(flag(output_field), getattr(c, output_field), **templated),

@@ -39,6 +39,7 @@ from ggtorch.training.distributed import RankFailed
 from ggtorch.training.log import TrainLog
 from ggtorch.training.loss import model_cross_entropy
 from ggtorch.training.memory import ways_to_lower
+from ggtorch.training.preference import METRICS, AnswerLogps, adapters_off, answer_logps, metric_sums
 from ggtorch.training.run import (
     Run,
     disable_block_checkpointing,
@@ -77,6 +78,9 @@ class StepResult:
     eta_seconds: float
     skipped: bool = False
     """f16's loss scaler found inf/NaN gradients: no update (the iteration did not advance), the scale was halved."""
+    metrics: dict[str, float] | None = None
+    """Preference objectives: TRL's means over the step's pairs (rewards of chosen and rejected, their margin,
+    accuracy, the answers' log-probabilities); None for the cross-entropy."""
 
 
 OUT_OF_MEMORY_MESSAGES = ("can't allocate memory", "not enough memory", "out of memory")
@@ -151,6 +155,7 @@ class Trainer:
         self.optimizer, self.data, self.val_batches = run.optimizer, run.data, run.val_batches
         self.counters, self.warnings, self.resumed_from = run.counters, run.warnings, run.resumed_from
         self.notes = run.notes
+        self.objective = run.objective
         self.forward_model = self.dist.wrap(self.model, self.device)
         """What the training step calls: ``self.model`` itself, or its DDP wrapper under torchrun."""
 
@@ -169,6 +174,8 @@ class Trainer:
         self._stop_agreed = False
         self._interrupted = False
         self._kept_matrices: list[torch.Tensor] = []  # --keep-dequantized-mib: reused from step to step
+        self.last_eval_metrics: dict[str, float] | None = None
+        """A preference objective's metric means over the held-out pairs at the last evaluation."""
 
     @property
     def iteration(self) -> int:
@@ -318,21 +325,26 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad()
         batches, samples_used = self._next_batches()
-        counts = [batch.n_counted for batch in batches]
-        global_count = self.dist.reduce_sum([float(sum(counts))], self.device)[0]
+        counts = [self._count(batch) for batch in batches]
+        rows = float(sum(batch.inputs.shape[0] for batch in batches))
+        global_count, global_rows = self.dist.reduce_sum([float(sum(counts)), rows], self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        metric_totals = [0.0] * len(METRICS) if self.objective is not None else []
         for i, (batch, count) in enumerate(zip(batches, counts, strict=True)):
             batch = batch.to(self.device)
             last = i == len(batches) - 1
+            reference = self._reference_logps(batch) if count else None
             with self._autocast(), self._keeping_dequantized(), \
                     (nullcontext() if last or not self.dist.enabled else self.forward_model.no_sync()):
                 # the output projection runs inside the loss: the (N, n_vocab) logits never exist
                 hidden = self._forward(self.forward_model, batch, hidden_only=True)
-                loss = self._loss(hidden, batch.targets, count)
+                loss, sums = self._loss(hidden, batch, count, reference)
                 weighted = loss * (count * self.dist.world_size / global_count)
                 (weighted if self.run.scaler is None else self.run.scaler.scale(weighted)).backward()
             loss_sum += loss.detach().double() * count
-        loss_total, stop = self.dist.reduce_sum([float(loss_sum), float(self._stop_requested)], self.device)
+            metric_totals = [a + b for a, b in zip(metric_totals, sums, strict=False)] if sums else metric_totals
+        loss_total, stop, *metric_totals = self.dist.reduce_sum(
+            [float(loss_sum), float(self._stop_requested), *metric_totals], self.device)
         loss_value = loss_total / global_count if global_count else float("nan")
         self._stop_agreed = bool(stop)  # Ctrl-C on any rank stops every rank after this same step
         if not math.isfinite(loss_value):
@@ -343,14 +355,15 @@ class Trainer:
         lr = self.optimizer.lr
         if self._update():
             return self._overflowed(loss_value, sched, lr, time.perf_counter() - t0)
-        used = c.batch * c.grad_acc * self.dist.world_size
+        tokens = int(global_rows) * c.ctx  # every rank's rows (a preference batch's rows vary with its pairs)
         self.counters["samples"] += samples_used  # with fill, a row can use several samples
-        self.counters["tokens"] += used * c.ctx
+        self.counters["tokens"] += tokens
         seconds = time.perf_counter() - t0
         remaining = self._target_iteration - self.iteration
         result = self._result(loss_value, sched, lr, seconds,
-                              tokens_per_second=used * c.ctx / seconds if seconds > 0 else 0.0,
-                              eta_seconds=self._smoothed_seconds(seconds) * remaining)
+                              tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
+                              eta_seconds=self._smoothed_seconds(seconds) * remaining,
+                              metrics=self._metrics(metric_totals, global_count))
         self.history.append(result)
         self.log.write("iter", **asdict(result))
         self._notify("on_step", result)
@@ -381,11 +394,39 @@ class Trainer:
                           samples=min(self.data.next_sample + 1, self.data.n_samples), n_samples=self.data.n_samples,
                           epoch=self.data.epoch, tokens=self.counters["tokens"], seconds=seconds, **rest)
 
-    def _loss(self, hidden: torch.Tensor, targets: torch.Tensor, count: int) -> torch.Tensor:
-        """Mean cross-entropy of the counted targets, from the model's normed hidden states."""
+    def _count(self, batch: Batch) -> int:
+        """What a micro-batch's loss is a mean over: its counted targets, or its pairs for a preference objective."""
+        return batch.n_counted if self.objective is None else batch.n_pairs
+
+    def _loss(self, hidden: torch.Tensor, batch: Batch, count: int, reference: AnswerLogps | None
+              ) -> tuple[torch.Tensor, list[float]]:
+        """The micro-batch's loss from the model's normed hidden states (mean cross-entropy of the counted targets,
+        or the preference objective's mean over pairs) and, for a preference objective, its metrics' sums."""
         if not count:  # still a backward through the output (DDP expects one from every rank)
-            return self.model.output(hidden).sum() * 0.0
-        return model_cross_entropy(self.model, hidden, targets)
+            return self.model.output(hidden).sum() * 0.0, []
+        if self.objective is None:
+            return model_cross_entropy(self.model, hidden, batch.targets), []
+        policy_logps = answer_logps(self.model, hidden, batch.targets, batch.answers, 2 * batch.n_pairs)
+        result = self.objective(policy_logps, reference)
+        return result.loss, metric_sums(result, policy_logps)
+
+    @torch.no_grad()
+    def _reference_logps(self, batch: Batch) -> AnswerLogps | None:
+        """The reference model's log-probabilities of a preference batch's answers (DPO, IPO): --ref-model's, or
+        the base's with the adapters switched off (one forward without gradients); None when not needed."""
+        if self.objective is None or not self.objective.needs_reference:
+            return None
+        model = self.run.reference if self.run.reference is not None else self.model
+        with self._autocast(), (adapters_off(model) if self.run.reference is None else nullcontext()):
+            hidden = self._forward(model, batch, hidden_only=True)
+            return answer_logps(model, hidden, batch.targets, batch.answers, 2 * batch.n_pairs)
+
+    @staticmethod
+    def _metrics(totals: Sequence[float], count: float) -> dict[str, float] | None:
+        """A preference step's (or evaluation's) metric means from their sums over ``count`` pairs."""
+        if not totals:
+            return None
+        return {name: total / count for name, total in zip(METRICS, totals, strict=True)}
 
     def _smoothed_seconds(self, seconds: float) -> float:
         """The old finetune's smoothed time per iteration (gain 0.7) for the ETA."""
@@ -403,17 +444,26 @@ class Trainer:
     def _evaluate(self) -> float:
         self.model.eval()
         total, count = 0.0, 0
+        metric_totals = [0.0] * len(METRICS) if self.objective is not None else []
         for batch in self.val_batches[self.dist.rank::self.dist.world_size]:  # ranks share the work
-            n = batch.n_counted
+            n = self._count(batch)
             if n:
                 batch = batch.to(self.device)
+                reference = self._reference_logps(batch)
                 with self._autocast():
                     hidden = self._forward(self.model, batch, hidden_only=True)
-                    total += float(model_cross_entropy(self.model, hidden, batch.targets, "sum"))
+                    if self.objective is None:
+                        total += float(model_cross_entropy(self.model, hidden, batch.targets, "sum"))
+                    else:
+                        loss, sums = self._loss(hidden, batch, n, reference)
+                        total += float(loss) * n
+                        metric_totals = [a + b for a, b in zip(metric_totals, sums, strict=True)]
                 count += n
-        total, count = self.dist.reduce_sum([total, float(count)], self.device)
+        total, count, *metric_totals = self.dist.reduce_sum([total, float(count), *metric_totals], self.device)
         loss = total / count
-        self.log.write("eval", iteration=self.iteration, loss=loss)
+        metrics = self._metrics(metric_totals, count)
+        self.log.write("eval", iteration=self.iteration, loss=loss, **({"metrics": metrics} if metrics else {}))
+        self.last_eval_metrics = metrics
         self._notify("on_eval", self.iteration, loss)
         return loss
 

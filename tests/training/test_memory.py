@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -83,8 +84,13 @@ print(json.dumps({"baseline": baseline, "peak": rss(), "seconds": time.perf_coun
 def measure(path: Path, mode: str, warmup: Path, steps: int = 2) -> dict:
     """Run the training child on ``path`` (``mode`` = quantized | f32) after one step on the
     tiny ``warmup`` model, and return its report."""
+    # A fixed mmap threshold: every block of 1 MiB or more is mapped on allocation and unmapped when
+    # freed. With glibc's default, the threshold follows the largest block freed so far and freed
+    # blocks stay in a fragmented heap, so the same run peaked anywhere from 160 to 285 MiB above
+    # its baseline depending on how busy the machine was; fixed, it measures what is live (+-2 MiB).
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     out = subprocess.run([sys.executable, "-c", CHILD, str(path), mode, str(steps), str(warmup)],
-                         check=True, capture_output=True, text=True, timeout=600)
+                         check=True, capture_output=True, text=True, timeout=600, env=env)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     report["used"] = report["peak"] - report["baseline"]
     return report

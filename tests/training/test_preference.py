@@ -3,15 +3,25 @@ log-probabilities against log-softmax written out, the reference model as the ba
 
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from ggtorch import api
+from ggtorch.errors import BadFlag
+from ggtorch.io.gguf import read_gguf
 from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
 from ggtorch.models.loader import load_model_file
+from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.training import preference
+from ggtorch.training.trainer import Trainer
+from tests.helpers import read_log
+from tests.llama_models import rewrite_gguf
+from tests.training.test_finetune import run, run_whole_and_resumed
 
 
 @pytest.fixture
@@ -35,12 +45,17 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_answer_logps_sum_the_answer_tokens_log_probabilities(lora_model: torch.nn.Module) -> None:
+    """Each answer's targets, wherever they sit (here answer 0 in two rows, as a split sequence's pieces), summed."""
     inputs, targets = _batch()
-    got = preference.answer_logps(lora_model, inputs, targets)
+    answers = torch.where(targets != -100, torch.tensor([0, 1, 2, 0])[:, None], -1)
+    got = preference.answer_logps(lora_model, lora_model(inputs, hidden_only=True), targets, answers, 3)
     logp = F.log_softmax(lora_model(inputs).double(), dim=-1)
     picked = logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0] * (targets != -100)
-    torch.testing.assert_close(got.total.double(), picked.sum(dim=1), rtol=1e-5, atol=1e-4)
-    assert got.count.tolist() == (targets != -100).sum(dim=1).float().tolist()
+    rows = picked.sum(dim=1)
+    torch.testing.assert_close(got.total.double(), torch.stack([rows[0] + rows[3], rows[1], rows[2]]),
+                               rtol=1e-5, atol=1e-4)
+    counted = (targets != -100).sum(dim=1).tolist()
+    assert got.count.tolist() == [counted[0] + counted[3], counted[1], counted[2]]
 
 
 def test_the_reference_is_the_base_with_the_adapters_off(stories260k: Path, lora_model: torch.nn.Module) -> None:
@@ -106,3 +121,122 @@ def test_orpo_equals_trls_odds_ratio_loss() -> None:
     torch.testing.assert_close(ours.rejected_rewards.float(), rejected_rewards)
     for a, b in zip(torch.autograd.grad(ours.loss, totals), torch.autograd.grad(theirs, totals), strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-7)
+
+
+RECORDS = [{"prompt": f"Once upon a time, {name} went to the park.", "chosen": f" {name} was happy. The end.",
+            "rejected": f" {name} was sad."} for name in ("Tom", "Lily", "Ben", "Sue", "Max", "Anna", "Tim", "Mia")]
+
+
+def _trainer(stories260k: Path, tmp_path: Path, **options) -> Trainer:
+    options = {"model_base": str(stories260k), "records": RECORDS, "batch": 4, "ctx": 48, "seed": 3,
+               "adam_gclip": 0.0, "checkpoint_out": "", "lora_out": "", "log_file": str(tmp_path / "log.jsonl"),
+               "progress": False, "run": False, "device": "cpu", "lora_dropout": 0.0, **options}
+    return api.finetune(**options)
+
+
+def _written_out_loss(model: torch.nn.Module, batch, objective: str, reference: torch.nn.Module | None,
+                      beta: float = 0.1, lam: float = 0.1) -> torch.Tensor:
+    """The objective on full float64 log-softmaxes, each answer's tokens picked by hand: a computation apart from
+    the fused loss, the answer gathering and the objective code."""
+    def sums(m: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = F.log_softmax(m(batch.inputs, positions=batch.positions, segments=batch.segments).double(), dim=-1)
+        picked = logp.gather(-1, batch.targets.clamp(min=0)[..., None])[..., 0]
+        n = int(batch.answers.max()) + 1
+        total = torch.stack([picked[batch.answers == a].sum() for a in range(n)])
+        count = torch.stack([(batch.answers == a).sum() for a in range(n)]).double()
+        return total, count
+
+    total, count = sums(model)
+    if objective == "orpo":
+        c, r = total[0::2] / count[0::2], total[1::2] / count[1::2]
+        odds = (c - torch.log(1 - torch.exp(c))) - (r - torch.log(1 - torch.exp(r)))
+        return -total[0::2].sum() / count[0::2].sum() - lam * F.logsigmoid(odds).mean()
+    with torch.no_grad():
+        ref_total, ref_count = sums(reference)
+    if objective == "ipo":
+        total, ref_total = total / count, ref_total / ref_count
+    gain = (total[0::2] - total[1::2]) - (ref_total[0::2] - ref_total[1::2])
+    if objective == "ipo":
+        return ((gain - 1 / (2 * beta)) ** 2).mean()
+    return -F.logsigmoid(beta * gain).mean()
+
+
+@pytest.mark.parametrize("objective", ["dpo", "ipo", "orpo"])
+@pytest.mark.parametrize("batching", ["pack", "pad"])
+def test_a_training_step_has_the_objectives_loss_and_gradients(stories260k: Path, tmp_path: Path, objective: str,
+                                                               batching: str) -> None:
+    """One optimizer step of the Trainer, two micro-batches: its loss and the LoRA gradients equal the objective
+    written out on the model's full log-softmax (DPO's reference: the bare base file, loaded apart)."""
+    trainer = _trainer(stories260k, tmp_path, objective=objective, batching=batching, grad_acc=2, batch=2)
+    data = copy.deepcopy(trainer.data)
+    batches = [data.next_batch(2), data.next_batch(2)]
+    with torch.no_grad():  # a LoRA delta that is not zero, so the policy differs from the reference
+        for _, p, _ in trainer.params:
+            p.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
+    policy = copy.deepcopy(trainer.model)
+    reference = load_model_file(stories260k).model
+    result = trainer.step()
+    expected = sum(_written_out_loss(policy, b, objective, reference) * b.n_pairs for b in batches) / 4
+    expected.backward()
+    assert result.loss == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+    got = dict((name, p) for name, p, _ in trainer.params)
+    for name, p, _ in trainable_parameters(policy):
+        torch.testing.assert_close(got[name].grad.double(), p.grad.double(), rtol=1e-4, atol=1e-6)
+    assert set(result.metrics) == set(preference.METRICS)
+    trainer.close()
+
+
+def test_a_reference_file_equal_to_the_base_gives_the_same_steps(stories260k: Path, tmp_path: Path) -> None:
+    """--ref-model with the base's own file computes what the base with the adapters off does."""
+    steps = []
+    for ref in (None, str(stories260k)):
+        trainer = _trainer(stories260k, tmp_path, objective="dpo", ref_model=ref, overwrite=True)
+        with torch.no_grad():
+            for _, p, _ in trainer.params:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
+        steps.append([(r.loss, r.metrics) for r in trainer.train(3)])
+        trainer.close()
+    assert steps[0] == steps[1]
+
+
+def test_a_reference_with_another_vocabulary_is_refused(stories260k: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other-vocab.gguf"
+    tokens = list(Tokenizer.from_gguf(read_gguf(stories260k)).tokens)
+    tokens[300] = "zzz"
+    rewrite_gguf(stories260k, other, set_keys={"tokenizer.ggml.tokens": tokens})
+    with pytest.raises(BadFlag, match="--ref-model .*vocabulary is not the base's"):
+        _trainer(stories260k, tmp_path, objective="dpo", ref_model=str(other))
+
+
+def test_preference_training_resumes_exactly(stories260k: Path, tmp_path: Path) -> None:
+    """6 DPO iterations in one run == 3, stop, resume for 3 (across an epoch's end): same adapter bytes, losses and
+    metrics."""
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    common = ["finetune", "--model-base", str(stories260k), "--train-data", str(data), "--objective", "dpo",
+              "-c", "48", "-b", "3", "--warmup", "1", "--adam-alpha", "0.01", "--seed", "7", "--save-every", "0"]
+    one, two = run_whole_and_resumed(common, tmp_path)
+    assert (one / "ggml-lora-6-f32.gguf").read_bytes() == (two / "ggml-lora-6-f32.gguf").read_bytes()
+    logs = [[(r["loss"], r["metrics"]) for r in read_log(d / "checkpoint-log.jsonl") if r["kind"] == "iter"]
+            for d in (one, two)]
+    assert logs[0] == logs[1] and len(logs[0]) == 6
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--objective", "orpo", "--ref-model", "x.gguf"], "--ref-model applies to --objective dpo or ipo"),
+    (["--objective", "dpo", "--beta", "0"], "--beta must be above 0"),
+    (["--objective", "ipo", "--label-smoothing", "0.1"], "--label-smoothing applies to --objective dpo"),
+    (["--objective", "dpo", "--train-on-prompt"], "--train-on-prompt does not apply"),
+    (["--objective", "dpo", "--train-data", "TEXT"], "trains on preference records"),
+    (["--objective", "dpo", "--train-data", "BAD"], "line 2: 'chosen' and 'rejected' are identical"),
+])
+def test_bad_preference_options_and_records_get_one_line(stories260k: Path, texts: dict[str, Path], tmp_path: Path,
+                                                         args: list[str], message: str) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(RECORDS[0]) + "\n" + json.dumps({"prompt": "Hi.", "chosen": " Yo.", "rejected": " Yo."})
+                   + "\n")
+    args = [{"TEXT": str(texts["train"]), "BAD": str(bad)}.get(a, a) for a in args]
+    if "--train-data" not in args:
+        args += ["--train-data", str(bad)]
+    code, out = run(["finetune", "--model-base", str(stories260k), "-n", "1", *args], tmp_path)
+    assert code != 0 and message in out and "Traceback" not in out
