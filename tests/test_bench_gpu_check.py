@@ -8,13 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import worker_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_gpu_check_runs_at_toy_sizes_and_its_adapter_loads_in_llama_cpp(tmp_path: Path) -> None:
     out = tmp_path / "report"
     done = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--smoke", "--parts", "abc",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--out", str(out)], cwd=ROOT, env=worker_env(), capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     names = [c["check"] for c in report["checks"]]
@@ -23,5 +26,5 @@ def test_the_gpu_check_runs_at_toy_sizes_and_its_adapter_loads_in_llama_cpp(tmp_
     sides = {r["side"] for r in report["rows"]}
     assert {"ggtorch Q4_K_M", "peft bf16"} <= sides
     verified = subprocess.run([sys.executable, "bench/gpu_check.py", "--verify", str(out)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
+                              env=worker_env(), capture_output=True, text=True, timeout=300)
     assert verified.returncode == 0, verified.stdout + verified.stderr

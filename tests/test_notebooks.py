@@ -9,16 +9,19 @@ import pytest
 from nbclient import NotebookClient
 
 from tests.fixtures import FOLDER as FIXTURES
+from tests.helpers import worker_env
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def run_notebook(name: str, overrides: str, cwd: Path) -> nbformat.NotebookNode:
-    """Execute a notebook with ``overrides`` injected after its ``parameters`` cell (as papermill does)."""
+    """Execute a notebook with ``overrides`` injected after its ``parameters`` cell (as papermill does), its kernel
+    on this worker's share of the cores."""
     nb = nbformat.read(EXAMPLES / name, as_version=4)
     index = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
     nb.cells.insert(index + 1, nbformat.v4.new_code_cell(overrides))
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
+    client.execute(env=worker_env())
     return nb
 
 

@@ -160,6 +160,62 @@ def epoch_order(seed: int, epoch: int, count: int) -> np.ndarray:
     return np.random.Generator(np.random.PCG64([seed, epoch])).permutation(count)
 
 
+class EpochOrder:
+    """Which of ``count`` items comes next: :func:`epoch_order`'s permutation per epoch and a position in it, kept
+    as the checkpoint's data state (with the items' fingerprint, so changed data restarts the epoch)."""
+
+    def __init__(self, kind: str, seed: int, count: int, fingerprint: int, unit: str) -> None:
+        self.kind, self.seed, self.count, self.fingerprint, self.unit = kind, seed, count, fingerprint, unit
+        self._start(0, 0)
+
+    def _start(self, epoch: int, position: int) -> None:
+        self.epoch, self.position = epoch, position
+        self._order = epoch_order(self.seed, epoch, self.count)
+
+    def peek(self) -> int:
+        """The index of the next item."""
+        return int(self._order[self.position])
+
+    def advance(self) -> None:
+        """Past the next item; past an epoch's last, the next epoch's order from its start."""
+        if self.position + 1 < self.count:
+            self.position += 1
+        else:
+            self._start(self.epoch + 1, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "epoch": self.epoch, "next_sample": self.position,
+                "samples_hash": self.fingerprint, "sample_count": self.count}
+
+    def load_state_dict(self, state: Mapping[str, Any], force_reshuffle: bool | None = None) -> list[str]:
+        """Continue a checkpointed order; restart the epoch (keeping its number) if the items changed or
+        ``force_reshuffle``. Returns the notes for the run's warnings."""
+        notes = []
+        changed = (state.get("kind") != self.kind or int(state.get("samples_hash", 0)) != self.fingerprint
+                   or int(state.get("sample_count", 0)) != self.count)
+        if changed:
+            notes.append("train data seems to have changed since the checkpoint: restarting the shuffled epoch")
+        if force_reshuffle:
+            notes.append("forced reshuffling of data: restarting the epoch")
+        position = 0 if changed or force_reshuffle else int(state.get("next_sample", 0))
+        if not 0 <= position < self.count:
+            raise BadData(f"the checkpoint's data position {position} is outside the {self.count} {self.unit}; "
+                          "pass --force-reshuffle to start a fresh order")
+        self._start(int(state.get("epoch", 0)), position)
+        return notes
+
+
+def held_out_count(total: int, fraction: float, name: str, unit: str) -> int:
+    """``--val-split``: how many of ``total`` items (the last ones in file order) to hold out, checked."""
+    if not 0.0 < fraction < 1.0:
+        raise BadFlag(f"--val-split must be in (0, 1), got {fraction}")
+    n_val = max(1, round(total * fraction))
+    if total - n_val < 1:
+        raise BadData(f"{name} has {total} {unit}: too few to hold out {fraction:.0%}; "
+                      "use --val-data with a separate file")
+    return n_val
+
+
 def load_records(source: str | os.PathLike[str] | Sequence[Mapping[str, Any]], flag: str) -> list[Record]:
     """Records from a path (.jsonl, .parquet, folder) or from the Python API's list of dicts."""
     if isinstance(source, str | os.PathLike):
@@ -227,9 +283,7 @@ class RecordData:
                           "raise --ctx or shorten the prompts")
         self.hash = pieces_hash(self.pieces)
         self.warnings = self._fit_warnings(self.counts)
-        self.state = {"kind": "records", "epoch": 0, "next_sample": 0, "samples_hash": self.hash,
-                      "sample_count": len(self.pieces)}
-        self._order = epoch_order(self.seed, 0, len(self.pieces))
+        self.order = EpochOrder("records", self.seed, len(self.pieces), self.hash, "pieces")
 
     def _fit_warnings(self, c: FitCounts) -> list[str]:
         notes = []
@@ -256,11 +310,11 @@ class RecordData:
 
     @property
     def epoch(self) -> int:
-        return int(self.state["epoch"])
+        return self.order.epoch
 
     @property
     def next_sample(self) -> int:
-        return int(self.state["next_sample"])
+        return self.order.position
 
     def summary(self) -> str:
         """One line for the run summary: format, template, counts, masking and batching."""
@@ -274,13 +328,6 @@ class RecordData:
                      f"(loss on {loss_on}), {batched} into ctx {self.n_ctx}")
         return "; ".join(parts)
 
-    def _advance(self) -> None:
-        self.state["next_sample"] += 1
-        if self.state["next_sample"] >= len(self.pieces):
-            self.state["epoch"] += 1
-            self.state["next_sample"] = 0
-            self._order = epoch_order(self.seed, self.state["epoch"], len(self.pieces))
-
     def next_batch(self, n_batch: int) -> Batch:
         """The next ``n_batch`` rows; an epoch ending inside a batch continues with the next epoch's order."""
         pack = self.options.batching == "pack"
@@ -290,39 +337,25 @@ class RecordData:
             row: list[Encoded] = []
             room = self.n_ctx
             while True:
-                piece = self.pieces[int(self._order[self.state["next_sample"]])]
+                piece = self.pieces[self.order.peek()]
                 need = len(piece) - 1
                 if row and (not pack or need > room):
                     break
                 row.append(piece)
                 room -= need
                 used += 1
-                self._advance()
+                self.order.advance()
             rows.append(row)
         self.last_used = used
         self.samples_used += used
         return collate(rows, self.n_ctx, self.pad_id, pack)
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(self.state)
+        return self.order.state_dict()
 
     def load_state_dict(self, state: dict[str, Any], force_reshuffle: bool | None = None) -> list[str]:
-        """Continue a checkpointed order; restart the epoch (keeping its number) if the data changed."""
-        notes = []
-        epoch = int(state.get("epoch", 0))
-        changed = (state.get("kind") != "records" or int(state.get("samples_hash", 0)) != self.hash
-                   or int(state.get("sample_count", 0)) != len(self.pieces))
-        if changed:
-            notes.append("train data seems to have changed since the checkpoint: restarting the shuffled epoch")
-        if force_reshuffle:
-            notes.append("forced reshuffling of data: restarting the epoch")
-        next_sample = 0 if changed or force_reshuffle else int(state.get("next_sample", 0))
-        if not 0 <= next_sample < len(self.pieces):
-            raise BadData(f"the checkpoint's data position {next_sample} is outside the {len(self.pieces)} pieces; "
-                          "pass --force-reshuffle to start a fresh order")
-        self.state = {"kind": "records", "epoch": epoch, "next_sample": next_sample, "samples_hash": self.hash,
-                      "sample_count": len(self.pieces)}
-        self._order = epoch_order(self.seed, epoch, len(self.pieces))
+        """Continue a checkpointed order (:meth:`EpochOrder.load_state_dict`)."""
+        notes = self.order.load_state_dict(state, force_reshuffle)
         self.warnings += notes
         return notes
 
@@ -335,13 +368,8 @@ class RecordData:
 
     def split_validation(self, fraction: float, n_batch: int) -> list[Batch]:
         """``--val-split``: hold out the last ``fraction`` of the records (file order); train on the rest."""
-        if not 0.0 < fraction < 1.0:
-            raise BadFlag(f"--val-split must be in (0, 1), got {fraction}")
         n = len(self.encoded)
-        n_val = max(1, round(n * fraction))
-        if n - n_val < 1:
-            raise BadData(f"{self.name} has {n} records: too few to hold out {fraction:.0%}; "
-                          "use --val-data with a separate file")
+        n_val = held_out_count(n, fraction, self.name, "records")
         held = fit_to_context(self.encoded[n - n_val:], self.n_ctx, self.options.long_records)[0]
         self.encoded = self.encoded[:n - n_val]
         self._set_pieces(self.encoded)

@@ -28,12 +28,13 @@ import numpy as np
 from ggtorch.data.batch import Batch, HeldOutSource
 from ggtorch.data.chat import Encoded, RecordEncoder
 from ggtorch.data.packing import (
+    EpochOrder,
     FitCounts,
     RecordOptions,
     chat_template,
     collate,
-    epoch_order,
     fit_to_context,
+    held_out_count,
     load_records,
     pieces_hash,
 )
@@ -199,9 +200,7 @@ class PreferenceData:
         if self.counts.dropped:
             self.warnings.append(f"{self.counts.dropped} pairs have a side with no answer token within the context "
                                  "and were dropped")
-        self.state = {"kind": "preference", "epoch": 0, "next_sample": 0, "samples_hash": self.hash,
-                      "sample_count": len(self.fitted)}
-        self._order = epoch_order(self.seed, 0, len(self.fitted))
+        self.order = EpochOrder("preference", self.seed, len(self.fitted), self.hash, "pairs")
 
     # --- the DataStream surface ------------------------------------------------------------
     @property
@@ -214,11 +213,11 @@ class PreferenceData:
 
     @property
     def epoch(self) -> int:
-        return int(self.state["epoch"])
+        return self.order.epoch
 
     @property
     def next_sample(self) -> int:
-        return int(self.state["next_sample"])
+        return self.order.position
 
     def summary(self) -> str:
         c = self.counts
@@ -234,36 +233,18 @@ class PreferenceData:
         """The next ``n_batch`` pairs; an epoch ending inside a batch continues with the next epoch's order."""
         chosen = []
         for _ in range(n_batch):
-            chosen.append(self.fitted[int(self._order[self.state["next_sample"]])])
-            self.state["next_sample"] += 1
-            if self.state["next_sample"] >= len(self.fitted):
-                self.state["epoch"] += 1
-                self.state["next_sample"] = 0
-                self._order = epoch_order(self.seed, self.state["epoch"], len(self.fitted))
+            chosen.append(self.fitted[self.order.peek()])
+            self.order.advance()
         self.last_used = n_batch
         self.samples_used += n_batch
         return pair_batch(chosen, self.n_ctx, self.pad_id, self.options.batching == "pack")
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(self.state)
+        return self.order.state_dict()
 
     def load_state_dict(self, state: dict[str, Any], force_reshuffle: bool | None = None) -> list[str]:
-        """Continue a checkpointed order; restart the epoch (keeping its number) if the pairs changed."""
-        notes = []
-        epoch = int(state.get("epoch", 0))
-        changed = (state.get("kind") != "preference" or int(state.get("samples_hash", 0)) != self.hash
-                   or int(state.get("sample_count", 0)) != len(self.fitted))
-        if changed:
-            notes.append("train data seems to have changed since the checkpoint: restarting the shuffled epoch")
-        if force_reshuffle:
-            notes.append("forced reshuffling of data: restarting the epoch")
-        next_sample = 0 if changed or force_reshuffle else int(state.get("next_sample", 0))
-        if not 0 <= next_sample < len(self.fitted):
-            raise BadData(f"the checkpoint's data position {next_sample} is outside the {len(self.fitted)} pairs; "
-                          "pass --force-reshuffle to start a fresh order")
-        self.state = {"kind": "preference", "epoch": epoch, "next_sample": next_sample, "samples_hash": self.hash,
-                      "sample_count": len(self.fitted)}
-        self._order = epoch_order(self.seed, epoch, len(self.fitted))
+        """Continue a checkpointed order (:meth:`EpochOrder.load_state_dict`)."""
+        notes = self.order.load_state_dict(state, force_reshuffle)
         self.warnings += notes
         return notes
 
@@ -275,13 +256,8 @@ class PreferenceData:
 
     def split_validation(self, fraction: float, n_batch: int) -> list[Batch]:
         """``--val-split``: hold out the last ``fraction`` of the pairs (file order); train on the rest."""
-        if not 0.0 < fraction < 1.0:
-            raise BadFlag(f"--val-split must be in (0, 1), got {fraction}")
         n = len(self.pairs)
-        n_val = max(1, round(n * fraction))
-        if n - n_val < 1:
-            raise BadData(f"{self.name} has {n} pairs: too few to hold out {fraction:.0%}; "
-                          "use --val-data with a separate file")
+        n_val = held_out_count(n, fraction, self.name, "pairs")
         held = fit_pairs(self.pairs[n - n_val:], self.n_ctx, self.options.long_records)[0]
         self.pairs = self.pairs[:n - n_val]
         self._set_pairs(self.pairs)

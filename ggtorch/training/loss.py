@@ -28,6 +28,9 @@ from ggtorch.quant.autograd import compute_dtype
 from ggtorch.quant.modules import QuantLinear
 from ggtorch.training.recompute import checkpoint
 
+Reduction = Literal["mean", "sum", "none"]
+"""Of the counted targets' losses: their mean, their sum, or each one (0 where ignored), in the targets' shape."""
+
 
 def _row_chunks(n_rows: int, n_cols: int, chunk_bytes: int) -> list[tuple[int, int]]:
     """(start, end) of each chunk of rows whose ``n_cols`` f32 values fill ``chunk_bytes`` (one row at least)."""
@@ -64,8 +67,7 @@ class _TokenCrossEntropy(torch.autograd.Function):
         return grad.to(logits.dtype), None
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                  reduction: Literal["mean", "sum", "none"] = "mean") -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: Reduction = "mean") -> torch.Tensor:
     """Cross-entropy of ``logits`` (..., V) against class ids ``targets`` (...), computed in f32.
 
     ``mean`` divides the sum by the number of counted positions (targets != -100), as
@@ -76,14 +78,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     log p only where p is below ~1e-7, i.e. never for a target the model has learned anything
     about, so the exact log-softmax form stands in for it.
     """
-    losses = _TokenCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    if reduction == "none":
-        return losses.reshape(targets.shape)
-    if reduction == "sum":
-        return losses.sum()
-    if reduction == "mean":
-        return losses.sum() / (targets != IGNORE_INDEX).sum()
-    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    return _reduced(_TokenCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)), targets,
+                    reduction)
 
 
 # --- the output projection and the loss in one pass ---------------------------------------------
@@ -123,91 +119,113 @@ def _row_losses_from_probs(probs: torch.Tensor, targets: torch.Tensor, valid: to
     return losses
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    """Sum over rows of ``cross_entropy(x @ W.T [+ s·(x @ A.T) @ B.T], targets)``, chunked over rows.
+def _linear_pass(x: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, weight: torch.Tensor,
+                 targets: torch.Tensor, scale: float, need_grad: bool, row_weights: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """One pass of :class:`_LinearCrossEntropy` over the vocabulary, a chunk of rows at a time: the per-row losses
+    (N,) and, with ``need_grad``, the gradients of their sum (each row's weighted by ``row_weights``) with respect to
+    x, lora_a and lora_b, computed while each chunk's softmax is at hand."""
+    n, c = x.shape
+    v = weight.shape[0]
+    dtype = weight.dtype
+    f32 = torch.float32
+    lora = lora_a is not None
+    with torch.autocast(x.device.type, enabled=False):
+        xc = x.to(dtype)
+        valid = targets != IGNORE_INDEX
+        safe = torch.where(valid, targets, 0)
+        keep = valid.float() if row_weights is None else valid * row_weights.float()
+        h = b = None
+        native = False
+        if lora:  # the LoRA product's rank-r half (ggtorch.lora.product), a chunk of rows at a time
+            a, b = lora_a.to(dtype), lora_b.to(dtype)
+            native = rank_r_native(xc, a)
+            h = down(xc, a, native)  # (N, r)
+        losses = torch.empty(n, dtype=f32, device=x.device)
+        grad_x = torch.empty(n, c, dtype=f32, device=x.device) if need_grad else None
+        grad_h = torch.empty(n, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
+        grads_b = torch.zeros(v, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
+        step = head_rows(v, x.device)
+        # Chunk buffers live for the whole call: a fresh (rows, V) tensor per chunk is returned to
+        # the OS and page-faulted back in every time (glibc gives such large blocks back at once).
+        # oneDNN (f32 on CPU) has no out=, so its logits are fresh per chunk; the softmax is then
+        # written over the f32 logits where its kernels allow that (each row's max and sum are
+        # taken before any element is written).
+        rows_max = min(step, n)
+        logits_buf = None if uses_onednn(xc, weight) else torch.empty(rows_max, v, dtype=dtype, device=x.device)
+        f32_buf = None if dtype == f32 else torch.empty(rows_max, v, dtype=f32, device=x.device)
+        in_place = policy.current(x.device).in_place_softmax
+        probs_buf = None if in_place or not need_grad else torch.empty(rows_max, v, dtype=f32, device=x.device)
 
-    The gradient is computed in forward while each chunk's logits are at hand (softmax - onehot
+        def logits_of(rows: slice | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            logits = mm_t(xc[rows], weight) if out is None else torch.matmul(xc[rows], weight.T, out=out)
+            return up_(logits, h[rows], b, scale, native) if lora else logits  # (rows, V)
+
+        for r0 in range(0, n, step):
+            r1 = min(r0 + step, n)
+            logits = logits_of(slice(r0, r1), None if logits_buf is None else logits_buf[:r1 - r0])
+            logits32 = logits if f32_buf is None else f32_buf[:r1 - r0].copy_(logits)
+            if not need_grad:
+                losses[r0:r1] = _row_losses(logits32, safe[r0:r1], valid[r0:r1])
+                continue
+            p = torch.softmax(logits32, dim=-1, out=logits32 if probs_buf is None else probs_buf[:r1 - r0])
+            losses[r0:r1] = _row_losses_from_probs(p, safe[r0:r1], valid[r0:r1],
+                                                   lambda rows, r0=r0: logits_of(rows + r0).float())
+            p.scatter_add_(1, safe[r0:r1, None], torch.full((r1 - r0, 1), -1.0, dtype=f32, device=x.device))
+            p.mul_(keep[r0:r1, None])  # d(weighted row loss)/d(logits), 0 for ignored rows
+            if dtype != f32:
+                p = logits.copy_(p)  # the logits are spent: their buffer takes p in the compute dtype
+            grad_x[r0:r1] = mm(p, weight)
+            if lora:
+                grad_h[r0:r1] = grad_down(p, b, scale, native)
+                grads_b += grad_b(p, h[r0:r1], scale, native)
+        grads_a = None
+        if need_grad and lora:
+            grads_a = grad_a(x.float(), grad_h, native).float()  # (r, C)
+            input_grad_(grad_x, grad_h, lora_a.float(), native)
+    return losses, grad_x, grads_a, grads_b
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """``cross_entropy(x @ W.T [+ s·(x @ A.T) @ B.T], targets)`` per row, or their sum, chunked over rows.
+
+    For the sum, the gradient is computed in forward while each chunk's logits are at hand (softmax - onehot
     is only needed once), kept as (N, C) / LoRA-sized tensors, and scaled by the upstream
     gradient in backward: the (N, V) logits never exist, neither do their gradient or a second
-    pass over W. Everything is computed in ``weight.dtype`` for the matmuls (as autocast would)
-    and f32 for the softmax.
+    pass over W. Per row (``per_row``, as preference objectives weigh each answer's tokens by a weight known only
+    after the forward), forward computes the losses alone and backward takes a second pass with the rows' weights:
+    two passes over W for any number of answers. Everything is computed in ``weight.dtype`` for the matmuls (as
+    autocast would) and f32 for the softmax.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,  # type: ignore[override]
-                weight: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
-        n, c = x.shape
-        v = weight.shape[0]
-        dtype = weight.dtype
-        f32 = torch.float32
-        lora = lora_a is not None
-        need_grad = any(ctx.needs_input_grad[:3])
-        with torch.autocast(x.device.type, enabled=False):
-            xc = x.to(dtype)
-            valid = targets != IGNORE_INDEX
-            safe = torch.where(valid, targets, 0)
-            h = b = None
-            native = False
-            if lora:  # the LoRA product's rank-r half (ggtorch.lora.product), a chunk of rows at a time
-                a, b = lora_a.to(dtype), lora_b.to(dtype)
-                native = rank_r_native(xc, a)
-                h = down(xc, a, native)  # (N, r)
-            total = torch.zeros((), dtype=f32, device=x.device)
-            grad_x = torch.empty(n, c, dtype=f32, device=x.device) if need_grad else None
-            grad_h = torch.empty(n, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
-            grads_b = torch.zeros(v, h.shape[1], dtype=f32, device=x.device) if need_grad and lora else None
-            step = head_rows(v, x.device)
-            # Chunk buffers live for the whole call: a fresh (rows, V) tensor per chunk is returned to
-            # the OS and page-faulted back in every time (glibc gives such large blocks back at once).
-            # oneDNN (f32 on CPU) has no out=, so its logits are fresh per chunk; the softmax is then
-            # written over the f32 logits where its kernels allow that (each row's max and sum are
-            # taken before any element is written).
-            rows_max = min(step, n)
-            logits_buf = None if uses_onednn(xc, weight) else torch.empty(rows_max, v, dtype=dtype, device=x.device)
-            f32_buf = None if dtype == f32 else torch.empty(rows_max, v, dtype=f32, device=x.device)
-            in_place = policy.current(x.device).in_place_softmax
-            probs_buf = None if in_place or not need_grad else torch.empty(rows_max, v, dtype=f32, device=x.device)
-
-            def logits_of(rows: slice | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-                logits = mm_t(xc[rows], weight) if out is None else torch.matmul(xc[rows], weight.T, out=out)
-                return up_(logits, h[rows], b, scale, native) if lora else logits  # (rows, V)
-
-            for r0 in range(0, n, step):
-                r1 = min(r0 + step, n)
-                logits = logits_of(slice(r0, r1), None if logits_buf is None else logits_buf[:r1 - r0])
-                logits32 = logits if f32_buf is None else f32_buf[:r1 - r0].copy_(logits)
-                if not need_grad:
-                    total += _row_losses(logits32, safe[r0:r1], valid[r0:r1]).sum()
-                    continue
-                p = torch.softmax(logits32, dim=-1, out=logits32 if probs_buf is None else probs_buf[:r1 - r0])
-                total += _row_losses_from_probs(p, safe[r0:r1], valid[r0:r1],
-                                                lambda rows, r0=r0: logits_of(rows + r0).float()).sum()
-                p.scatter_add_(1, safe[r0:r1, None], torch.full((r1 - r0, 1), -1.0, dtype=f32, device=x.device))
-                p.mul_(valid[r0:r1, None])  # d(row loss)/d(logits), 0 for ignored rows
-                if dtype != f32:
-                    p = logits.copy_(p)  # the logits are spent: their buffer takes p in the compute dtype
-                grad_x[r0:r1] = mm(p, weight)
-                if lora:
-                    grad_h[r0:r1] = grad_down(p, b, scale, native)
-                    grads_b += grad_b(p, h[r0:r1], scale, native)
-            grads_a = None
-            if need_grad and lora:
-                x32 = x.float()
-                grads_a = grad_a(x32, grad_h, native).float()  # (r, C)
-                input_grad_(grad_x, grad_h, lora_a.float(), native)
-        ctx.save_for_backward(grad_x, grads_a, grads_b)
+                weight: torch.Tensor, targets: torch.Tensor, scale: float, per_row: bool = False) -> torch.Tensor:
         ctx.dtypes = (x.dtype, None if lora_a is None else lora_a.dtype, None if lora_b is None else lora_b.dtype)
-        return total
+        ctx.per_row, ctx.scale = per_row, scale
+        need_grad = any(ctx.needs_input_grad[:3])
+        if per_row:
+            losses = _linear_pass(x, lora_a, lora_b, weight, targets, scale, need_grad=False)[0]
+            ctx.save_for_backward(x, lora_a, lora_b, weight, targets)
+            return losses
+        losses, *grads = _linear_pass(x, lora_a, lora_b, weight, targets, scale, need_grad)
+        ctx.save_for_backward(*grads)
+        return losses.sum()
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
-        grad_x, grad_a, grad_b = ctx.saved_tensors
+        if ctx.per_row:
+            x, lora_a, lora_b, weight, targets = ctx.saved_tensors
+            grad_x, grad_a_, grad_b_ = _linear_pass(x, lora_a, lora_b, weight, targets, ctx.scale, True, grad_out)[1:]
+            g = torch.ones((), device=x.device)
+        else:
+            grad_x, grad_a_, grad_b_ = ctx.saved_tensors
+            g = grad_out.float()
         x_dtype, a_dtype, b_dtype = ctx.dtypes
-        g = grad_out.float()
         gx = (grad_x * g).to(x_dtype) if grad_x is not None and ctx.needs_input_grad[0] else None
-        ga = (grad_a * g).to(a_dtype) if grad_a is not None and ctx.needs_input_grad[1] else None
-        gb = (grad_b * g).to(b_dtype) if grad_b is not None and ctx.needs_input_grad[2] else None
-        return gx, ga, gb, None, None, None
+        ga = (grad_a_ * g).to(a_dtype) if grad_a_ is not None and ctx.needs_input_grad[1] else None
+        gb = (grad_b_ * g).to(b_dtype) if grad_b_ is not None and ctx.needs_input_grad[2] else None
+        return gx, ga, gb, None, None, None, None
 
 
 def slab_chunk(n_rows: int, n_embd: int, device: torch.device | str) -> tuple[int, int]:
@@ -226,7 +244,7 @@ def head_rows(n_vocab: int, device: torch.device | str) -> int:
 
 
 class _SlabCrossEntropy(torch.autograd.Function):
-    """Sum over rows of ``cross_entropy(x @ W.T, targets)``, W taken a slab of vocabulary rows at a time.
+    """``cross_entropy(x @ W.T, targets)`` per row, W taken a slab of vocabulary rows at a time.
 
     The online softmax (as flash attention does over keys): each row keeps its running max ``m``, its
     sum ``s`` of ``exp(logit - m)`` and the running ``sum exp(logit - m) · W[v]`` (N, C), rescaled when
@@ -293,7 +311,7 @@ class _SlabCrossEntropy(torch.autograd.Function):
                         else:
                             acc[r].add_(mm(e, w))
             losses = (run_max + torch.log(run_sum) - picked) * valid
-            grad_x = None
+            grad_x = None  # of each row's loss: backward weighs the rows
             if acc is not None:
                 target_rows = rows_of(safe).float()
                 if multiplier != 1.0 or cap:  # the target logit's slope
@@ -301,13 +319,14 @@ class _SlabCrossEntropy(torch.autograd.Function):
                 grad_x = acc.div_(run_sum[:, None]).sub_(target_rows).mul_(valid[:, None])
         ctx.save_for_backward(grad_x)
         ctx.x_dtype = x.dtype
-        return losses.sum()
+        return losses
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         (grad_x,) = ctx.saved_tensors
-        gx = (grad_x * grad_out.float()).to(ctx.x_dtype) if grad_x is not None and ctx.needs_input_grad[0] else None
-        return gx, None, None, None, None, None, None
+        if grad_x is None or not ctx.needs_input_grad[0]:
+            return None, None, None, None, None, None, None
+        return (grad_x * grad_out.float()[:, None]).to(ctx.x_dtype), None, None, None, None, None, None
 
 
 def _mapped_logits(logits: torch.Tensor, multiplier: float, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,7 +390,7 @@ def _weight_slabs(output: torch.nn.Module, x: torch.Tensor
 
 
 def output_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                         reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+                         reduction: Reduction = "mean") -> torch.Tensor:
     """``cross_entropy(output(hidden), targets)`` without materializing the (N, V) logits.
 
     ``output`` is the model's output projection (``nn.Linear``, ``QuantLinear``, or a
@@ -387,12 +406,12 @@ def output_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets:
     if parts is None:
         return cross_entropy(output(hidden).float(), targets, reduction)
     weight, lora_a, lora_b, scale = parts
-    t = targets.reshape(-1)
-    return _reduced(_LinearCrossEntropy.apply(x, lora_a, lora_b, weight, t, scale), t, reduction)
+    losses = _LinearCrossEntropy.apply(x, lora_a, lora_b, weight, targets.reshape(-1), scale, reduction == "none")
+    return _reduced(losses, targets, reduction)
 
 
 def _slab_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                        reduction: Literal["mean", "sum"], head_map: tuple[float, float] = (1.0, 0.0)
+                        reduction: Reduction, head_map: tuple[float, float] = (1.0, 0.0)
                         ) -> torch.Tensor | None:
     """The loss over ``output``'s vocabulary a slab at a time (:class:`_SlabCrossEntropy`), the logits mapped by
     ``head_map`` (multiplier, cap); None where the output is not a frozen projection (a LoRA that computes, a
@@ -405,21 +424,22 @@ def _slab_cross_entropy(output: torch.nn.Module, hidden: torch.Tensor, targets: 
     slabs = _weight_slabs(output, x)
     if slabs is None:
         return None
-    t = targets.reshape(-1)
-    return _reduced(_SlabCrossEntropy.apply(x, t, *slabs, *head_map), t, reduction)
+    return _reduced(_SlabCrossEntropy.apply(x, targets.reshape(-1), *slabs, *head_map), targets, reduction)
 
 
-def _reduced(total: torch.Tensor, targets: torch.Tensor, reduction: Literal["mean", "sum"]) -> torch.Tensor:
-    """A summed loss as ``reduction`` asks: itself, or over the counted targets."""
+def _reduced(losses: torch.Tensor, targets: torch.Tensor, reduction: Reduction) -> torch.Tensor:
+    """Per-target losses (N,) (or a fused loss's sum of them, for "sum" and "mean") as ``reduction`` asks."""
+    if reduction == "none":
+        return losses.reshape(targets.shape)
     if reduction == "sum":
-        return total
+        return losses.sum()
     if reduction == "mean":
-        return total / (targets != IGNORE_INDEX).sum()
-    raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        return losses.sum() / (targets != IGNORE_INDEX).sum()
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
 
 
 def head_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor,
-                       n_vocab: int, reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+                       n_vocab: int, reduction: Reduction = "mean") -> torch.Tensor:
     """``cross_entropy(head(hidden), targets)`` for a head that is more than one projection (an output
     bias, gemma's final soft-capping), a chunk of tokens at a time: each chunk's logits exist only
     while it is computed, and again in backward (activation checkpointing), never (tokens, V) whole.
@@ -429,21 +449,18 @@ def head_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
     x = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
 
-    def chunk_loss(xc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(head(xc), tc, "sum")
+    def chunk_losses(xc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(head(xc), tc, "none")
 
-    total = hidden.new_zeros((), dtype=torch.float32)
     step = head_rows(n_vocab, x.device)
-    for r0, r1 in ((r0, min(r0 + step, x.shape[0])) for r0 in range(0, x.shape[0], step)):
-        if torch.is_grad_enabled():
-            total = total + checkpoint(chunk_loss, x[r0:r1], t[r0:r1])
-        else:
-            total = total + chunk_loss(x[r0:r1], t[r0:r1])
-    return _reduced(total, t, reduction)
+    chunks = [(r0, min(r0 + step, x.shape[0])) for r0 in range(0, x.shape[0], step)]
+    losses = [checkpoint(chunk_losses, x[r0:r1], t[r0:r1]) if torch.is_grad_enabled()
+              else chunk_losses(x[r0:r1], t[r0:r1]) for r0, r1 in chunks]
+    return _reduced(torch.cat(losses) if losses else x.new_zeros(0, dtype=torch.float32), targets, reduction)
 
 
 def model_cross_entropy(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                        reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+                        reduction: Reduction = "mean") -> torch.Tensor:
     """The loss of a Transformer's normed hidden states: the fused output loss when its logits are the
     output projection alone or an elementwise map of it (a scale, a soft-cap) over a frozen output; else its head a
     chunk of tokens at a time."""

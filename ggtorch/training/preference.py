@@ -41,19 +41,14 @@ class AnswerLogps:
 
 def answer_logps(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, answers: torch.Tensor,
                  n_answers: int) -> AnswerLogps:
-    """Each answer's summed log-probability of its tokens (``answers`` tags each target with its answer, -1 none):
-    the hidden states of its targets gathered wherever its pieces sit (rows, packed segments, split pieces), through
-    the model's fused output loss one answer at a time, so no (T, V) logits are kept."""
-    n_embd = hidden.shape[-1]
-    flat_answers = answers.reshape(-1)
-    order = torch.argsort(flat_answers, stable=True)
-    counts = torch.bincount(flat_answers.clamp_min(-1) + 1, minlength=n_answers + 1)
-    sizes = counts.tolist()  # one host sync: [no answer, answer 0, answer 1, ...]
-    positions = order.split(sizes)[1:]
-    flat_hidden, flat_targets = hidden.reshape(-1, n_embd), targets.reshape(-1)
-    totals = torch.stack([-model_cross_entropy(model, flat_hidden[at][None], flat_targets[at][None], "sum")
-                          for at in positions])
-    return AnswerLogps(totals.float(), counts[1:].float())
+    """Each answer's summed log-probability of its tokens (``answers`` tags each target with its answer, -1 none),
+    wherever its pieces sit (rows, packed segments, split pieces): the model's fused output loss per target, one
+    pass for all the answers (no (T, V) logits kept), summed per answer."""
+    losses = model_cross_entropy(model, hidden, targets, "none").reshape(-1)
+    slots = answers.reshape(-1).clamp_min(-1) + 1  # slot 0 collects the targets of no answer
+    totals = losses.new_zeros(n_answers + 1).index_add(0, slots, losses)
+    counts = torch.bincount(slots, minlength=n_answers + 1)
+    return AnswerLogps(-totals[1:].float(), counts[1:].float())
 
 
 def pick(logps: AnswerLogps, side: int) -> AnswerLogps:
@@ -83,6 +78,8 @@ class PreferenceLoss:
     losses: torch.Tensor  # (P,)
     chosen_rewards: torch.Tensor  # (P,), detached
     rejected_rewards: torch.Tensor  # (P,), detached
+    chosen_logps: torch.Tensor  # (P,), detached: what TRL logs as logps/chosen for this objective
+    rejected_logps: torch.Tensor  # (P,), detached
     nll: tuple[torch.Tensor, torch.Tensor] | None = None
     """ORPO's: the chosen answers' summed negative log-likelihood and their token count, a mean over the tokens of
     the whole batch (as TRL takes it), not over pairs."""
@@ -109,32 +106,38 @@ def dpo(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, 
     reference's. Rewards: beta times each answer's log-ratio to the reference."""
     h = (chosen - rejected) - (ref_chosen - ref_rejected)
     losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
-    return PreferenceLoss(losses, (beta * (chosen - ref_chosen)).detach(), (beta * (rejected - ref_rejected)).detach())
+    return PreferenceLoss(losses, (beta * (chosen - ref_chosen)).detach(), (beta * (rejected - ref_rejected)).detach(),
+                          chosen.detach(), rejected.detach())
 
 
-def ipo(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+def ipo(chosen: AnswerLogps, rejected: AnswerLogps, ref_chosen: AnswerLogps, ref_rejected: AnswerLogps,
         beta: float) -> PreferenceLoss:
     """IPO (Azar et al. eq. 17): (h - 1 / (2 beta))^2 on the same h as DPO's, here of log-probabilities averaged
-    over each answer's tokens as TRL's IPO takes them."""
-    h = (chosen - rejected) - (ref_chosen - ref_rejected)
+    over each answer's tokens as TRL's IPO takes them. Rewards as TRL logs them for every loss: beta times each
+    answer's summed log-ratio to the reference."""
+    h = (chosen.mean - rejected.mean) - (ref_chosen.mean - ref_rejected.mean)
     losses = (h - 1 / (2 * beta)) ** 2
-    return PreferenceLoss(losses, (beta * (chosen - ref_chosen)).detach(), (beta * (rejected - ref_rejected)).detach())
+    return PreferenceLoss(losses, (beta * (chosen.total - ref_chosen.total)).detach(),
+                          (beta * (rejected.total - ref_rejected.total)).detach(), chosen.total.detach(),
+                          rejected.total.detach())
 
 
 def orpo(chosen: AnswerLogps, rejected: AnswerLogps, lam: float) -> PreferenceLoss:
     """ORPO (Hong et al.): the chosen answers' negative log-likelihood (per token over the batch) plus, per pair,
     ``-lam`` log sigmoid of the log odds ratio of the answers' mean token probabilities,
     log(p_c / (1 - p_c)) - log(p_r / (1 - p_r)). Rewards, as TRL logs them: ``lam`` times each mean
-    log-probability."""
+    log-probability; TRL's ORPO logs the means as the answers' logps too. (TRL's experimental ORPOTrainer also
+    counts the prompt's tokens in the NLL; the paper's, and this, is the answer's.)"""
     c, r = chosen.mean, rejected.mean
     log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
-    return PreferenceLoss(-lam * F.logsigmoid(log_odds), (lam * c).detach(), (lam * r).detach(),
-                          nll=(-chosen.total.sum(), chosen.count.sum()))
+    return PreferenceLoss(-lam * F.logsigmoid(log_odds), (lam * c).detach(), (lam * r).detach(), c.detach(),
+                          r.detach(), nll=(-chosen.total.sum(), chosen.count.sum()))
 
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")
-"""TRL's names of the means a preference run logs per step and evaluation."""
+"""TRL's names of the means a preference run logs per step and evaluation, with TRL's meanings (the answers' logps
+summed over their tokens for DPO and IPO, averaged for ORPO)."""
 
 
 @dataclass(frozen=True)
@@ -158,14 +161,13 @@ class PreferenceObjective:
         assert reference is not None, "DPO and IPO compare with the reference's log-probabilities"
         ref_chosen, ref_rejected = pick(reference, 0), pick(reference, 1)
         if self.name == "ipo":
-            return ipo(chosen.mean, rejected.mean, ref_chosen.mean, ref_rejected.mean, self.beta)
+            return ipo(chosen, rejected, ref_chosen, ref_rejected, self.beta)
         return dpo(chosen.total, rejected.total, ref_chosen.total, ref_rejected.total, self.beta,
                    self.label_smoothing)
 
 
-def metric_sums(result: PreferenceLoss, policy: AnswerLogps) -> list[float]:
+def metric_sums(result: PreferenceLoss) -> list[float]:
     """The batch's sums over pairs of each of :data:`METRICS` (summed over micro-batches and ranks, then divided by
     the pairs: the step's means)."""
-    chosen, rejected = pick(policy, 0).total.detach(), pick(policy, 1).total.detach()
     return [float(t.sum()) for t in (result.chosen_rewards, result.rejected_rewards, result.margins,
-                                      result.accuracies, chosen, rejected)]
+                                      result.accuracies, result.chosen_logps, result.rejected_logps)]

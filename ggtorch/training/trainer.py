@@ -342,7 +342,8 @@ class Trainer:
                 weighted = loss * (count * self.dist.world_size / global_count)
                 (weighted if self.run.scaler is None else self.run.scaler.scale(weighted)).backward()
             loss_sum += loss.detach().double() * count
-            metric_totals = [a + b for a, b in zip(metric_totals, sums, strict=False)] if sums else metric_totals
+            if sums:
+                metric_totals = [a + b for a, b in zip(metric_totals, sums, strict=True)]
         loss_total, stop, *metric_totals = self.dist.reduce_sum(
             [float(loss_sum), float(self._stop_requested), *metric_totals], self.device)
         loss_value = loss_total / global_count if global_count else float("nan")
@@ -408,7 +409,7 @@ class Trainer:
             return model_cross_entropy(self.model, hidden, batch.targets), []
         policy_logps = answer_logps(self.model, hidden, batch.targets, batch.answers, 2 * batch.n_pairs)
         result = self.objective(policy_logps, reference)
-        return result.loss, metric_sums(result, policy_logps)
+        return result.loss, metric_sums(result)
 
     @torch.no_grad()
     def _reference_logps(self, batch: Batch) -> AnswerLogps | None:

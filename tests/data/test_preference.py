@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,13 +81,18 @@ def _answer_tokens(batch, answer: int) -> list[int]:
     return batch.targets[batch.answers == answer].tolist()
 
 
+def _first_epoch(seed: int, count: int) -> np.ndarray:
+    """The documented order of epoch 0: numpy's PCG64 from (seed, epoch)'s permutation."""
+    return np.random.Generator(np.random.PCG64([seed, 0])).permutation(count)
+
+
 @pytest.mark.parametrize("batching", ["pack", "pad"])
 def test_a_batch_holds_both_sides_of_its_pairs_each_answer_tagged(tokenizer: Tokenizer, batching: str) -> None:
     """--batch counts pairs; answer 2p is pair p's chosen answer and 2p + 1 its rejected one, tagged on exactly the
     trained targets of that sequence; packed rows keep each sequence in its own segment."""
     records = [Record(r, f"line {i + 1}") for i, r in enumerate(_records(6))]
     data = PreferenceData(records, tokenizer, n_ctx=64, options=RecordOptions(batching=batching), seed=3)
-    order = [int(i) for i in data._order[:4]]
+    order = [int(i) for i in _first_epoch(data.seed, data.n_samples)[:4]]
     batch = data.next_batch(4)
     assert batch.n_pairs == 4 and data.next_sample == 4 and data.last_used == 4
     assert (batch.answers >= 0).sum() == batch.n_counted  # every trained target has its answer, no other one
@@ -111,7 +117,7 @@ def test_split_answers_keep_every_token_of_each_side(tokenizer: Tokenizer) -> No
     split = PreferenceData(records, tokenizer, n_ctx=24, options=RecordOptions(long_records="split"), seed=1)
     assert split.counts.split == 4
     batch = split.next_batch(2)
-    pairs = [whole[int(i)] for i in split._order[:2]]
+    pairs = [whole[int(i)] for i in _first_epoch(split.seed, split.n_samples)[:2]]
     for p, pair in enumerate(pairs):
         for answer, enc in ((2 * p, pair.chosen), (2 * p + 1, pair.rejected)):
             assert _answer_tokens(batch, answer) == enc.tokens[1:][enc.trained[1:]].tolist()

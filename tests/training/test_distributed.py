@@ -232,3 +232,25 @@ def test_answer_only_loss_on_two_ranks_equals_one_process(stories260k: Path, tmp
               "--warmup", "0", "--adam-alpha", "0.01", "--seed", "3", "--threads", "1", "-n", "3",
               "--save-every", "0", "--checkpoint-in", ""]
     assert_two_ranks_train_as_one_process(common, tmp_path)
+
+
+def test_preference_pairs_on_two_ranks_equal_one_process(stories260k: Path, tmp_path: Path) -> None:
+    """DPO over pairs of different lengths: each rank's micro-batch holds its own pairs (both sides), the reference is
+    each rank's base with the adapter off, and the step's loss and TRL's metrics are means over the global pairs."""
+    stories = [("Tom went to the park.", " He was happy. The end.", " He was sad."),
+               ("Lily had a red ball.", " She played with it all day long in the sun.", " It broke."),
+               ("The cat sat on the mat.", " It purred.", " It ran away from the big dog in the garden."),
+               ("Ben saw a bird.", " The bird sang a song for him.", " He went home.")]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in stories),
+                    encoding="utf-8")
+    common = ["finetune", "--model-base", str(stories260k), "--train-data", str(data), "--objective", "dpo",
+              "-c", "64", "-b", "1", "--warmup", "0", "--adam-alpha", "0.01", "--seed", "3", "--threads", "1",
+              "-n", "3", "--save-every", "0", "--checkpoint-in", ""]
+    assert_two_ranks_train_as_one_process(common, tmp_path)
+    metrics = [[r["metrics"] for r in read_log(tmp_path / side / "checkpoint-log.jsonl") if r.get("kind") == "iter"]
+               for side in ("two", "one")]
+    assert len(metrics[0]) == 3 and metrics[0][-1]["rewards/margins"] != 0.0
+    for two, one in zip(*metrics, strict=True):
+        assert two.keys() == one.keys()
+        np.testing.assert_allclose([two[k] for k in two], [one[k] for k in two], rtol=1e-4, atol=1e-6)

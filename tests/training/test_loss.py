@@ -139,6 +139,42 @@ def test_fused_output_loss_equals_logits_then_cross_entropy(kind: str, lora: boo
         assert b.abs().max() > 0
 
 
+@pytest.mark.parametrize("kind", ["linear", "quant"])
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_output_loss_per_target_takes_any_weighting_of_the_targets(kind: str, lora: bool, autocast: bool,
+                                                                         cpu_policy) -> None:
+    """reduction "none" (what a preference objective sums per answer, then weighs by a factor known only after the
+    forward): each target's loss, and the gradients of any weighted sum of them, equal the logits written out."""
+    cpu_policy(head_chunk_bytes=7 * 4 * N_VOCAB, slab_rows=16, slab_bytes=7 * 4 * N_VOCAB)
+    output = _output(kind, lora)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 20, N_EMBD, generator=g)
+    targets = torch.randint(0, N_VOCAB, (2, 20), generator=g)
+    targets[1, 3:9] = -100
+    weights = torch.randn(2, 20, generator=g)  # of both signs, as d(DPO loss)/d(logp) per answer
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    params = [p for p in output.parameters() if p.requires_grad]
+    results = []
+    for fused_loss in (True, False):
+        h = hidden.clone().requires_grad_()
+        with ctx:
+            losses = (output_cross_entropy(output, h, targets, "none") if fused_loss
+                      else F.cross_entropy(output(h).float().reshape(-1, N_VOCAB), targets.reshape(-1),
+                                           reduction="none").reshape(2, 20))
+        grads = torch.autograd.grad((losses * weights).sum(), [h, *params])
+        results.append((losses.detach(), grads))
+    (ours, ours_grads), (ref, ref_grads) = results
+    tol = {"rtol": 2e-2, "atol": 2e-3} if autocast else {"rtol": 1e-5, "atol": 1e-6}
+    assert ours.shape == targets.shape and torch.all(ours[1, 3:9] == 0)
+    torch.testing.assert_close(ours, ref, **tol)
+    assert len(ours_grads) == (3 if lora else 1)
+    for a, b in zip(ours_grads, ref_grads, strict=True):  # bf16: weights of both signs cancel, so scale-relative
+        torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"] * (10 * float(b.abs().max()) if autocast
+                                                                              else 1.0))
+        assert b.abs().max() > 0
+
+
 @pytest.mark.parametrize("gap", [5.0, 60.0, 300.0])
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("in_place", [True, False])
@@ -279,6 +315,14 @@ def test_a_head_of_more_than_one_projection_takes_the_estimated_rows_per_chunk(n
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_grad, expected_grad, rtol=1e-4, atol=1e-7)
 
+    weights = torch.randn(n_tokens, generator=gen)  # per target, as a preference objective weighs its answers
+    got = loss_mod.head_cross_entropy(head, hidden, targets, n_vocab, "none")
+    (got_grad,) = torch.autograd.grad((got * weights).sum(), hidden)
+    expected = F.cross_entropy(head(hidden), targets, ignore_index=-100, reduction="none")
+    (expected_grad,) = torch.autograd.grad((expected * weights).sum(), hidden)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_grad, expected_grad, rtol=1e-4, atol=1e-7)
+
 
 @pytest.mark.parametrize("kind", ["linear", "quant"])
 @pytest.mark.parametrize(("multiplier", "cap"), [(1.0, 30.0), (0.125, 0.0), (0.5, 4.0)],
@@ -300,7 +344,7 @@ def test_a_mapped_head_takes_the_vocabulary_a_slab_at_a_time(kind: str, multipli
     with ctx:
         x = hidden.reshape(-1, N_EMBD)
         ours = loss_mod._SlabCrossEntropy.apply(x, targets.reshape(-1), *loss_mod._weight_slabs(output, x),
-                                                multiplier, cap)
+                                                multiplier, cap).sum()
     (ours_grad,) = torch.autograd.grad(ours, hidden)
     weight = output.weight if kind == "linear" else output.dequantized_weight(torch.float32)
     h64 = hidden.detach().double().requires_grad_()

@@ -92,9 +92,14 @@ def test_dpo_is_the_sigmoid_loss_of_the_log_ratio_gain(smoothing: float) -> None
 
 
 def test_ipo_is_the_squared_distance_of_the_gain_from_half_over_beta() -> None:
+    """On log-probabilities averaged per answer token; the rewards (TRL's, whatever the loss) on their sums."""
     pc, pr, rc, rr = _logps(2)
-    got = preference.ipo(pc, pr, rc, rr, beta=0.5)
-    torch.testing.assert_close(got.losses, (((pc - pr) - (rc - rr)) - 1.0) ** 2)
+    counts = [torch.arange(1, 7, dtype=torch.float64) + k for k in range(4)]
+    got = preference.ipo(*(preference.AnswerLogps(t, c) for t, c in zip((pc, pr, rc, rr), counts, strict=True)),
+                         beta=0.5)
+    mc, mr, mrc, mrr = (t / c for t, c in zip((pc, pr, rc, rr), counts, strict=True))
+    torch.testing.assert_close(got.losses, (((mc - mr) - (mrc - mrr)) - 1.0) ** 2)
+    torch.testing.assert_close(got.chosen_rewards, 0.5 * (pc - rc).detach())
 
 
 def test_orpo_equals_trls_odds_ratio_loss() -> None:
