@@ -10,6 +10,7 @@ must be within ESTIMATE_TOLERANCE of the measured peak.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -85,3 +86,19 @@ def test_force_starts_a_run_the_estimate_refuses(stories260k: Path, texts: dict[
     forced = run_cli([*args, "--force"], cwd=tmp_path)
     assert forced.exit_code == 0, forced.output
     assert "expected peak memory:" in forced.stdout and (tmp_path / "a.gguf").is_file()
+
+
+@pytest.mark.slow
+def test_a_dpo_runs_estimate_counts_two_sequences_per_pair(random_llama, texts: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    """DPO, 2 pairs per step on a Q4_0 base kept quantized: four sequences of about the context's length each (and the
+    reference's forward without gradients), within the same tolerance of the measured peak."""
+    text = texts["train"].read_text(encoding="utf-8")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": text[i:i + 400], "chosen": text[i + 400:i + 1000],
+                                         "rejected": text[i + 5000:i + 5600]}) + "\n"
+                             for i in range(0, 8 * 1000, 1000)), encoding="utf-8")
+    flags = ["--objective", "dpo", "-b", "2", "-c", "256", "--batching", "pad"]
+    estimate, measured = run_and_measure("finetune", random_llama("Q4_0", REAL_SHAPE), pairs, tmp_path, flags)
+    print(f"DPO b2 pairs x 256: estimated {estimate:.2f} GiB, measured {measured:.2f} GiB")
+    assert abs(estimate / measured - 1) <= ESTIMATE_TOLERANCE, (estimate, measured)

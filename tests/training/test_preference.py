@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from ggtorch.io.gguf import read_gguf
 from ggtorch.lora import LoraConfig, attach_lora, trainable_parameters
 from ggtorch.models.loader import load_model_file
 from ggtorch.models.tokenizer import Tokenizer
+from ggtorch.quant.modules import QuantLinear
 from ggtorch.training import preference
 from ggtorch.training.trainer import Trainer
 from tests.helpers import read_log
@@ -139,18 +141,22 @@ def _trainer(stories260k: Path, tmp_path: Path, **options) -> Trainer:
     return api.finetune(**options)
 
 
+def _answer_sums(m: torch.nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each answer's summed log-probability on the full float64 log-softmax, its tokens picked by hand, and their
+    count."""
+    logp = F.log_softmax(m(batch.inputs, positions=batch.positions, segments=batch.segments).double(), dim=-1)
+    picked = logp.gather(-1, batch.targets.clamp(min=0)[..., None])[..., 0]
+    n = int(batch.answers.max()) + 1
+    total = torch.stack([picked[batch.answers == a].sum() for a in range(n)])
+    count = torch.stack([(batch.answers == a).sum() for a in range(n)]).double()
+    return total, count
+
+
 def _written_out_loss(model: torch.nn.Module, batch, objective: str, reference: torch.nn.Module | None,
                       beta: float = 0.1, lam: float = 0.1) -> torch.Tensor:
     """The objective on full float64 log-softmaxes, each answer's tokens picked by hand: a computation apart from
     the fused loss, the answer gathering and the objective code."""
-    def sums(m: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        logp = F.log_softmax(m(batch.inputs, positions=batch.positions, segments=batch.segments).double(), dim=-1)
-        picked = logp.gather(-1, batch.targets.clamp(min=0)[..., None])[..., 0]
-        n = int(batch.answers.max()) + 1
-        total = torch.stack([picked[batch.answers == a].sum() for a in range(n)])
-        count = torch.stack([(batch.answers == a).sum() for a in range(n)]).double()
-        return total, count
-
+    sums = partial(_answer_sums, batch=batch)
     total, count = sums(model)
     if objective == "orpo":
         c, r = total[0::2] / count[0::2], total[1::2] / count[1::2]
@@ -188,6 +194,34 @@ def test_a_training_step_has_the_objectives_loss_and_gradients(stories260k: Path
     for name, p, _ in trainable_parameters(policy):
         torch.testing.assert_close(got[name].grad.double(), p.grad.double(), rtol=1e-4, atol=1e-6)
     assert set(result.metrics) == set(preference.METRICS)
+    trainer.close()
+
+
+def test_a_quantized_base_stays_quantized_and_evaluations_log_trls_metrics(stories_q8: Path, tmp_path: Path) -> None:
+    """DPO on a Q8_0 base kept quantized; an evaluation over --val-split pairs logs the loss and TRL's metrics, each
+    written out here from float64 log-softmaxes of the policy and of the base loaded apart (dequantized)."""
+    trainer = _trainer(stories_q8, tmp_path, objective="dpo", batch=2, val_split=0.25)
+    assert sum(isinstance(m, QuantLinear) for m in trainer.model.modules()) >= 7
+    with torch.no_grad():
+        for _, p, _ in trainer.params:
+            p.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
+    reference = load_model_file(stories_q8).model
+    pairs, metrics, loss = 0, dict.fromkeys(preference.METRICS, 0.0), 0.0
+    with torch.no_grad():
+        for batch in trainer.val_batches:
+            (c, r), (c0, r0) = ((t[0::2], t[1::2]) for t, _ in (_answer_sums(trainer.model, batch),
+                                                                 _answer_sums(reference, batch)))
+            chosen, rejected = 0.1 * (c - c0), 0.1 * (r - r0)
+            loss += float(-F.logsigmoid(chosen - rejected).sum())
+            for name, values in zip(preference.METRICS, (chosen, rejected, chosen - rejected,
+                                                        (chosen > rejected).double(), c, r), strict=True):
+                metrics[name] += float(values.sum())
+            pairs += batch.n_pairs
+    assert pairs == 2  # a quarter of the 8 pairs
+    assert trainer.evaluate() == pytest.approx(loss / pairs, rel=1e-5)
+    assert trainer.last_eval_metrics == pytest.approx({k: v / pairs for k, v in metrics.items()}, rel=1e-4, abs=1e-6)
+    logged = [r for r in read_log(tmp_path / "log.jsonl") if r["kind"] == "eval"][-1]
+    assert logged["metrics"] == trainer.last_eval_metrics
     trainer.close()
 
 
