@@ -95,10 +95,10 @@ def test_a_dpo_runs_estimate_counts_two_sequences_per_pair(random_llama, texts: 
     reference's forward without gradients), within the same tolerance of the measured peak."""
     text = texts["train"].read_text(encoding="utf-8")
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": text[i:i + 400], "chosen": text[i + 400:i + 1000],
-                                         "rejected": text[i + 5000:i + 5600]}) + "\n"
+    pairs.write_text("".join(json.dumps({"prompt": text[i:i + 200], "chosen": text[i + 200:i + 500],
+                                         "rejected": text[i + 5000:i + 5300]}) + "\n"
                              for i in range(0, 8 * 1000, 1000)), encoding="utf-8")
-    flags = ["--objective", "dpo", "-b", "2", "-c", "256", "--batching", "pad"]
+    flags = ["--objective", "dpo", "-b", "2", "-c", "128", "--batching", "pad"]
     estimate, measured = run_and_measure("finetune", random_llama("Q4_0", REAL_SHAPE), pairs, tmp_path, flags)
-    print(f"DPO b2 pairs x 256: estimated {estimate:.2f} GiB, measured {measured:.2f} GiB")
+    print(f"DPO b2 pairs x 128: estimated {estimate:.2f} GiB, measured {measured:.2f} GiB")
     assert abs(estimate / measured - 1) <= ESTIMATE_TOLERANCE, (estimate, measured)
