@@ -205,6 +205,31 @@ class EpochOrder:
         return notes
 
 
+class OrderedStream:
+    """The DataStream surface a record or preference dataset shares: where its :class:`EpochOrder` (``self.order``)
+    stands, and its resume; a resume's notes join the dataset's ``warnings``."""
+
+    order: EpochOrder
+    warnings: list[str]
+
+    @property
+    def epoch(self) -> int:
+        return self.order.epoch
+
+    @property
+    def next_sample(self) -> int:
+        return self.order.position
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.order.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], force_reshuffle: bool | None = None) -> list[str]:
+        """Continue a checkpointed order (:meth:`EpochOrder.load_state_dict`)."""
+        notes = self.order.load_state_dict(state, force_reshuffle)
+        self.warnings += notes
+        return notes
+
+
 def held_out_count(total: int, fraction: float, name: str, unit: str) -> int:
     """``--val-split``: how many of ``total`` items (the last ones in file order) to hold out, checked."""
     if not 0.0 < fraction < 1.0:
@@ -240,7 +265,7 @@ def chat_template(options: RecordOptions, model_template: str | None) -> tuple[s
     return model_template, "model's chat template (tokenizer.chat_template)"
 
 
-class RecordData:
+class RecordData(OrderedStream):
     """A record dataset as the trainer's :class:`~ggtorch.data.batch.DataStream`.
 
     ``state_dict``/``load_state_dict`` resume the order exactly; ``split_validation`` and
@@ -308,14 +333,6 @@ class RecordData:
         """Targets that count in the loss, over all pieces."""
         return sum(int(p.trained[1:].sum()) for p in self.pieces)
 
-    @property
-    def epoch(self) -> int:
-        return self.order.epoch
-
-    @property
-    def next_sample(self) -> int:
-        return self.order.position
-
     def summary(self) -> str:
         """One line for the run summary: format, template, counts, masking and batching."""
         c = self.counts
@@ -349,15 +366,6 @@ class RecordData:
         self.last_used = used
         self.samples_used += used
         return collate(rows, self.n_ctx, self.pad_id, pack)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.order.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any], force_reshuffle: bool | None = None) -> list[str]:
-        """Continue a checkpointed order (:meth:`EpochOrder.load_state_dict`)."""
-        notes = self.order.load_state_dict(state, force_reshuffle)
-        self.warnings += notes
-        return notes
 
     # --- held-out data -----------------------------------------------------------------------
     def eval_batches(self, pieces: Sequence[Encoded], n_batch: int) -> list[Batch]:

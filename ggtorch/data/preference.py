@@ -30,6 +30,7 @@ from ggtorch.data.chat import Encoded, RecordEncoder
 from ggtorch.data.packing import (
     EpochOrder,
     FitCounts,
+    OrderedStream,
     RecordOptions,
     chat_template,
     collate,
@@ -164,7 +165,7 @@ def pair_batch(pairs: Sequence[FittedPair], n_ctx: int, pad_id: int, pack: bool)
     return collate(rows, n_ctx, pad_id, pack, ids)
 
 
-class PreferenceData:
+class PreferenceData(OrderedStream):
     """Preference records as the trainer's data stream: an order over pairs per epoch (numpy's PCG64 from
     ``(seed, epoch)``, as records), resumable; ``--batch`` pairs per micro-batch."""
 
@@ -211,14 +212,6 @@ class PreferenceData:
     def n_tokens(self) -> int:
         return sum(len(p) for pair in self.fitted for p in pair.pieces)
 
-    @property
-    def epoch(self) -> int:
-        return self.order.epoch
-
-    @property
-    def next_sample(self) -> int:
-        return self.order.position
-
     def summary(self) -> str:
         c = self.counts
         parts = [f"{c.records:,} preference pairs ({self.template_source})"]
@@ -238,15 +231,6 @@ class PreferenceData:
         self.last_used = n_batch
         self.samples_used += n_batch
         return pair_batch(chosen, self.n_ctx, self.pad_id, self.options.batching == "pack")
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.order.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any], force_reshuffle: bool | None = None) -> list[str]:
-        """Continue a checkpointed order (:meth:`EpochOrder.load_state_dict`)."""
-        notes = self.order.load_state_dict(state, force_reshuffle)
-        self.warnings += notes
-        return notes
 
     # --- held-out data -----------------------------------------------------------------------
     def eval_batches(self, pairs: Sequence[FittedPair], n_batch: int) -> list[Batch]:

@@ -309,20 +309,17 @@ class Run:
     def _open_data(self, records: Sequence[Mapping[str, Any]] | None) -> DataStream:
         """Records (a list, a .jsonl/.parquet file or folder, or a forced record format) or plain text."""
         c = self.config
-        if self.objective is not None:
-            if records is None and not is_record_source(c.train_data):
-                raise BadData(f"--objective {c.objective} trains on preference records ({{prompt, chosen, rejected}}) "
-                              f"in a .jsonl or .parquet file (or a folder of them); --train-data {c.train_data} is "
-                              "plain text")
+        if self.objective is not None and records is None and not is_record_source(c.train_data):
+            raise BadData(f"--objective {c.objective} trains on preference records ({{prompt, chosen, rejected}}) "
+                          f"in a .jsonl or .parquet file (or a folder of them); --train-data {c.train_data} is "
+                          "plain text")
+        if (self.objective is not None or records is not None or is_record_source(c.train_data)
+                or c.data_format in ("chat", "prompt-response")):
             source = records if records is not None else c.train_data
             flag = "records" if records is not None else "--train-data"
-            return PreferenceData(load_records(source, flag), self.tokenizer, c.ctx, RecordOptions.from_finetune(c),
-                                  self.seed, self.base.get("tokenizer.chat_template"), name=flag)
-        if records is not None or is_record_source(c.train_data) or c.data_format in ("chat", "prompt-response"):
-            source = records if records is not None else c.train_data
-            flag = "records" if records is not None else "--train-data"
-            return RecordData(load_records(source, flag), self.tokenizer, c.ctx, RecordOptions.from_finetune(c),
-                              self.seed, self.base.get("tokenizer.chat_template"), name=flag)
+            stream = PreferenceData if self.objective is not None else RecordData
+            return stream(load_records(source, flag), self.tokenizer, c.ctx, RecordOptions.from_finetune(c),
+                          self.seed, self.base.get("tokenizer.chat_template"), name=flag)
         return TrainingData(read_text_file(c.train_data, "--train-data"), self.tokenizer,
                             n_ctx=c.ctx, options=DataOptions.from_finetune(c), seed=self.seed,
                             name=f"--train-data {c.train_data}")
