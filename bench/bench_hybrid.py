@@ -14,7 +14,8 @@ gate/up/down, and qwen35's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_
 and per_layer_projection) run in child processes, one configuration each; the median step time and the child's peak
 RSS are printed:
 
-- ggtorch on the F32 GGUF (the peer's weights exactly) and on the Q8_0 GGUF (kept quantized);
+- ggtorch on the F32 GGUF (the peer's weights exactly) and on the Q8_0 GGUF (kept quantized), each step the
+  Trainer's with ``--no-checkpointing`` (``step_rounds.GGTORCH_STEPS``);
 - transformers + peft on the checkpoint the GGUF was converted from, in f32 (qwen35's delta rule is transformers'
   torch chunked implementation; flash-linear-attention's kernels are for GPUs).
 

@@ -49,22 +49,28 @@ batches after one untimed step and printing the median step time and the peak RS
 
 GGTORCH_STEPS = r"""
 from ggtorch.lora import trainable_parameters
+from ggtorch.ops import fused, malloc
 from ggtorch.training.loss import model_cross_entropy
 from ggtorch.training.optim import AdamConfig, GGMLAdamW
 
+malloc.keep_freed_memory()  # as the ggtorch command sets glibc's malloc up for a run
 optimizer = GGMLAdamW(trainable_parameters(model), AdamConfig())
 
 def step(tokens):
     optimizer.zero_grad()
-    loss = model_cross_entropy(model, model(tokens[:, :-1], hidden_only=True), tokens[:, 1:])
+    with fused.recompute_outputs():  # as the Trainer's forward: norm and gated-unit outputs made again in backward
+        hidden = model(tokens[:, :-1], hidden_only=True)
+    loss = model_cross_entropy(model, hidden, tokens[:, 1:])
     loss.backward()
     optimizer.step()
     return float(loss)
 
 measure(step)
 """
-"""The tail of a ggtorch child, after the source that builds ``model`` with its adapters: AdamW and the timed steps
-(the fused output projection and cross-entropy the trainer uses)."""
+"""The tail of a ggtorch child, after the source that builds ``model`` with its adapters: AdamW and the timed steps,
+each the Trainer's step without activation checkpointing (``--no-checkpointing``): the forward under
+``recompute_outputs``, the fused output projection and cross-entropy, glibc's malloc set up as the ``ggtorch``
+command sets it."""
 
 PEER_STEPS = r"""
 import torch.nn.functional as F

@@ -24,6 +24,7 @@ from ggtorch.models.norm import RMSNorm
 from ggtorch.ops.delta_rule import gated_delta_rule
 from ggtorch.ops.fused import rms_norm
 from ggtorch.ops.matmul import Linear
+from ggtorch.ops.recompute import checkpoint
 
 
 @dataclass
@@ -64,20 +65,37 @@ class GatedDeltaNet(nn.Module):
                 attn_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``kv``: the layer's state in generation (read and advanced); ``positions`` of packed rows (each record
         starts at 0) keep the records apart. Rope and the attention mask mean nothing here."""
-        B, T, _ = x.shape
         mixed = self.qkv(x).float()  # (B, T, channels)
         z = self.gate(x)
         beta = torch.sigmoid(self.beta(x).float())  # (B, T, Hv)
         g = F.softplus(self.alpha(x).float() + self.dt_bias.float()) * self.a.float()  # (B, T, Hv), <= 0
-        if positions is not None and kv is None:
-            packed = _Records(positions)
-            mixed, beta, g = packed.pad(mixed), packed.pad(beta), packed.pad(g)
-            o, _ = self._mix(mixed, beta, g, None)
-            o = packed.unpad(o)
+        if kv is None:  # whole sequences: in training, only these four inputs are kept for backward
+            o = checkpoint(self._gated_outputs, mixed, z, beta, g, positions)
         else:
             o, _ = self._mix(mixed, beta, g, kv)
+            o = self._gate(o, z)
+        return self.out(o.to(x.dtype))
+
+    def _gated_outputs(self, mixed: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+                       positions: torch.Tensor | None) -> torch.Tensor:
+        """From the projections to what ``ssm_out`` reads, sequences starting afresh at each record of packed rows.
+        Under autograd a recomputed region (:func:`ggtorch.ops.recompute.checkpoint`): the convolution, the norms
+        and the delta rule's chunks keep 8-10 tensors the size of ``mixed`` for backward, which makes them
+        again from these inputs for one more pass of the rule, as flash-linear-attention's kernels recompute
+        theirs."""
+        if positions is None:
+            o, _ = self._mix(mixed, beta, g, None)
+        else:
+            packed = _Records(positions)
+            o, _ = self._mix(packed.pad(mixed), packed.pad(beta), packed.pad(g), None)
+            o = packed.unpad(o)
+        return self._gate(o, z)
+
+    def _gate(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The rule's outputs (B, T, Hv, D) RMS-normed per head and gated by SiLU(z): (B, T, Hv·D)."""
+        B, T = o.shape[:2]
         o = rms_norm(o, self.norm.weight, self.eps) * F.silu(z.float().view(B, T, self.n_v_heads, self.head_dim))
-        return self.out(o.reshape(B, T, -1).to(x.dtype))
+        return o.reshape(B, T, -1)
 
     def _mix(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
              state: RecurrentState | None) -> tuple[torch.Tensor, RecurrentState | None]:

@@ -24,9 +24,9 @@ from ggtorch.lora.product import down, grad_a, grad_b, grad_down, input_grad_, r
 from ggtorch.models.model import has_forward_hooks
 from ggtorch.ops import fused, policy
 from ggtorch.ops.matmul import add_mm_, mm, mm_t, uses_onednn
+from ggtorch.ops.recompute import checkpoint
 from ggtorch.quant.autograd import compute_dtype
 from ggtorch.quant.modules import QuantLinear
-from ggtorch.training.recompute import checkpoint
 
 Reduction = Literal["mean", "sum", "none"]
 """Of the counted targets' losses: their mean, their sum, or each one (0 where ignored), in the targets' shape."""

@@ -94,6 +94,7 @@ def estimate_memory(base: GGUFFile, config: ModelConfig, *, batch: int, ctx: int
     e = torch.empty((), dtype=compute_dtype).element_size()
     layer = _layer_bytes_per_token(config, ctx, e, compute_dtype, device) * tokens
     block_input = 4 * config.n_embd * tokens
+    region = _delta_net_region_bytes_per_token(config, device) * tokens  # one region recomputed at a time
     if checkpointing:
         activations = config.n_layer * block_input + 2 * layer
         if keep_quantized:  # the recomputed block keeps its decoded matrices for their backward
@@ -102,7 +103,7 @@ def estimate_memory(base: GGUFFile, config: ModelConfig, *, batch: int, ctx: int
         activations = config.n_layer * layer + layer
         if keep_quantized and keep_dequantized:
             activations += min(keep_dequantized, sum(_decoded_matrix_bytes(base, e)))
-    activations += 2 * block_input  # the embedding rows and the residual stream's last sum
+    activations += 2 * block_input + region  # the embedding rows and the residual stream's last sum
     runtime = current_rss() + RUNTIME_GROWTH if device.type == "cpu" else 0
     slabs = lora is not None and not lora.rank_of("output")  # a frozen output: the vocabulary-slab loss
     return MemoryEstimate(runtime=runtime, weights=weights, trained=trained, activations=activations,
@@ -167,7 +168,7 @@ def _layer_bytes_per_token(c: ModelConfig, ctx: int, e: int, compute_dtype: torc
     gate, up and activation (the routed experts' per routed row, the router's probabilities)."""
     norms = 4 if c.family.post_norms else 2
     saved = norms * (8 + (e if e < 4 else 0)) * c.n_embd  # f32 input and output; autocast's copy of the output
-    saved += max(_delta_net_bytes_per_token(c, e, device) if c.is_recurrent(layer)
+    saved += max(_delta_net_bytes_per_token(c, e) if c.is_recurrent(layer)
                  else _attention_bytes_per_token(c, layer, ctx, e, compute_dtype, device) for layer in range(c.n_layer))
     n_ff = max(c.n_ff_at(layer) for layer in range(c.n_layer))  # the widest layer's (gemma4's vary)
     if c.n_expert:
@@ -201,17 +202,26 @@ def _attention_bytes_per_token(c: ModelConfig, layer: int, ctx: int, e: int, com
     return saved
 
 
-def _delta_net_bytes_per_token(c: ModelConfig, e: int, device: torch.device) -> int:
-    """A Gated DeltaNet layer (models/delta_net.py, ops/delta_rule.py), all f32 after the projections: the fused
-    q|k|v before and after its convolution and SiLU, q and k per value head (normalized, scaled), per head a row of
-    each chunk's decay, triangular system, its solution and scores, the outputs, their norm and gate."""
+def _delta_net_bytes_per_token(c: ModelConfig, e: int) -> int:
+    """What a Gated DeltaNet layer keeps for backward (models/delta_net.py): its recomputed region's inputs (the
+    fused q|k|v projection in f32, the gate z, beta and g per value head) and its gated output, f32."""
+    value_heads = c.ssm_v_heads * c.ssm_state
+    return c.ssm_conv_channels * 4 + value_heads * (e + 4) + 2 * c.ssm_v_heads * 4
+
+
+def _delta_net_region_bytes_per_token(c: ModelConfig, device: torch.device) -> int:
+    """What one DeltaNet region holds while backward recomputes it, all f32: the fused q|k|v before and after its
+    convolution and SiLU, q and k per value head (normalized, scaled), per head a row of each chunk's decay,
+    triangular system, its solution and scores, the outputs, their norm and gate (ops/delta_rule.py)."""
+    if not any(c.is_recurrent(layer) for layer in range(c.n_layer)):
+        return 0
     chunk = policy.current(device).delta_rule_chunk
     value_heads = c.ssm_v_heads * c.ssm_state
-    saved = c.ssm_conv_channels * (e + 3 * 4)
-    saved += 2 * value_heads * 3 * 4
-    saved += c.ssm_v_heads * chunk * 4 * 4 + value_heads * 2 * 4  # w and kc
-    saved += value_heads * (4 * 4 + e)
-    return saved
+    held = c.ssm_conv_channels * 3 * 4
+    held += 2 * value_heads * 3 * 4
+    held += c.ssm_v_heads * chunk * 4 * 4 + value_heads * 2 * 4  # w and kc
+    held += value_heads * 4 * 4
+    return held
 
 
 def _loss_bytes(base: GGUFFile, c: ModelConfig, tokens: int, e: int, keep_quantized: bool, slabs: bool,

@@ -44,6 +44,7 @@ from ggtorch.models.model import Block, Transformer
 from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.ops import policy
 from ggtorch.ops.dtypes import DTYPES, cpu_matmul_speed_vs_f32
+from ggtorch.ops.recompute import checkpoint
 from ggtorch.ops.threads import follow_free_cores, pin_threads
 from ggtorch.quant import native
 from ggtorch.quant.autograd import keeping_dequantized
@@ -53,7 +54,6 @@ from ggtorch.training.distributed import setup
 from ggtorch.training.memory import GIB, available_bytes, estimate_memory, ways_to_lower
 from ggtorch.training.optim import AdamConfig, GGMLAdamW
 from ggtorch.training.preference import PreferenceObjective
-from ggtorch.training.recompute import checkpoint
 from ggtorch.training.weights import LoraWeights, Weights, weights_kind
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ggtorch.training.recompute import checkpoint
+from ggtorch.ops.recompute import checkpoint
 
 
 def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, p: float = 0.3) -> torch.Tensor:
@@ -69,6 +69,30 @@ def test_the_intermediates_are_dropped_in_forward_and_recomputed_once_per_backwa
     assert torch.allclose(x.grad, 2 * 2 * torch.cos(2 * x.detach()))
 
 
+def test_a_region_inside_a_region_runs_twice_not_three_times() -> None:
+    """A DeltaNet mixer's region inside a checkpointed block: the block's recomputation already remakes it, so the
+    inner function runs in forward and in that recomputation only, with the gradients of no checkpointing; alone,
+    the inner region still drops its intermediates."""
+    calls = []
+
+    def inner(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return (x * 3).sin()
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return checkpoint(inner, x @ w).cos() @ w
+
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    want = torch.autograd.grad(((x @ w * 3).sin().cos() @ w).square().sum(), (x, w))
+    got = torch.autograd.grad(checkpoint(block, x, w).square().sum(), (x, w))
+    assert len(calls) == 2
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    calls.clear()
+    torch.autograd.grad(block(x, w).square().sum(), (x, w))
+    assert len(calls) == 2  # forward, and its own recomputation in backward
+
+
 def test_without_grad_it_is_the_call() -> None:
     calls = []
     with torch.no_grad():
@@ -91,7 +115,7 @@ def test_a_finetune_does_not_import_torch_s_compiler() -> None:
     """torch.utils.checkpoint and torch.optim.Optimizer import torch._dynamo on first use: seconds of every
     run's start, for nothing ggtorch uses."""
     code = ("import sys, torch\n"
-            "from ggtorch.training.recompute import checkpoint\n"
+            "from ggtorch.ops.recompute import checkpoint\n"
             "from ggtorch.training.optim import AdamConfig, GGMLAdamW\n"
             "w = torch.nn.Parameter(torch.randn(4, 4))\n"
             "opt = GGMLAdamW([('w', w, 2)], AdamConfig(warmup=0))\n"

@@ -2,19 +2,37 @@
 recomputed, by running the function again, when backward first needs one of them.
 
 This is what ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False)`` does for ggtorch's
-blocks and loss chunks (same graph, same gradients, the same random numbers for dropout); torch's
-imports ``torch._dynamo`` on its first call, seconds at the start of every run.
+blocks, loss chunks and the regions a layer keeps only the inputs of (Gated DeltaNet's mixer); same graph,
+same gradients, the same random numbers for dropout. torch's imports ``torch._dynamo`` on its first call,
+seconds at the start of every run.
+
+A checkpoint inside another's region (a DeltaNet mixer in a checkpointed block) is a plain call: the
+outer region already drops and recomputes everything in it, and a second level would only run the
+inner function a third time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ggtorch.ops import policy
+
+_regions = contextvars.ContextVar("ggtorch_checkpoint_regions", default=0)
+"""How many checkpointed regions the running code is inside (their forwards or recomputations)."""
+
+
+@contextlib.contextmanager
+def _region() -> Iterator[None]:
+    token = _regions.set(_regions.get() + 1)
+    try:
+        yield
+    finally:
+        _regions.reset(token)
 
 
 class _Frame:
@@ -49,7 +67,7 @@ class _Frame:
         def record(t: torch.Tensor) -> None:  # nothing to unpack: this graph is thrown away
             saved.append(t.detach() if t.requires_grad else t)
 
-        with self._restored_rng(), self._autocast(), torch.enable_grad(), \
+        with self._restored_rng(), self._autocast(), torch.enable_grad(), _region(), \
                 torch.autograd.graph.saved_tensors_hooks(record, _refuse):
             self.fn(*self.args, **self.kwargs)
         if len(saved) != self.n_saved:
@@ -97,9 +115,10 @@ def _refuse(_: Any) -> torch.Tensor:
 
 def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, keeping for backward only its arguments: the tensors it saves are
-    computed again in backward, one recomputation per backward pass. Without grad, just the call."""
-    if not torch.is_grad_enabled():
+    computed again in backward, one recomputation per backward pass. Without grad, or inside another
+    checkpointed region, just the call."""
+    if not torch.is_grad_enabled() or _regions.get():
         return fn(*args, **kwargs)
     frame = _Frame(fn, args, kwargs)
-    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
+    with _region(), torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
         return fn(*args, **kwargs)
