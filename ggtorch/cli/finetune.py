@@ -10,6 +10,7 @@ The run itself is :func:`ggtorch.api.finetune`; this module prints it.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -86,12 +87,21 @@ def finetune(**values: Any) -> None:
     n_trainable = sum(p.numel() for _, p, _ in trainer.params)
     echo = _echo(trainer)
     echo(f"model: {config.model_base} ({trainer.model_config.n_layer} layers, n_embd "
-         f"{trainer.model_config.n_embd}), base weights {config.base_dtype}, compute {trainer.config.dtype}, "
-         f"device {trainer.device}, malloc {trainer.allocator}")
+         f"{trainer.model_config.n_embd}), base weights {_held_as(trainer, config.base_dtype)}, compute "
+         f"{trainer.config.dtype}, device {trainer.device}, malloc {trainer.allocator}")
     echo(f"LoRA: {n_trainable:,} trainable parameters; seed {trainer.seed}")
     for note in trainer.notes:
         echo(f"note: {note}")
     run_trainer(ctx, trainer, "only_write_lora", "lora_out")
+
+
+def _held_as(trainer: Trainer, base_dtype: str) -> str:
+    """How the run holds the base's matrices: decoded to a dtype, or as the file stores them (its matrices' types,
+    the commonest first: "as stored (Q4_K, Q6_K)", or "as stored (F32)" for a float file)."""
+    if base_dtype != "quantized":
+        return base_dtype
+    types = Counter(t.ggml_type.name for t in trainer.base.tensors.values() if len(t.shape) >= 2)
+    return f"as stored ({', '.join(name for name, _ in types.most_common())})"
 
 
 def _echo(trainer: Trainer) -> Any:

@@ -52,6 +52,21 @@ def test_info_tells_adapters_and_checkpoints_apart(stories260k: Path, tmp_path: 
     assert result.exit_code == 0 and "training checkpoint (ggtorch.finetune_lora, iteration 7)" in result.stdout
 
 
+@pytest.mark.parametrize("base,flags,held", [("q8", [], "as stored (Q8_0, F16)"), ("f32", [], "as stored (F32)"),
+                                              ("q8", ["--base-dtype", "f32"], "base weights f32,")])
+def test_finetune_says_how_it_holds_the_base(stories260k: Path, stories_q8: Path, texts: dict[str, Path],
+                                              tmp_path: Path, base: str, flags: list[str], held: str) -> None:
+    """The first line names the matrices' types as the file stores them, the commonest first (llama.cpp's Q8_0
+    file keeps a small matrix in F16), or the dtype they are decoded to: never "quantized" for a float file."""
+    model = stories_q8 if base == "q8" else stories260k
+    result = run_cli(["finetune", "--model-base", model, "--train-data", texts["train"], "-n", "1", "-c", "16",
+                      "-b", "1", "--save-every", "0", "--checkpoint-out", "", "--lora-out", "a.gguf", *flags],
+                     cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    first = result.stdout.splitlines()[0]
+    assert first.startswith("model: ") and held in first, first
+
+
 def test_generate_greedy_from_bos(stories260k: Path) -> None:
     result = run("generate", "-m", str(stories260k), "-n", "100")
     assert result.exit_code == 0, result.output
