@@ -3,7 +3,7 @@
 A chat record is rendered once with the model's ``tokenizer.chat_template`` (or a template
 file) in a sandboxed jinja2 environment, as Hugging Face's ``apply_chat_template`` renders it
 (``trim_blocks``, ``lstrip_blocks``, its ``tojson`` filter and ``{% generation %}`` tag;
-variables ``messages``, ``bos_token``, ``eos_token``, ``add_generation_prompt``,
+variables ``messages``, ``tools``, ``bos_token``, ``eos_token``, ``add_generation_prompt``,
 ``raise_exception``, ``strftime_now``). The answers are then found in that one render:
 
 - a template with ``{% generation %}...{% endgeneration %}`` blocks names them itself (the
@@ -13,11 +13,16 @@ variables ``messages``, ``bos_token``, ``eos_token``, ``add_generation_prompt``,
   it, up to and including the first end-of-generation token text (``<|im_end|>``,
   ``<end_of_turn>``, ``<|eot_id|>``, ``<|end|>`` ...). Each content is looked for with the
   template text that precedes it (found by rendering the conversation with placeholder
-  contents), so a short answer is not matched inside an earlier message or a role header.
+  contents), so a short answer is not matched inside an earlier message or a role header;
+- an answer the render does not hold as given (an assistant's tool calls, a reasoning block the
+  template cuts out) starts where the conversation before it, rendered with the generation
+  prompt, ends. So a template whose generation prompt does not write the assistant header is
+  refused (:func:`check_generation_prompt`): the header would train as the answer.
 
 Templates that rewrite earlier turns (Qwen3 drops past reasoning) or end a conversation
 otherwise than a generation prompt (Phi-3.5) train as well; a record is refused only when an
-assistant content is not in the render at all.
+assistant content is not in the render at all, or when it holds tools or tool calls and the
+template never reads them (the render would leave them out).
 
 The render is tokenized once, as llama.cpp tokenizes a prompt (``parse_special``: special
 token texts become their ids), and a token is trained when it starts inside an answer span.
@@ -99,24 +104,30 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
             self._template = env.from_string(source)
+            self.reads = _names_read(env.parse(source))
         except TemplateError as e:
             raise BadData(f"{name}: cannot be compiled ({e}); fix the template or pass another with "
                           "--chat-template") from None
+        """The variable, attribute and key names the template reads (``tools``, ``tool_calls`` ...)."""
 
     def render(self, messages: Sequence[tuple[str, str]] | Sequence[Mapping[str, Any]],
-               add_generation_prompt: bool = False, where: str = "") -> str:
-        """The template's text for ``messages`` (``(role, content)`` pairs or message dicts)."""
-        return self.render_marked(messages, add_generation_prompt, where).replace(
+               add_generation_prompt: bool = False, where: str = "", tools: Sequence[Mapping[str, Any]] | None = None
+               ) -> str:
+        """The template's text for ``messages`` (``(role, content)`` pairs or message dicts) and ``tools`` (as
+        transformers passes them: None when the conversation has none)."""
+        return self.render_marked(messages, add_generation_prompt, where, tools).replace(
             GENERATION_START, "").replace(GENERATION_END, "")
 
     def render_marked(self, messages: Sequence[tuple[str, str]] | Sequence[Mapping[str, Any]],
-                      add_generation_prompt: bool = False, where: str = "") -> str:
+                      add_generation_prompt: bool = False, where: str = "",
+                      tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """``render`` with each ``{% generation %}`` block between GENERATION_START and GENERATION_END."""
         from jinja2 import TemplateError
 
         msgs = [dict(m) if isinstance(m, Mapping) else {"role": m[0], "content": m[1]} for m in messages]
         try:
-            return self._template.render(messages=msgs, bos_token=self.bos_token, eos_token=self.eos_token,
+            return self._template.render(messages=msgs, tools=None if tools is None else list(tools),
+                                         bos_token=self.bos_token, eos_token=self.eos_token,
                                          add_generation_prompt=add_generation_prompt)
         except TemplateError as e:
             raise BadData(f"{where + ': ' if where else ''}the {self.name} failed to render ({e}); "
@@ -125,6 +136,15 @@ class ChatTemplate:
             raise BadData(f"{where + ': ' if where else ''}the {self.name} failed to render "
                           f"({type(e).__name__}: {e}); fix the record or pass another template with "
                           "--chat-template") from None
+
+
+def _names_read(ast: Any) -> frozenset[str]:
+    """Every name the parsed template reads: variables, attributes (``m.tool_calls``) and string constants (keys
+    as in ``m['tool_calls']`` or ``'tool_calls' in m``)."""
+    from jinja2 import nodes
+
+    return frozenset([n.name for n in ast.find_all(nodes.Name)] + [n.attr for n in ast.find_all(nodes.Getattr)]
+                     + [n.value for n in ast.find_all(nodes.Const) if isinstance(n.value, str)])
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -156,21 +176,22 @@ def generation_spans(marked: str) -> tuple[str, list[Span]]:
     return "".join(text), spans
 
 
-def _preceding_texts(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]
-                     ) -> tuple[list[str | None], set[int]]:
+def _preceding_texts(template: ChatTemplate, messages: Sequence[Mapping[str, Any]],
+                     tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[list[str | None], set[int]]:
     """Per message, the template text written between the previous content and its own, and the messages whose
     content the template does not write at all.
 
     Read from a probe render whose contents are placeholders: None for a message whose content
     the template does not write exactly once (or a probe the template refuses: then none is known to be left out).
+    A message with no content (an assistant's tool calls) keeps it in the probe, as the template sees it.
     """
-    probe = [{**m, "content": PLACEHOLDER.format(i)} for i, m in enumerate(messages)]
+    probe = [{**m, "content": PLACEHOLDER.format(i)} if m.get("content") else m for i, m in enumerate(messages)]
     try:
-        text = template.render(probe)
+        text = template.render(probe, tools=tools)
     except BadData:
         return [None] * len(messages), set()
     out: list[str | None] = []
-    left_out = {i for i in range(len(messages)) if PLACEHOLDER.format(i) not in text}
+    left_out = {i for i, m in enumerate(messages) if m.get("content") and PLACEHOLDER.format(i) not in text}
     prev_end = 0
     for i in range(len(messages)):
         tag = PLACEHOLDER.format(i)
@@ -203,25 +224,63 @@ def _find_content(text: str, content: str, before: str | None, pos: int, anchore
 
 
 def _written_answer(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], i: int, text: str, pos: int,
-                    before: Sequence[str | None], end_texts: Sequence[str], where: str) -> Span | None:
-    """Where the template writes assistant message i when its content is not in the render as given: a reasoning
-    template (Qwen3, Qwen3.5, DeepSeek-R1, GLM-4.6, ...) cuts an inline ``<think>`` block out of an earlier answer,
-    or moves it. Found by rendering: the conversation before it, rendered with the generation prompt, ends where
-    the answer starts (as far as that render agrees with the whole one); the answer runs to the first end-of-turn
-    text after it, or where the template writes none (GLM), to where the template text before the next message
-    begins (the whole render's end for the last one). So what the template writes for the turn is what trains.
-    None when no render locates it (the renders part before ``pos``, or the span would be empty)."""
-    start = _common_prefix(template.render(messages[:i], add_generation_prompt=True, where=where), text)
+                    before: Sequence[str | None], end_texts: Sequence[str], where: str,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> Span | None:
+    """Where the template writes assistant message i when its content is not in the render as given: its tool calls
+    (with no content), or a reasoning template (Qwen3, Qwen3.5, DeepSeek-R1, GLM-4.6, ...) cuts an inline
+    ``<think>`` block out of an earlier answer, or moves it. Found by rendering: the conversation before it,
+    rendered with the generation prompt, ends where the answer starts (as far as that render agrees with the whole
+    one, and at the start of a tag it ends inside); the answer runs to the first end-of-turn text after it, or where
+    the template writes none (GLM), to where the template text before the next message begins (the whole render's
+    end for the last one). So what the template writes for the turn is what trains. None when no render locates it
+    (the renders part before ``pos``, or the span would be empty)."""
+    start = _common_prefix(template.render(messages[:i], True, where, tools), text)
     if start < pos:
         return None
+    start = _whole_tag(text, pos, start)
     limit = len(text)
     if i + 1 < len(messages):
-        nxt = _find_content(text, str(messages[i + 1]["content"]), before[i + 1], start, anchored=True)
+        nxt = _find_content(text, messages[i + 1].get("content") or "", before[i + 1], start, anchored=True)
         limit = (nxt[0] - len(before[i + 1] or "") if nxt is not None
-                 else _common_prefix(template.render(messages[:i + 1], where=where), text))
+                 else _common_prefix(template.render(messages[:i + 1], where=where, tools=tools), text))
     ends = [at for e in end_texts if start < (at := text.find(e, start, limit))]
     end = min(ends) if ends else limit
     return (start, end) if end > start else None
+
+
+def check_generation_prompt(template: ChatTemplate, where: str) -> None:
+    """Refuse a template that ignores ``add_generation_prompt`` while it writes an assistant header before every
+    answer: an answer located by rendering (tool calls, rewritten reasoning) would start where the prompt render
+    ends and train the header with it, and generation with the template would not be prompted with the header.
+
+    Read from a one-turn probe: the text the template writes before an answer, past the conversation rendered
+    without the generation prompt, is the header; then the generation prompt must write something. A template with
+    no header (Mistral's answer follows ``[/INST]``) needs no prompt. A probe the template refuses is no evidence
+    either way; a template with ``{% generation %}`` blocks says itself what trains."""
+    user = [{"role": "user", "content": PLACEHOLDER.format(0)}]
+    answer = PLACEHOLDER.format(1)
+    try:
+        plain, prompt = template.render(user), template.render(user, add_generation_prompt=True)
+        whole = template.render_marked([*user, {"role": "assistant", "content": answer}])
+    except BadData:
+        return
+    if GENERATION_START in whole:  # {% generation %} blocks name what trains, header or not
+        return
+    head = whole.partition(answer)[0]
+    if prompt != plain or answer not in whole or not head.startswith(plain) or not head[len(plain):].strip():
+        return
+    raise BadData(f"{where}: the {template.name} ignores add_generation_prompt: it writes the assistant header "
+                  f"{json.dumps(head[len(plain):], ensure_ascii=False)} before each answer but not as the "
+                  "generation prompt, so the header would train as part of the answers; pass --chat-template with "
+                  "a template that writes it when add_generation_prompt is true")
+
+
+def _whole_tag(text: str, pos: int, at: int) -> int:
+    """``at`` moved back to the ``<`` of a tag it falls inside, no further than ``pos``: a tool call's
+    ``<|START_ACTION|>`` where the generation prompt wrote ``<|START_THINKING|>`` (Cohere), or a ``</think>`` after
+    its ``<think>``, shares a prefix with the prompt, and the tag is the turn's first token, so it trains."""
+    lt = text.rfind("<", pos, at)
+    return lt if lt >= 0 and ">" not in text[lt:at] else at
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -230,20 +289,21 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 def answer_spans(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], where: str,
-                 end_texts: Sequence[str]) -> tuple[str, list[Span]]:
-    """The render of a whole conversation and the spans of its answers (each with its end-of-turn text).
+                 end_texts: Sequence[str], tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, list[Span]]:
+    """The render of a whole conversation (with its ``tools``) and the spans of its answers (each with its
+    end-of-turn text).
 
     ``end_texts`` are the end-of-generation token texts: an answer's span runs to the end of
     the first one the template writes after its content (before the next message's content),
     or ends with the content when the template writes none.
     """
-    text, marked = generation_spans(template.render_marked(messages, False, where))
+    text, marked = generation_spans(template.render_marked(messages, False, where, tools))
     if marked:
         return text, marked
-    before, left_out = _preceding_texts(template, messages)
+    before, left_out = _preceding_texts(template, messages, tools)
     for i in sorted(left_out):
         m = messages[i]
-        if m["role"] != "assistant" and str(m["content"]).strip():
+        if m["role"] != "assistant" and (m.get("content") or "").strip():
             raise BadData(f"{where}: the {template.name} does not write message {i} (role '{m['role']}') into its "
                           "render, so the answers would train without it; give it a role the template writes "
                           "(system, user or assistant) or drop it")
@@ -252,9 +312,9 @@ def answer_spans(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], 
     for i, m in enumerate(messages):
         assistant = m["role"] == "assistant"
         # other roles only anchor the search, so they must be found where the template puts them
-        span = _find_content(text, m["content"], before[i], pos, anchored=not assistant)
+        span = _find_content(text, m.get("content") or "", before[i], pos, anchored=not assistant)
         if span is None and assistant:
-            span = _written_answer(template, messages, i, text, pos, before, end_texts, where)
+            span = _written_answer(template, messages, i, text, pos, before, end_texts, where, tools)
         if span is None and assistant:
             raise BadData(f"{where}: the {template.name} does not write assistant message {i}'s content into "
                           "its render of the conversation, so the answer cannot be located; fix the record or "
@@ -273,6 +333,20 @@ def answer_spans(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], 
             end = at - neg_len
         spans.append((start, end))
     return text, spans
+
+
+def check_tool_support(template: ChatTemplate, messages: Sequence[Mapping[str, Any]],
+                       tools: Sequence[Mapping[str, Any]] | None, where: str) -> None:
+    """Refuse tools or tool calls a template never reads: its render would leave them out, and the answers would
+    train without the calls they make or the functions they were offered."""
+    used = [("tools", "'tools' list")] if tools else []
+    used += [("tool_calls", f"tool calls (message {i})") for i, m in enumerate(messages) if m.get("tool_calls")][:1]
+    for name, what in used:
+        if name not in template.reads:
+            raise BadData(f"{where}: the {template.name} has no tool support (it never reads '{name}'), so the "
+                          f"record's {what} would be left out of its render; pass --chat-template with a template "
+                          "that renders tools (the model's own, e.g. Qwen2.5's, Llama 3.1's or Hermes') or drop them "
+                          "from the record")
 
 
 def split_at_spans(text: str, spans: Sequence[Span]) -> list[tuple[str, bool]]:
@@ -343,6 +417,7 @@ class RecordEncoder:
         eog = {texts[i] for i in getattr(tokenizer, "eog_ids", ()) if texts and 0 <= i < len(texts)}
         self.end_texts = sorted((eog | EOG_TEXTS | {self.eos_token}) - {""})
         """Texts that end an answer: the GGUF's end-of-generation tokens and those llama.cpp knows by text."""
+        self._prompt_checked = False
 
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special=False, parse_special=True)
@@ -352,10 +427,15 @@ class RecordEncoder:
         if self.template is None:
             raise BadData(f"{example.where}: chat records need a chat template, and the model has no "
                           "tokenizer.chat_template; pass one with --chat-template FILE")
+        if not self._prompt_checked:  # once, on the first chat record: the template, not a record, is at fault
+            check_generation_prompt(self.template, example.where)
+            self._prompt_checked = True
         fields = example.fields or ({},) * len(example.messages)
-        messages = [{**extra, "role": role, "content": content}
+        # a null content (an assistant's tool calls) is an absent one, as every null field and as TRL writes them
+        messages = [{**extra, "role": role, **({"content": content} if content is not None else {})}
                     for (role, content), extra in zip(example.messages, fields, strict=True)]
-        return answer_spans(self.template, messages, example.where, self.end_texts)
+        check_tool_support(self.template, messages, example.tools, example.where)
+        return answer_spans(self.template, messages, example.where, self.end_texts, example.tools)
 
     def pieces(self, example: Example) -> list[tuple[str, bool]]:
         """(text, trained) pieces of an example; EOS for prompt/response and text is added as a token."""

@@ -67,8 +67,8 @@ def pair_examples(record: Record, name: str = "--train-data") -> tuple[Example, 
         answers = [_text_answer(data[side], side, where, name) for side in SIDES]
         examples = [Example("completion", where, instruction=prompt, response=a) for a in answers]
     elif isinstance(prompt, list | tuple):
-        examples = [to_example(Record({"messages": [*prompt, *_answer_turns(data[side], side, where, name)]},
-                                      where), "chat", name) for side in SIDES]
+        examples = [to_example(Record({"messages": [*prompt, *_answer_turns(data[side], side, where, name)],
+                                       "tools": data.get("tools")}, where), "chat", name) for side in SIDES]
     else:
         raise BadData(f"{name} {where}: field 'prompt' must be a string or a list of messages, got "
                       f"{type(prompt).__name__}")

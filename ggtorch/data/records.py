@@ -2,13 +2,16 @@
 
 Three record formats, detected from the first record's keys and checked on every record:
 
-- ``chat``: ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}``;
+- ``chat``: ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}``, with
+  OpenAI-style tool calls too (an assistant message's ``"tool_calls"`` with ``"content": null``, ``"role": "tool"``
+  results, a record-level ``"tools"`` list), passed to the chat template as they are;
 - ``prompt-response``: ``{"prompt": ..., "response": ...}`` or, Alpaca style,
   ``{"instruction": ..., "input": ... (optional), "output": ...}``;
 - ``text``: ``{"text": ...}`` (a whole document; every token is trained).
 
 Every record keeps where it came from (``file.jsonl line 7``, ``file.parquet row 3``,
-``record 5``) so an error names the place to fix.
+``record 5``) so an error names the place to fix. Every string in a record is checked to be text
+(:func:`check_text`) as it is read, so no record kind reaches a tokenizer with one that is not.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ggtorch.data.text import encode_utf8
 from ggtorch.errors import BadData, BadFlag
 
 RECORD_SUFFIXES = (".jsonl", ".parquet")
@@ -39,16 +43,18 @@ class Record:
 class Example:
     """A validated record in one of the formats, ready to be rendered and tokenized.
 
-    chat: ``messages`` is a tuple of ``(role, content)`` and ``fields`` holds each message's
-    other keys (e.g. ``reasoning_content``), which the chat template sees too; prompt-response:
+    chat: ``messages`` is a tuple of ``(role, content)`` (content None for an assistant's tool calls) and
+    ``fields`` holds each message's other keys (e.g. ``reasoning_content``, ``tool_calls``), which the chat
+    template sees too, and ``tools`` the record's tool list (None without one); prompt-response:
     ``instruction``, ``input`` (may be empty) and ``response``; text: ``text``; completion (a preference
     record's text form, ``data.preference``): ``instruction`` written as it is, then ``response``.
     """
 
     format: str
     where: str
-    messages: tuple[tuple[str, str], ...] = ()
+    messages: tuple[tuple[str, str | None], ...] = ()
     fields: tuple[Mapping[str, Any], ...] = ()
+    tools: tuple[Mapping[str, Any], ...] | None = None
     instruction: str = ""
     input: str = ""
     response: str = ""
@@ -75,7 +81,27 @@ def read_records(path: str | os.PathLike[str], flag: str = "--train-data") -> li
     records = [r for f in files for r in _read_file(f, flag)]
     if not records:
         raise BadData(f"{flag} {p}: no records in it; pass a file with one JSON object per line")
+    for r in records:
+        check_text(r.data, r.where, flag)
     return records
+
+
+def check_text(value: Any, where: str, flag: str, field: str = "") -> None:
+    """Refuse a string that is not text: a lone UTF-16 surrogate (JSON's ``"\\ud800"`` decodes to one; Python
+    lets it into a str) has no UTF-8 form, so every tokenizer fails on it, each in its own way. Walks the record's
+    dicts and lists (keys too) so the message names the field."""
+    if isinstance(value, str) and not value.isascii():
+        shown = field.encode("utf-8", "backslashreplace").decode("utf-8")  # a key may be the culprit
+        encode_utf8(value, f"{flag} {where}: field '{shown}'",
+                    "write the character it stands for (a pair such as \\ud83d\\ude00 is fine) or remove it")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            name = f"{field}.{key}" if field else str(key)
+            check_text(key, where, flag, name)
+            check_text(item, where, flag, name)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            check_text(item, where, flag, f"{field}[{i}]")
 
 
 def _read_file(path: Path, flag: str) -> list[Record]:
@@ -122,6 +148,7 @@ def records_from_dicts(items: Iterable[Mapping[str, Any]], name: str = "records"
     for i, item in enumerate(items, start=1):
         if not isinstance(item, Mapping):
             raise BadData(f"{name}: record {i} is a {type(item).__name__}, expected a dict")
+        check_text(item, f"record {i}", name)
         records.append(Record(item, f"record {i}"))
     if not records:
         raise BadData(f"{name}: the list is empty; pass at least one record")
@@ -184,15 +211,40 @@ def to_example(record: Record, fmt: str, name: str = "--train-data") -> Example:
         raise BadData(f"{name} {where}: missing field 'messages'")
     if not isinstance(messages, list | tuple) or not messages:
         raise BadData(f"{name} {where}: 'messages' must be a non-empty list of {{role, content}} objects")
-    out, fields = [], []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise BadData(f"{name} {where}: message {i} must be an object with string 'role' and 'content'")
-        if m["role"] == "assistant" and not m["content"].strip():
-            raise BadData(f"{name} {where}: message {i} is an empty assistant response")
-        out.append((m["role"], m["content"]))
-        # a null field is an absent one (Parquet gives every message every key of the column)
-        fields.append({k: v for k, v in m.items() if k not in ("role", "content") and v is not None})
+    out = [_message(m, i, where, name) for i, m in enumerate(messages)]
+    # a null field is an absent one, as are no tool calls (Parquet gives every message every key of the column)
+    fields = [{k: v for k, v in m.items() if k not in ("role", "content") and v is not None
+               and (k != "tool_calls" or v)} for m in messages]
     if not any(role == "assistant" for role, _ in out):
         raise BadData(f"{name} {where}: no 'assistant' message, so nothing to train on")
-    return Example(fmt, where, messages=tuple(out), fields=tuple(fields))
+    return Example(fmt, where, messages=tuple(out), fields=tuple(fields), tools=_tools(record, name))
+
+
+def _message(m: Any, i: int, where: str, name: str) -> tuple[str, str | None]:
+    """Message i's role and content; an assistant's OpenAI-style tool calls may come with a null content."""
+    if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+        raise BadData(f"{name} {where}: message {i} must be an object with string 'role' and 'content'")
+    role, content, calls = m["role"], m.get("content"), m.get("tool_calls")
+    if calls is not None and (not isinstance(calls, list | tuple) or not all(isinstance(c, Mapping) for c in calls)
+                              or (calls and role != "assistant")):
+        raise BadData(f"{name} {where}: message {i}'s 'tool_calls' must be a list of "
+                      "{type, function: {name, arguments}} objects, in an assistant message")
+    if content is None and calls:
+        return role, None
+    if not isinstance(content, str):
+        raise BadData(f"{name} {where}: message {i} must be an object with string 'role' and 'content' (or, for "
+                      "an assistant's tool calls, 'tool_calls' and a null 'content')")
+    if role == "assistant" and not content.strip() and not calls:
+        raise BadData(f"{name} {where}: message {i} is an empty assistant response")
+    return role, content
+
+
+def _tools(record: Record, name: str) -> tuple[Mapping[str, Any], ...] | None:
+    """The record's ``tools`` list (the functions its conversation may call), None without one."""
+    tools = record.data.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list | tuple) or not all(isinstance(t, Mapping) for t in tools):
+        raise BadData(f"{name} {record.where}: field 'tools' must be a list of function schemas (JSON objects), "
+                      f"got {type(tools).__name__}; a JSON string of the list must be parsed first")
+    return tuple(tools)

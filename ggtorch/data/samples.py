@@ -10,7 +10,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from ggtorch.data.text import process_escapes
+from ggtorch.data.text import encode_utf8, process_escapes
 from ggtorch.errors import BadData
 
 UTF8Errors = Literal["strict", "replace"]
@@ -50,7 +50,7 @@ class DataOptions:
 
     def sample_start_bytes(self) -> bytes:
         """The pattern as the old program searched for it: UTF-8 bytes, escapes processed with --escape."""
-        return process_escapes(self.sample_start) if self.escape else self.sample_start.encode("utf-8")
+        return process_escapes(self.sample_start) if self.escape else encode_utf8(self.sample_start, "--sample-start")
 
     @classmethod
     def from_finetune(cls, config: Any) -> DataOptions:

@@ -21,7 +21,7 @@ from ggtorch.data.samples import (
     samples_hash,
     stream_samples,
 )
-from ggtorch.data.text import check_utf8, read_text_file
+from ggtorch.data.text import check_utf8, encode_utf8, read_text_file
 from ggtorch.errors import BadData, BadFlag
 from ggtorch.rng import MT19937
 
@@ -58,7 +58,7 @@ class TrainingData:
         self.n_ctx = n_ctx
         self.seed = resolve_seed(self.options.seed if seed is None else seed)
         self.name = name
-        raw = data.encode("utf-8") if isinstance(data, str) else check_utf8(data, name, self.options.utf8_errors)
+        raw = encode_utf8(data, name) if isinstance(data, str) else check_utf8(data, name, self.options.utf8_errors)
         if not raw:
             raise BadData(f"{name} is empty; pass a file with text to train on")
         self._set_samples(make_samples(raw, self.vocab, n_ctx, self.options))
@@ -191,7 +191,7 @@ class TrainingData:
 
     def eval_batches_from_text(self, data: bytes | str, n_batch: int, name: str = "--val-data") -> list[Batch]:
         """``--val-data``: eval batches of a separate text, split with this run's sample options."""
-        raw = data.encode("utf-8") if isinstance(data, str) else check_utf8(data, name, self.options.utf8_errors)
+        raw = encode_utf8(data, name) if isinstance(data, str) else check_utf8(data, name, self.options.utf8_errors)
         samples = make_samples(raw, self.vocab, self.n_ctx, self.options)
         if len(samples.tokens) == 0:
             raise BadData(f"{name} gives no tokens; pass a file with text to evaluate on")

@@ -39,6 +39,17 @@ def check_utf8(data: bytes, name: str = "the training text", errors: str = "stri
                       "(--utf8-errors replace)") from None
 
 
+def encode_utf8(text: str, name: str, fix: str = "write the character it stands for or remove it") -> bytes:
+    """``text`` as UTF-8; BadData naming ``name`` when it holds a lone surrogate, which has no UTF-8 form (JSON's
+    ``"\\ud800"`` decodes to one, and Python gives a command line's bytes that are not UTF-8 as them), so no
+    tokenizer can take it."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadData(f"{name} holds a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}), which is "
+                      f"not text; {fix}") from None
+
+
 _ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("'"): b"'", ord('"'): b'"', ord("\\"): b"\\"}
 _HEX = b"0123456789abcdefABCDEF"
 
@@ -63,7 +74,7 @@ def process_escapes(text: str | bytes) -> bytes:
     ``\\n \\r \\t \\' \\" \\\\`` and ``\\xHH`` are replaced; any other backslash sequence (and a
     trailing backslash) is kept as written.
     """
-    src = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    src = encode_utf8(text, "--sample-start") if isinstance(text, str) else bytes(text)
     out = bytearray()
     i, n = 0, len(src)
     while i < n:

@@ -705,3 +705,46 @@ def test_template_failure_is_a_bad_data_error_not_a_crash(tokenizer: Tokenizer) 
     template = ChatTemplate("{{ messages[5]['content'] }}", "<s>", "</s>")
     with pytest.raises(BadData, match="failed to render"):
         template.render([("user", "a")], where="r")
+
+
+# --- templates that do not do what they say ----------------------------------------------------
+
+# TEMPLATE without its generation prompt: the assistant header is written before each answer, never as a prompt;
+# it cuts an answer's reasoning out, as reasoning templates do
+IGNORES_GENERATION_PROMPT = (TEMPLATE.replace("{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "")
+                             .replace("{{ m['content'] }}", "{{ m['content'].split('</think>')[-1] }}"))
+
+
+@pytest.mark.parametrize("records", [
+    [{"messages": CONVERSATIONS[0]}],
+    # an answer the render rewrites is located by the generation prompt: the header would train with it
+    [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>Greet.</think>Yo"}]}],
+], ids=["plain", "located-by-rendering"])
+def test_a_template_that_ignores_add_generation_prompt_is_refused_by_name(tokenizer: Tokenizer, tmp_path: Path,
+                                                                         records: list[dict]) -> None:
+    """Its header would train as part of every answer located by rendering, and generation with it would not be
+    prompted with the header: one message naming the template, the header and the fix."""
+    path = tmp_path / "t.jinja"
+    path.write_text(IGNORES_GENERATION_PROMPT, encoding="utf-8")
+    assert IGNORES_GENERATION_PROMPT != TEMPLATE
+    with pytest.raises(BadData) as e:
+        RecordData(load_records(records, "records"), tokenizer, 64, RecordOptions(chat_template=str(path)), seed=1,
+                   model_template=TEMPLATE)
+    assert str(e.value) == (
+        f"--train-data record 1: the chat template {path} ignores add_generation_prompt: it writes the assistant "
+        'header "<|im_start|>assistant\\n" before each answer but not as the generation prompt, so the header would '
+        "train as part of the answers; pass --chat-template with a template that writes it when "
+        "add_generation_prompt is true")
+    data = RecordData(load_records(records, "records"), tokenizer, 64, seed=1, model_template=TEMPLATE)
+    assert all("assistant" not in text for text in trained_texts(tokenizer, data.encoded[0]))
+
+
+def test_no_real_template_is_taken_for_one_that_ignores_the_generation_prompt() -> None:
+    """Every template llama.cpp ships renders an answer after its own generation prompt (or writes no header, as
+    Mistral's ``[/INST]`` answer), so none is refused."""
+    from ggtorch.data.chat import check_generation_prompt
+
+    paths = sorted(template_file("Qwen-Qwen2.5-7B-Instruct").parent.glob("*.jinja"))
+    assert len(paths) > 50
+    for path in paths:
+        check_generation_prompt(ChatTemplate(path.read_text(encoding="utf-8"), "<s>", "</s>", path.name), "probe")
