@@ -30,6 +30,7 @@ from gguf import GGUFValueType, Keys, TokenType
 from ggtorch.api import GGUFModel, finetune, load_model, train
 from ggtorch.cli.options import threads_option
 from ggtorch.errors import BadFlag
+from ggtorch.io.atomic import write_text
 from ggtorch.io.gguf import write_gguf
 from ggtorch.io.model_file import write_model
 from ggtorch.models.config import ARCH
@@ -171,9 +172,9 @@ def run_demo(settings: DemoSettings | None = None, say: Callable[[str], None] = 
     files = result.files
     files["base text"] = out / "python-docs.txt"
     docs = documentation_text()
-    files["base text"].write_text(docs, encoding="utf-8")
+    write_text(files["base text"], docs)
     files["finetune text"] = out / "zen-of-python.txt"
-    files["finetune text"].write_text(zen_text(), encoding="utf-8")
+    write_text(files["finetune text"], zen_text())
 
     say(f"1/4 vocabulary: sentencepiece BPE, {s.n_vocab} tokens, trained on Python's documentation")
     files["vocabulary"] = write_spm_vocab(out / "vocab.gguf", docs, s.n_vocab)

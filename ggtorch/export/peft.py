@@ -31,6 +31,8 @@ Three layout differences between the two worlds:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -44,7 +46,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ggtorch.errors import BadData, GGTorchError, NonFiniteValues, Unsupported
-from ggtorch.io.gguf import GGUFFile, atomic_path
+from ggtorch.io.atomic import atomic_paths, failure
+from ggtorch.io.gguf import GGUFFile
 from ggtorch.lora.adapter_file import TOKEN_EMBD, LoraAdapter, LoraPair, validate_against_base
 from ggtorch.models import names
 from ggtorch.models.config import ModelConfig
@@ -293,13 +296,48 @@ def export_peft(adapter: LoraAdapter, base: GGUFFile, out_dir: str | os.PathLike
         if not bool(torch.isfinite(value).all()):
             raise NonFiniteValues(f"the adapter's '{key}' holds NaN or inf values, so no PEFT folder was written")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / WEIGHTS_FILE) as tmp:
-        save_file({k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"format": "pt"})
-    with atomic_path(out / CONFIG_FILE) as tmp:
-        tmp.write_text(json.dumps(peft_config, indent=2) + "\n")
+    made = _make_folder(out)
+    config_bytes = (json.dumps(peft_config, indent=2) + "\n").encode()
+    try:
+        with atomic_paths([out / WEIGHTS_FILE, out / CONFIG_FILE],
+                          [safetensors_size, lambda _: len(config_bytes)]) as (weights_tmp, config_tmp):
+            try:
+                save_file({k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()},
+                          str(weights_tmp), metadata={"format": "pt"})
+            except SafetensorError as e:  # its Rust writer's io error (a full disk): the OSError it stands for
+                raise OSError(str(e)) from None
+            config_tmp.write_bytes(config_bytes)
+    except BaseException:
+        for folder in made:  # a folder this call made holds nothing now: nothing of a failed export stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
     return out
+
+
+def _make_folder(out: Path) -> list[Path]:
+    """Make ``out`` and its missing parents; the ones made, innermost first (WriteFailed naming the disk)."""
+    missing = [p for p in (out, *out.parents) if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise failure(out, e, "nothing was written") from None
+    return missing
+
+
+def safetensors_size(path: Path) -> int:
+    """The size a safetensors file's own header says it has (8 + header + data): what must have reached the disk."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little")
+        try:
+            header = json.loads(f.read(n)) if len(head) == 8 else None
+        except ValueError:
+            header = None
+    if not isinstance(header, dict):
+        raise OSError(errno.EIO, "the safetensors header did not reach the disk whole")
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    return 8 + n + max(ends, default=0)
 
 
 def _target_modules(ranks: dict[str, int], config: ModelConfig, architecture: str) -> list[str]:

@@ -16,8 +16,7 @@ import math
 import mmap
 import os
 import struct
-import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
+from gguf.gguf_writer import WriterState
 
-from ggtorch.errors import BadGGUF, GGTorchError, NonFiniteValues
+from ggtorch.errors import BadGGUF, NonFiniteValues
+from ggtorch.io.atomic import atomic_path
 
 GGUF_MAGIC_BYTES = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -436,6 +437,20 @@ class _Writer(GGUFWriter):
         encoded = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in val]
         return head + b"".join(part for e in encoded for part in (_U64.pack(len(e)), e))
 
+    def write_tensor_data(self, tensor: np.ndarray[Any, Any], tensor_endianess: GGUFEndian | None = None) -> None:
+        """gguf-py's step with the bytes written through the file object: ``ndarray.tofile`` can lose a short write
+        on a full disk without raising, and the file would look complete."""
+        if self.state not in (WriterState.TI_DATA, WriterState.WEIGHTS) or len(self.fout) != 1:
+            raise ValueError(f"expected one output file holding tensor info or weights, got {self.state}")
+        fout = self.fout[0]
+        info = self.tensors[0].pop(next(iter(self.tensors[0])))
+        if info.nbytes != tensor.nbytes:
+            raise ValueError(f"{tensor.nbytes} bytes for a tensor of {info.nbytes}")
+        self.write_padding(fout, fout.tell())
+        fout.write(memoryview(np.ascontiguousarray(tensor)).cast("B"))
+        self.write_padding(fout, tensor.nbytes)
+        self.state = WriterState.WEIGHTS
+
 
 def _add_value(writer: GGUFWriter, key: str, value: Any,
                vtype: tuple[GGUFValueType, GGUFValueType | None] | None) -> None:
@@ -462,41 +477,6 @@ def _guess_type(value: Any) -> GGUFValueType:
     if isinstance(value, (list, tuple)):
         return GGUFValueType.ARRAY
     raise TypeError(f"cannot store {type(value).__name__} in GGUF metadata")
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success fsync it and rename it over ``path``.
-
-    A crash or Ctrl-C mid-write leaves the previous file untouched: readers see either the
-    old file or the complete new one, never a truncated one. A write that fails (disk full)
-    raises GGTorchError naming the file, with the previous file kept.
-    """
-    path = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    except OSError as e:
-        raise GGTorchError(f"cannot write {path}: {e.strerror or e}; check that the folder exists "
-                           "and is writable") from None
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        yield tmp_path
-        with open(tmp_path, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp creates 0600; outputs follow the umask
-        os.replace(tmp_path, path)
-    except OSError as e:  # disk full, file too large, folder gone: the old file is still whole
-        raise GGTorchError(f"cannot write {path}: {e.strerror or e}; any previous {path.name} is kept "
-                           "unchanged; free some space or write elsewhere") from None
-    finally:
-        tmp_path.unlink(missing_ok=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def write_gguf(path: str | os.PathLike[str], arch: str, metadata: dict[str, Any],
@@ -542,31 +522,44 @@ def write_gguf_streaming(path: str | os.PathLike[str], arch: str, metadata: dict
     (or f32/f16 values) in the same order, so a caller can compute one tensor, have it written,
     and drop it: peak memory is one tensor, not the model.
     """
-    value_types = value_types or {}
-    with atomic_path(path) as tmp:
+    sizes: list[int] = []  # what the writer meant to write, checked against what reached the disk
+    with atomic_path(path, lambda _: sizes[0]) as tmp:
         writer = _Writer(tmp, arch)
-        for key, value in metadata.items():
-            if key in ("general.architecture", ) or key.startswith("GGUF."):
-                continue
-            _add_value(writer, key, value, value_types.get(key))
-        outs = [TensorOut(name, ggml_type, tuple(shape), np.empty(0, np.uint8)) for name, ggml_type, shape in infos]
-        for t in outs:
-            writer.add_tensor_info(t.name, _byte_shape(t), np.dtype(np.uint8), raw_nbytes(t.ggml_type, t.shape),
-                                   raw_dtype=t.ggml_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        produced = 0
-        for t, arr in zip(outs, data, strict=False):
-            expected = raw_nbytes(t.ggml_type, t.shape)
-            if arr.nbytes != expected:
-                raise ValueError(f"tensor {t.name}: {arr.nbytes} bytes, expected {expected} "
-                                 f"for {t.ggml_type.name} {t.shape}")
-            if not all_finite(arr, t.ggml_type):
-                raise NonFiniteValues(f"{path}: tensor '{t.name}' holds NaN or inf values, so the file was not "
-                                      f"written (any previous {Path(path).name} is kept as it was)")
-            writer.write_tensor_data(np.ascontiguousarray(arr).view(np.uint8).reshape(_byte_shape(t)))
-            produced += 1
-        if produced != len(outs):
-            raise ValueError(f"{produced} tensors' data produced for {len(outs)} tensor infos")
-        writer.close()
+        try:
+            sizes.append(_fill(writer, Path(path), metadata, infos, data, value_types or {}))
+        finally:
+            with contextlib.suppress(OSError):  # after a failure, that failure is the story, not a failing flush
+                writer.close()
+
+
+def _fill(writer: _Writer, path: Path, metadata: dict[str, Any],
+          infos: Sequence[tuple[str, GGMLQuantizationType, tuple[int, ...]]], data: Iterable[np.ndarray],
+          value_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]]) -> int:
+    """Write the header, the tensor infos and each tensor's data; the number of bytes written, flushed."""
+    for key, value in metadata.items():
+        if key in ("general.architecture", ) or key.startswith("GGUF."):
+            continue
+        _add_value(writer, key, value, value_types.get(key))
+    outs = [TensorOut(name, ggml_type, tuple(shape), np.empty(0, np.uint8)) for name, ggml_type, shape in infos]
+    for t in outs:
+        writer.add_tensor_info(t.name, _byte_shape(t), np.dtype(np.uint8), raw_nbytes(t.ggml_type, t.shape),
+                               raw_dtype=t.ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    produced = 0
+    for t, arr in zip(outs, data, strict=False):
+        expected = raw_nbytes(t.ggml_type, t.shape)
+        if arr.nbytes != expected:
+            raise ValueError(f"tensor {t.name}: {arr.nbytes} bytes, expected {expected} "
+                             f"for {t.ggml_type.name} {t.shape}")
+        if not all_finite(arr, t.ggml_type):
+            raise NonFiniteValues(f"{path}: tensor '{t.name}' holds NaN or inf values, so the file was not "
+                                  f"written (any previous {path.name} is kept as it was)")
+        writer.write_tensor_data(np.ascontiguousarray(arr).view(np.uint8).reshape(_byte_shape(t)))
+        produced += 1
+    if produced != len(outs):
+        raise ValueError(f"{produced} tensors' data produced for {len(outs)} tensor infos")
+    assert writer.fout is not None
+    writer.fout[0].flush()
+    return writer.fout[0].tell()

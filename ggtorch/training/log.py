@@ -15,9 +15,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from ggtorch.errors import BadData
+from ggtorch.io.atomic import append_line, atomic_path, failure
 
 
 class TrainLog:
@@ -28,29 +29,31 @@ class TrainLog:
         self.run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         """What every record of this run carries as ``run``: when it started, its process, and a random part (runs of
         one notebook share a process)."""
-        self._file: TextIO | None = None
+        self._fd: int | None = None
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             self._open()
 
     def _open(self) -> None:
         assert self.path is not None
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise failure(self.path, e, "no line of this run was logged") from None
 
     def write(self, kind: str, **fields: Any) -> None:
-        """Append one record; a closed log reopens (a notebook trains the same run again)."""
+        """Append one record, whole or not at all; a closed log reopens (a notebook trains the same run again)."""
         if self.path is None:
             return
-        if self._file is None:
+        if self._fd is None:
             self._open()
-        assert self._file is not None
-        self._file.write(json.dumps({"kind": kind, "run": self.run_id, **fields}, default=str) + "\n")
-        self._file.flush()
+        assert self._fd is not None
+        append_line(self._fd, self.path, json.dumps({"kind": kind, "run": self.run_id, **fields}, default=str) + "\n")
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -139,10 +142,10 @@ def plot_loss(log_path: str | os.PathLike[str], png_path: str | os.PathLike[str]
         return None
     out = Path(png_path) if png_path else Path(log_path).with_suffix(".png")
     fig.tight_layout()
+    fmt = out.suffix[1:].lower() or "png"
     try:
-        fig.savefig(out, dpi=110)
-    except OSError as e:
-        raise BadData(f"cannot write the plot {out}: {e.strerror or e}; pick another -o path") from None
+        with atomic_path(out) as tmp:
+            fig.savefig(tmp, dpi=110, format=fmt)
     except ValueError as e:  # an extension matplotlib has no writer for
         formats = ", ".join(sorted(fig.canvas.get_supported_filetypes()))
         raise BadData(f"cannot write the plot {out}: {e}; name it with one of {formats} (png by default)") from None
