@@ -17,7 +17,8 @@ from ggtorch.errors import BadFlag
 from ggtorch.export.merge import OUTTYPES
 from ggtorch.export.old_formats import convert_old
 from ggtorch.io.gguf import read_gguf
-from ggtorch.io.paths import Input, Output, check_files
+from ggtorch.io.lock import writing
+from ggtorch.io.paths import Input, Output
 from ggtorch.lora.adapter_file import ADAPTER_DTYPES, validate_against_base, write_adapter
 from ggtorch.ops.threads import pin_threads
 
@@ -115,10 +116,11 @@ def export_lora(model_path: str, out_path: str, lora_plain: tuple[str, ...], lor
 @click.option("-m", "--model-base", "model_path", default=None, help="Base GGUF model to check the adapter against.")
 def convert_old_lora(old_path: str, out_path: str, drop_norms: bool, outtype: str, model_path: str | None) -> None:
     """Convert an old llama.cpp finetune adapter (ggla lora-*.bin) or checkpoint to today's GGUF LoRA."""
-    check_files([Input("OLD", old_path), *([Input("-m", model_path)] if model_path else [])], [Output("-o", out_path)])
-    adapter = convert_old(old_path, drop_norms=drop_norms)
-    if model_path:
-        validate_against_base(adapter, read_gguf(model_path), old_path)
-    write_adapter(out_path, adapter, outtype)
+    with writing([Input("OLD", old_path), *([Input("-m", model_path)] if model_path else [])],
+                 [Output("-o", out_path)]):
+        adapter = convert_old(old_path, drop_norms=drop_norms)
+        if model_path:
+            validate_against_base(adapter, read_gguf(model_path), old_path)
+        write_adapter(out_path, adapter, outtype)
     click.echo(f"wrote {len(adapter.pairs)} LoRA pairs -> {out_path}")
 

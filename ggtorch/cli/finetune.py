@@ -170,9 +170,11 @@ def run_trainer(ctx: click.Context, trainer: Trainer, only_write: str, output: s
 @click.option("-o", "--output", "png_path", default=None, help="PNG to write. [LOG with .png]")
 def plot(log_path: str, png_path: str | None) -> None:
     """Draw the loss curves of a training log (written beside the finetune outputs) to a PNG, each run labelled."""
-    from ggtorch.io.paths import Input, Output, check_files
+    from ggtorch.io.lock import writing
+    from ggtorch.io.paths import Input, Output
     from ggtorch.training.log import plot_loss
 
     out = png_path or str(Path(log_path).with_suffix(".png"))
-    check_files([Input("LOG.jsonl", log_path)], [Output("-o", out)])
-    click.echo(f"wrote {plot_loss(log_path, out)}")
+    with writing([Input("LOG.jsonl", log_path)], [Output("-o", out)]):
+        written = plot_loss(log_path, out)
+    click.echo(f"wrote {written}")

@@ -11,7 +11,8 @@ import click
 
 from ggtorch.export.peft import PEFT_FILES, export_peft, import_peft
 from ggtorch.io.gguf import read_gguf
-from ggtorch.io.paths import Input, Output, check_files
+from ggtorch.io.lock import writing
+from ggtorch.io.paths import Input, Output
 from ggtorch.lora.adapter_file import ADAPTER_DTYPES, read_adapter, write_adapter
 from ggtorch.ops.dtypes import DTYPES
 
@@ -24,10 +25,10 @@ from ggtorch.ops.dtypes import DTYPES
               help="Type of the adapter tensors (q8_0 falls back to f16 for rows not a multiple of 32).")
 def convert_lora(peft_dir: str, base_path: str, outfile: str, outtype: str) -> None:
     """Convert a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) to a GGUF LoRA."""
-    check_files([Input("PEFT_DIR", peft_dir, folder=True), Input("--base", base_path)], [Output("--outfile", outfile)])
-    base = read_gguf(base_path)
-    adapter = import_peft(peft_dir, base)
-    path = write_adapter(outfile, adapter, outtype)
+    with writing([Input("PEFT_DIR", peft_dir, folder=True), Input("--base", base_path)],
+                 [Output("--outfile", outfile)]):
+        adapter = import_peft(peft_dir, read_gguf(base_path))
+        path = write_adapter(outfile, adapter, outtype)
     ranks = sorted({p.rank for p in adapter.pairs.values()})
     click.echo(f"[{len(adapter.pairs)} tensors, rank {'/'.join(map(str, ranks))}, alpha {adapter.alpha:g}, "
                f"{outtype}]", err=True)
@@ -44,10 +45,9 @@ def convert_lora(peft_dir: str, base_path: str, outfile: str, outtype: str) -> N
               help="Type of the safetensors weights.")
 def export_peft_cmd(adapter_path: str, base_path: str, outdir: str, base_model_id: str | None, outtype: str) -> None:
     """Write a GGUF LoRA adapter as a PEFT folder with Hugging Face llama module names."""
-    check_files([Input("ADAPTER", adapter_path), Input("--base", base_path)],
-                [Output("--outdir", outdir, folder=True, inside=PEFT_FILES)])
-    base = read_gguf(base_path)
-    adapter = read_adapter(adapter_path)
-    out = export_peft(adapter, base, outdir, base_model_id, DTYPES[outtype])
+    with writing([Input("ADAPTER", adapter_path), Input("--base", base_path)],
+                 [Output("--outdir", outdir, folder=True, inside=PEFT_FILES)]):
+        adapter = read_adapter(adapter_path)
+        out = export_peft(adapter, read_gguf(base_path), outdir, base_model_id, DTYPES[outtype])
     click.echo(f"[{len(adapter.pairs)} tensors, alpha {adapter.alpha:g}, {outtype}]", err=True)
     click.echo(str(out))

@@ -29,9 +29,10 @@ from ggtorch.export.old_formats import OLD_CHECKPOINT_TYPE, LoraWithNorms, is_gg
 from ggtorch.io.checkpoint import CHECKPOINT_TYPE, load_checkpoint
 from ggtorch.io.encode import fallback_type, quantize
 from ggtorch.io.gguf import GGUFFile, read_gguf, require_kind, write_gguf_streaming
+from ggtorch.io.lock import writing
 from ggtorch.io.model_file import FILE_TYPES
 from ggtorch.io.model_file import OUTTYPES as MODEL_OUTTYPES
-from ggtorch.io.paths import Input, Output, check_files, check_input
+from ggtorch.io.paths import Input, Output, check_input
 from ggtorch.lora.adapter_file import NORM_SUFFIX, LoraAdapter, LoraPair, read_adapter, validate_against_base
 from ggtorch.ops.dtypes import finite_in_f32
 from ggtorch.ops.threads import follow_free_cores
@@ -187,7 +188,13 @@ def merge_to_gguf(base_path: str | os.PathLike[str], sources: list[MergeSource],
     """Write ``out_path``: the base model with every source merged in (atomically, streamed)."""
     if not sources:
         raise GGTorchError("no adapters to merge; pass --lora FILE or --lora-scaled FILE SCALE")
-    check_files([Input("-m", base_path), *(Input("--lora", src.path) for src in sources)], [Output("-o", out_path)])
+    with writing([Input("-m", base_path), *(Input("--lora", src.path) for src in sources)], [Output("-o", out_path)]):
+        return _merge_to_gguf(base_path, sources, out_path, outtype)
+
+
+def _merge_to_gguf(base_path: str | os.PathLike[str], sources: list[MergeSource], out_path: str | os.PathLike[str],
+                   outtype: str) -> MergePlan:
+    """:func:`merge_to_gguf` once its files are checked and ``out_path`` is locked."""
     base = require_kind(read_gguf(base_path), "model", flag="-m")
     for src in sources:
         validate_source(src, base)

@@ -9,12 +9,14 @@ Where there is no ``fcntl`` (Windows), runs are not locked.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ggtorch.errors import BadFlag
-from ggtorch.io.paths import Output
+from ggtorch.io.atomic import failure
+from ggtorch.io.paths import Input, Output, check_files
 
 try:
     import fcntl
@@ -40,7 +42,10 @@ def _owner(fd: int) -> str:
 def _acquire(path: Path, output: Output) -> int:
     """Lock ``path`` (created if needed) for this process; BadFlag naming the process that holds it."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise failure(path, e, "nothing was written") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -53,8 +58,9 @@ def _acquire(path: Path, output: Output) -> int:
         except FileNotFoundError:
             same = False
         if same:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
+            with contextlib.suppress(OSError):  # the owner's id is only for another run's message: a full disk
+                os.ftruncate(fd, 0)             # leaves it out, the lock itself holds
+                os.write(fd, f"{os.getpid()}\n".encode())
             return fd
         os.close(fd)
 
@@ -102,3 +108,19 @@ class OutputLock:
             self.release()
         except Exception:  # the interpreter is shutting down: the kernel drops the locks anyway
             pass
+
+
+@contextlib.contextmanager
+def writing(inputs: Sequence[Input], outputs: Sequence[Output]) -> Iterator[OutputLock]:
+    """A command's files checked (:func:`~ggtorch.io.paths.check_files`) and its outputs locked while it writes
+    them, as a training run's are: a second command writing the same output is refused, naming this process,
+    instead of both exiting 0 and one silently replacing the other's file."""
+    check_files(inputs, outputs)
+    for out in outputs:  # a folder output is made with its parents; its lock file goes beside it, in its parent
+        if out.folder and str(out.path):
+            Path(os.path.realpath(out.path)).parent.mkdir(parents=True, exist_ok=True)
+    lock = OutputLock(outputs).acquire()
+    try:
+        yield lock
+    finally:
+        lock.release()

@@ -90,6 +90,18 @@ class Output:
         return sorted(found, key=lambda p: (p.name != latest, -_number(p.name)))
 
 
+def check_latest_name(pattern: str, latest: str, template: str) -> None:
+    """Refuse a latest-copy name made of digits: iterations are named by their number, so ``--fn-latest 2`` would
+    name the latest copy as iteration 2's file, and every later save would overwrite that iteration's file."""
+    if not pattern or not re.fullmatch("[0-9]+", latest):
+        return
+    name = Path(template).name if pattern in Path(template).name else f"checkpoint-{pattern}.gguf"
+    example = name.replace(pattern, latest, 1)
+    raise BadFlag(f"--fn-latest {latest} names each output's latest copy as an iteration's file ({example} would "
+                  f"hold the newest save, not iteration {int(latest)}); give it a name with a letter, as the default "
+                  "LATEST")
+
+
 def _number(name: str) -> int:
     digits = re.findall(r"[0-9]+", name)
     return int(digits[-1]) if digits else -1

@@ -167,6 +167,11 @@ def cuda_policy(capability: tuple[int, int]) -> Policy:
                   eval_head_bytes=1 << 30)
 
 
+RUN_DEVICES = ("cpu", "cuda", "mps")
+"""The torch device types a run or a loaded model may be placed on (meta, xla, ...: torch names them, but no
+weight of a file lands there)."""
+
+
 def auto_device() -> str:
     """The device ``--device auto`` trains on: CUDA, else MPS, else the CPU."""
     if torch.cuda.is_available():

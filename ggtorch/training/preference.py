@@ -25,6 +25,11 @@ OBJECTIVES = ("sft", "dpo", "ipo", "orpo")
 REFERENCE_OBJECTIVES = ("dpo", "ipo")
 """The objectives that compare with a reference model."""
 
+OBJECTIVE_OPTIONS: dict[str, tuple[str, ...]] = {"dpo": ("beta", "label_smoothing"), "ipo": ("beta",),
+                                                 "orpo": ("orpo_lambda",)}
+"""The run options each objective's loss reads: given with another objective, one is refused; a checkpoint records
+them, and a resume that changes one says so."""
+
 
 @dataclass(frozen=True)
 class AnswerLogps:

@@ -32,7 +32,7 @@ from ggtorch.data import (
     read_text_file,
 )
 from ggtorch.errors import BadData, BadFlag, GGTorchError, flag
-from ggtorch.io.checkpoint import Checkpoint, load_checkpoint
+from ggtorch.io.checkpoint import Checkpoint, base_identity, load_checkpoint
 from ggtorch.io.gguf import GGUFFile, read_gguf
 from ggtorch.io.lock import OutputLock
 from ggtorch.io.paths import Input, Output, check_files
@@ -53,7 +53,7 @@ from ggtorch.training.config import DEFAULT_CHECKPOINT_IN, RunConfig
 from ggtorch.training.distributed import setup
 from ggtorch.training.memory import GIB, available_bytes, estimate_memory, ways_to_lower
 from ggtorch.training.optim import AdamConfig, GGMLAdamW
-from ggtorch.training.preference import PreferenceObjective
+from ggtorch.training.preference import OBJECTIVE_OPTIONS, REFERENCE_OBJECTIVES, PreferenceObjective
 from ggtorch.training.weights import LoraWeights, Weights, weights_kind
 
 
@@ -71,6 +71,9 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise BadFlag(f"--device: '{name}' is not a device name (use auto, cpu, cuda, cuda:N or mps)") from None
+    if device.type not in policy.RUN_DEVICES:
+        raise BadFlag(f"--device {name}: ggtorch runs models on {', '.join(policy.RUN_DEVICES)}, not on a "
+                      f"{device.type} device; use auto, cpu, cuda, cuda:N or mps")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BadFlag(f"--device {name}: this torch build or machine has no CUDA; use --device cpu")
     if device.type == "mps" and not torch.backends.mps.is_available():
@@ -210,6 +213,9 @@ class Run:
         self.data = self._open_data(records)  # before the model: the estimate below sees the tokenized data
         self.warnings += self.data.warnings
         self.val_batches = self._validation_batches(val_records)
+        if c.given("eval_every") and not self.val_batches:  # said, not refused: what is trained does not change
+            self.warnings.append(f"{flag('eval_every')} {c.eval_every} has no validation data to evaluate, so it "
+                                 f"does nothing; give {flag('val_data')} or {flag('val_split')}")
         matrix_dtype, embedding_dtype, keep_quantized = kind.base_dtypes(c)
         check_tensor_names(self.base, self.model_config)  # the estimate reads them: a bad file fails here, named
         rows = 2 * c.batch if self.objective is not None else c.batch  # a pair is two sequences
@@ -346,11 +352,54 @@ class Run:
             "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
             "seed": self.seed,
             "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "objective": self._objective_record(),
         }
+
+    def _objective_record(self) -> dict[str, Any]:
+        """What the run's loss is: --objective, the options its loss reads, and the reference model's identity (the
+        base's when DPO's reference is the base with the adapter off), so that a resume can tell a change."""
+        c = self.config
+        objective = getattr(c, "objective", "sft")  # ggtorch train has only the cross-entropy
+        record: dict[str, Any] = {"objective": objective}
+        record |= {name: getattr(c, name) for name in OBJECTIVE_OPTIONS.get(objective, ())}
+        if objective in REFERENCE_OBJECTIVES:
+            record["ref_model"] = c.ref_model or ""
+            record["reference"] = base_identity(self._reference_file if self.reference is not None else self.base)
+        return record
+
+    def _check_objective(self, ck: Checkpoint) -> None:
+        """Refuse to continue a checkpoint under another objective or reference model (its adapter and moments
+        were trained for that loss); say once when a loss weight changed (--beta and the like may be a deliberate
+        schedule, as --adam-alpha may); note that a checkpoint without the record cannot be checked."""
+        if not hasattr(self.config, "objective"):  # ggtorch train: one loss, nothing to tell apart
+            return
+        now = self._objective_record()
+        was = ck.state.get("objective")
+        if not isinstance(was, dict):  # written before checkpoints recorded it: its objective is unknown
+            self.notes.append(f"{ck.path} was written before checkpoints recorded their objective, so resuming it "
+                              f"with --objective {now['objective']} is not checked; it must have trained with that")
+            return
+        if was.get("objective") != now["objective"]:
+            old, new = was.get("objective"), now["objective"]
+            fix = ("; or, to preference-train after supervised finetuning, merge its adapter into the base first "
+                   "(ggtorch export-lora) and start a new run on the merged model (docs/preference.md)"
+                   if old == "sft" else f", or start a new run with {flag('checkpoint_in')} ''")
+            raise BadFlag(f"{ck.path} was trained with --objective {old}, and this run asks for --objective {new}: "
+                          f"pass --objective {old} to continue it{fix}")
+        if was.get("reference") != now.get("reference"):
+            raise BadFlag(f"{ck.path} was trained against {_reference(was)} as its reference model, and this run's "
+                          f"is {_reference(now)}, another model: the rewards would be measured from another start; "
+                          f"pass the reference it trained with, or start a new run with {flag('checkpoint_in')} ''")
+        changed = [f"{flag(name)} {now[name]} (it trained with {was[name]})"
+                   for name in OBJECTIVE_OPTIONS.get(now["objective"], ()) if name in was and was[name] != now[name]]
+        if changed:
+            self.notes.append(f"{ck.path} resumes with {', '.join(changed)}: the loss changes scale from here; pass "
+                              "its values to continue it as it trained")
 
     def _resume(self, ck: Checkpoint) -> None:
         ck.check_base(self.base)
-        self.weights.load_checkpoint(ck)
+        self.weights.load_checkpoint(ck)  # a checkpoint of the other command is refused first, naming it
+        self._check_objective(ck)
         self.optimizer.load_state_dict(ck.state["optimizer"])
         self.warnings += self.data.load_state_dict(ck.state["data"], force_reshuffle=self.config.force_reshuffle)
         self.counters = dict(ck.state["counters"])
@@ -451,6 +500,11 @@ def _describe_existing(path: Path) -> str:
     iteration = f.get("training.iteration_count")
     what = {"training checkpoint": "a checkpoint", "LoRA adapter": "an adapter"}.get(f.kind, f"a {f.kind}")
     return f" ({what} at iteration {iteration})" if iteration is not None else f" ({what})"
+
+
+def _reference(record: Mapping[str, Any]) -> str:
+    """How a run named its reference model, for a message."""
+    return f"{flag('ref_model')} {record['ref_model']}" if record.get("ref_model") else "the base, adapter off"
 
 
 def _options_hash(config: RunConfig) -> int:

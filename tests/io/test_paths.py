@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ggtorch.errors import BadFlag
-from ggtorch.io.paths import Input, Output, check_files, name_max
+from ggtorch.io.paths import Input, Output, check_files, check_latest_name, name_max
 
 
 @pytest.fixture
@@ -99,3 +99,25 @@ def test_existing_finds_every_name_a_template_writes_latest_first(tmp_path: Path
     out = Output("--checkpoint-out", tmp_path / "ck-ITERATION.gguf", pattern="ITERATION", latest="LATEST")
     assert [p.name for p in out.existing()] == ["ck-LATEST.gguf", "ck-10.gguf", "ck-2.gguf"]
     assert Output("-o", tmp_path / "ck-3.gguf").existing() == []
+
+
+@pytest.mark.parametrize("latest", ["2", "0", "10", "007"])
+def test_a_latest_name_made_of_digits_is_refused_as_an_iterations_name(latest: str) -> None:
+    """``--fn-latest 2 --save-every 1`` made checkpoint-2.gguf hold iteration 3: the latest copy took iteration 2's
+    name. An all-digit name is one an iteration has or that reads as one (Output.existing counts it)."""
+    out = Output("--checkpoint-out", "ck-ITERATION.gguf", pattern="ITERATION", latest=latest)
+    assert out.name_regex().fullmatch(f"ck-{latest}.gguf")  # what the other checks take for an iteration's file
+    with pytest.raises(BadFlag) as refused:
+        check_latest_name("ITERATION", latest, "runs/ck-ITERATION.gguf")
+    assert str(refused.value).startswith(f"--fn-latest {latest} names each output's latest copy as an iteration's "
+                                         f"file (ck-{latest}.gguf would hold the newest save, not iteration "
+                                         f"{int(latest)})")
+
+
+@pytest.mark.parametrize("latest", ["LATEST", "2b", "last-2", ""])
+def test_other_latest_names_never_take_an_iterations_name(latest: str) -> None:
+    check_latest_name("ITERATION", latest, "ck-ITERATION.gguf")
+    name = "ck-ITERATION.gguf".replace("ITERATION", latest, 1)
+    assert name not in {f"ck-{i}.gguf" for i in range(10_000)}
+    check_latest_name("", "2", "ck.gguf")  # no pattern: one fixed name, no iteration names to take
+

@@ -185,3 +185,19 @@ def test_each_runs_log_lines_carry_its_id_and_plot_labels_every_run(stories260k:
         "run 1: train loss", "run 2, resumed from ck-LATEST.gguf: train loss", "run 3: train loss"]
     plt.close("all")
     assert json.loads(log.read_text().splitlines()[0])["kind"] == "start"
+
+
+def test_a_latest_name_that_is_an_iterations_number_is_refused_before_any_file(
+        stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
+    """``--fn-latest 2 --save-every 1`` wrote iteration 3 over checkpoint-2.gguf (the latest copy's name): refused at
+    config time, from the command line and from Python alike, before any file is written."""
+    args = ["finetune", "--model-base", stories260k, "--train-data", texts["train"], "-c", "8", "-b", "1", "-n", "3",
+            "--lora-r", "2", "-t", "1", "--checkpoint-in", "", "--save-every", "1", "--fn-latest", "2",
+            "--checkpoint-out", tmp_path / "checkpoint-ITERATION.gguf", "--lora-out", tmp_path / "lora-ITERATION.gguf"]
+    result = run_cli(args)
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert ("--fn-latest 2 names each output's latest copy as an iteration's file (checkpoint-2.gguf would hold the "
+            "newest save, not iteration 2)") in result.output
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(BadFlag, match="--fn-latest 2 names each output's latest copy as an iteration's file"):
+        config(stories260k, texts["train"], tmp_path, fn_latest="2")
