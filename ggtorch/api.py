@@ -60,6 +60,25 @@ __all__ = ["Checkpoint", "GGUFModel", "LoraAdapter", "ProgressBar", "export_peft
            "write_adapter"]
 
 
+ADAPTER_SCALE_MAX = 100.0
+"""The largest scale (either sign) an adapter is applied or merged with: 1 applies it as trained, -1 takes it back
+out, 0.5 halves it. Far beyond, the merged weights leave the base's range (a scale of 1e30 wrote weights of 4.8e26
+and a model whose perplexity is nan)."""
+
+
+def adapter_scale(path: str | os.PathLike[str], scale: Any) -> float:
+    """The user scale of adapter ``path`` (export-lora's ``--lora-scaled FILE:SCALE``, the API's ``(path, scale)``),
+    refused outside ±:data:`ADAPTER_SCALE_MAX`: the one check of the CLI and the API."""
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise BadFlag(f"--lora-scaled {path}:{scale}: the scale must be a number") from None
+    if not -ADAPTER_SCALE_MAX <= value <= ADAPTER_SCALE_MAX:
+        raise BadFlag(f"--lora-scaled {path}:{scale}: the scale must be in [-{ADAPTER_SCALE_MAX:g}, "
+                      f"{ADAPTER_SCALE_MAX:g}] (1 applies the adapter as trained, -1 removes it), got {value:g}")
+    return value
+
+
 def _torch_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """``dtype`` as a torch dtype; ``auto``: the device's (bf16 on CUDA from Ampere, else f32)."""
     if isinstance(dtype, torch.dtype):
@@ -125,7 +144,7 @@ class GGUFModel:
 
     def load_adapter(self, *adapters: str | os.PathLike[str] | tuple[str | os.PathLike[str], float]) -> GGUFModel:
         """Apply GGUF LoRA adapters (paths, or (path, scale) pairs) as llama.cpp's ``--lora`` does. Returns self."""
-        loaded = [(read_adapter(a[0]), float(a[1])) if isinstance(a, tuple) else (read_adapter(a), 1.0)
+        loaded = [(read_adapter(a[0]), adapter_scale(a[0], a[1])) if isinstance(a, tuple) else (read_adapter(a), 1.0)
                   for a in adapters]
         if not loaded:
             raise BadFlag("load_adapter needs at least one adapter file")
@@ -262,6 +281,10 @@ def finetune(config: FinetuneConfig | None = None, *, callbacks: Sequence[Callba
     config = _config(FinetuneConfig, config, options)
     if not config.model_base:
         raise BadFlag("model_base (--model-base) is required: the GGUF model to finetune")
+    for keyword, passed, option in (("records", records, "train_data"), ("val_records", val_records, "val_data"),
+                                    ("val_records", val_records, "val_split")):
+        if passed is not None and config.given(option) and getattr(config, option):  # '' names no data
+            raise BadFlag(f"{keyword}= and {option}= both give the run's data; pass one of them")
     return _run(config, callbacks, progress, run, records, val_records, manage_process)
 
 
@@ -310,14 +333,19 @@ def plot_losses(run: Trainer | str | os.PathLike[str], ax: Any = None) -> Any:
     return ax
 
 
-def merge_adapters(base: str | os.PathLike[str], adapters: Iterable[str | os.PathLike[str] | tuple[Any, float]],
+def merge_adapters(base: str | os.PathLike[str],
+                   adapters: str | os.PathLike[str] | Iterable[str | os.PathLike[str] | tuple[Any, float]],
                    out: str | os.PathLike[str], outtype: str = "same") -> MergePlan:
     """llama.cpp's export-lora: write ``out`` = ``base`` with the adapters (or checkpoints) merged in.
 
     ``outtype='same'`` re-quantizes merged tensors to their base type where ggtorch's quantizer
-    is bit-exact with llama.cpp's; 'f32', 'f16', 'bf16', 'q8_0' force one type.
+    is bit-exact with llama.cpp's; 'f32', 'f16', 'bf16', 'q8_0' force one type. One adapter may be given
+    as its path alone (a text is a path, never a sequence of one-letter paths).
     """
-    sources = [read_source(a[0], float(a[1])) if isinstance(a, tuple) else read_source(a) for a in adapters]
+    if isinstance(adapters, (str, os.PathLike)):
+        adapters = [adapters]
+    sources = [read_source(a[0], adapter_scale(a[0], a[1])) if isinstance(a, tuple) else read_source(a)
+               for a in adapters]
     return merge_to_gguf(base, sources, out, outtype)
 
 

@@ -27,6 +27,9 @@ DEFAULT_SEED = 5489
 """``std::mt19937::default_seed``."""
 MAX = 0xFFFFFFFF
 """``std::mt19937::max()``."""
+CHUNK = 1 << 20
+"""Outputs drawn per ``getrandbits`` call: CPython refuses ``getrandbits(k)`` once k/32 outputs exceed a C int
+(2**31 bits, 67M outputs), which an 8B model's LoRA init needs; 4 MiB a call costs nothing against that."""
 
 
 def seed_state(seed: int) -> tuple[int, ...]:
@@ -70,19 +73,21 @@ class MT19937:
         return self._rng.getrandbits(32)
 
     def draw(self, n: int) -> np.ndarray:
-        """The next ``n`` outputs in order, as uint32 (one ``getrandbits`` call, not n)."""
-        if n <= 0:
-            return np.zeros(0, dtype=np.uint32)
-        # getrandbits(32·n) fills 32-bit words from least to most significant, one output each.
-        big = self._rng.getrandbits(32 * n)
+        """The next ``n`` outputs in order, as uint32 (one ``getrandbits`` call per :data:`CHUNK`, not n)."""
+        out = np.empty(max(n, 0), dtype=np.uint32)
         order = "<" if sys.byteorder == "little" else ">"
-        raw = big.to_bytes(4 * n, sys.byteorder)
-        return np.frombuffer(raw, dtype=np.dtype(order + "u4")).astype(np.uint32)
+        for start in range(0, n, CHUNK):
+            k = min(CHUNK, n - start)
+            # getrandbits(32·k) fills 32-bit words from least to most significant, one output each, so
+            # consecutive calls give the outputs in order, as one call over all of them would
+            raw = self._rng.getrandbits(32 * k).to_bytes(4 * k, sys.byteorder)
+            out[start:start + k] = np.frombuffer(raw, dtype=np.dtype(order + "u4"))
+        return out
 
     def discard(self, n: int) -> None:
         """Advance by ``n`` outputs (``rng.discard(n)``)."""
-        if n > 0:
-            self._rng.getrandbits(32 * n)
+        for start in range(0, n, CHUNK):
+            self._rng.getrandbits(32 * min(CHUNK, n - start))
 
 
 def libstdcpp_normal(engine: MT19937, n: int) -> np.ndarray:

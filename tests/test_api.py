@@ -136,6 +136,9 @@ def test_trained_model_and_adapter_match_llama_cpp(stories260k: Path, text: Path
         np.testing.assert_allclose(fresh.model(torch.tensor([tokens]))[0].numpy(), theirs, atol=1e-3)
     ggtorch.merge_adapters(stories260k, [(adapter_path, 1.0)], tmp_path / "merged.gguf", outtype="f32")
     merged = llama_cpp_logits(open_llama_cpp(tmp_path / "merged.gguf", n_ctx=64), tokens)
+    # one adapter given as its path alone, as a text: the same file (it was read as one path per letter)
+    ggtorch.merge_adapters(stories260k, str(adapter_path), tmp_path / "merged-one.gguf", outtype="f32")
+    assert (tmp_path / "merged-one.gguf").read_bytes() == (tmp_path / "merged.gguf").read_bytes()
     np.testing.assert_allclose(merged, theirs, atol=1e-3)
     assert np.abs(theirs - llama_cpp_logits(open_llama_cpp(stories260k, n_ctx=64), tokens)).max() > 0.05
 
@@ -169,6 +172,25 @@ def test_finetune_on_a_list_of_records(stories260k: Path, tmp_path: Path) -> Non
     assert [r.loss for r in run.history] == [r.loss for r in twin.train()]
     twin.close()
     assert run.evaluate() is not None and (tmp_path / "qa.gguf").is_file()
+
+
+@pytest.mark.parametrize("data, option", [
+    ({"records": [{"prompt": "a", "response": "b"}]}, {"train_data": "other.txt"}),
+    ({"val_records": [{"prompt": "a", "response": "b"}]}, {"val_data": "val.txt"}),
+    ({"val_records": [{"prompt": "a", "response": "b"}]}, {"val_split": 0.1}),
+])
+def test_records_and_a_data_option_together_are_refused(data: dict, option: dict) -> None:
+    """The records would win and the log would name the file: one source of the run's data, said before any work."""
+    keyword, name = next(iter(data)), next(iter(option))
+    with pytest.raises(ggtorch.BadFlag, match=rf"^{keyword}= and {name}= both give the run's data; pass one of them"):
+        ggtorch.finetune(model_base="m.gguf", run=False, progress=False, **data, **option)
+
+
+@pytest.mark.parametrize("scale", [1e30, -1e30, math.nan, 101.0])
+def test_an_adapter_scale_without_meaning_is_refused(tmp_path: Path, scale: float) -> None:
+    """export-lora's --lora-scaled and the API's (path, scale) share one check, before any file is read."""
+    with pytest.raises(ggtorch.BadFlag, match=r"the scale must be in \[-100, 100\]"):
+        ggtorch.merge_adapters("base.gguf", [("adapter.gguf", scale)], tmp_path / "out.gguf")
 
 
 def test_single_steps_without_train(stories260k: Path, text: Path, tmp_path: Path) -> None:

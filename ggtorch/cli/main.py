@@ -28,7 +28,7 @@ from ggtorch.errors import BadData, GGTorchError
 from ggtorch.io.gguf import read_gguf
 from ggtorch.io.paths import Input, check_input
 from ggtorch.models.config import ModelConfig
-from ggtorch.models.generate import SamplingParams, check_fits, iter_tokens
+from ggtorch.models.generate import SamplingParams, check_fits, check_n_tokens, iter_tokens
 from ggtorch.ops.dtypes import DTYPES
 from ggtorch.ops.threads import follow_free_cores, pin_threads, start_following
 from ggtorch.training.distributed import env_rank, env_world_size
@@ -129,7 +129,7 @@ def info(model_path: str) -> None:
 @main.command()
 @model_options
 @click.option("-p", "--prompt", default="", show_default=True, help="Text to continue (BOS is added).")
-@click.option("-n", "--n-predict", "n_predict", type=click.IntRange(min=1), default=64, show_default=True,
+@click.option("-n", "--n-predict", "n_predict", type=int, default=64, show_default=True,
               help="Number of tokens to generate.")
 @click.option("--temp", type=float, default=0.0, show_default=True, help="Temperature; 0 is greedy (argmax).")
 @click.option("--top-k", type=int, default=40, show_default=True, help="Top-k (0 disables); used when --temp > 0.")
@@ -141,7 +141,8 @@ def generate(model_path: str, device: str, dtype: str, keep_quantized: bool, thr
     """Continue a prompt, printing the text as it is generated."""
     if threads:
         pin_threads(threads)
-    params = SamplingParams(temp, top_k, top_p, None if seed < 0 else seed)
+    params = SamplingParams(temp, top_k, top_p, None if seed == -1 else seed)  # the API's checks, before the load
+    check_n_tokens(n_predict)
     loaded = load_model(model_path, device=device, dtype=dtype, keep_quantized=keep_quantized)
     tok = loaded.tokenizer
     prompt_tokens = tok.encode(prompt, add_special=True)

@@ -18,7 +18,16 @@ import click
 from click.core import ParameterSource
 
 from ggtorch.errors import flag
-from ggtorch.training.config import FILES, RunConfig, choices, option_info, read_config_file, value_type
+from ggtorch.training.config import (
+    FILES,
+    OptionInfo,
+    RunConfig,
+    check_value,
+    choices,
+    option_info,
+    read_config_file,
+    value_type,
+)
 
 C = TypeVar("C", bound=RunConfig)
 
@@ -83,8 +92,14 @@ def field_option(config_cls: type[RunConfig], f: dataclasses.Field[Any]) -> Grou
     else:
         typed = {"type": click.Choice(allowed) if allowed else kind}
     show_default = info.default_text if f.default is None and info.default_text else True
-    return GroupedOption([*decls, f.name], info.group, default=f.default, show_default=show_default, help=info.help,
-                         **typed)
+    return GroupedOption([*decls, f.name], info.group, default=f.default, show_default=show_default,
+                         help=help_text(info), **typed)
+
+
+def help_text(info: OptionInfo) -> str:
+    """An option's --help: its help, then its range where it declares one (the range the config checks)."""
+    allowed = info.range_text()
+    return f"{info.help} Must be {allowed}." if allowed else info.help
 
 
 def _params(config_cls: type[RunConfig], groups: Sequence[str]) -> list[click.Parameter]:
@@ -114,8 +129,13 @@ def threads_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``-t/--threads`` of the commands not generated from a run config, as the run config's field says it."""
     f = next(f for f in dataclasses.fields(RunConfig) if f.name == "threads")
     info = option_info(f)
-    return click.option(*info.flags, flag(f.name), "threads", type=click.IntRange(min=1), default=None,
-                        show_default=info.default_text, help=info.help)(fn)
+
+    def check(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+        check_value(RunConfig, f, value)  # the run config's own check: one message, one range
+        return value
+
+    return click.option(*info.flags, flag(f.name), "threads", type=int, default=None, callback=check,
+                        show_default=info.default_text, help=help_text(info))(fn)
 
 
 def config_from_cli(ctx: click.Context, values: dict[str, Any], config_cls: type[C]) -> tuple[C, list[str]]:

@@ -100,12 +100,8 @@ def validate_against_base(adapter: LoraAdapter, base: GGUFFile, source: str = "a
     if adapter.architecture != base.architecture:
         raise GGTorchError(f"{source}: the adapter is for a {adapter.architecture} model{of_model}, the base model "
                            f"{base.path} is a {base.architecture}; pass the model it was trained on")
-    tied = "output.weight" not in base.tensors
     misfits: list[str] = []
     for name, pair in adapter.pairs.items():
-        if name == TOKEN_EMBD and tied:
-            raise GGTorchError(f"{source}: adapter targets token_embd.weight, but {base.path} ties its output "
-                               "to token_embd and llama.cpp aborts on such an adapter; drop that tensor")
         if name not in base.tensors:
             misfits.append(f"'{name}', which the base does not have")
             continue
@@ -127,6 +123,9 @@ def validate_against_base(adapter: LoraAdapter, base: GGUFFile, source: str = "a
         raise GGTorchError(f"{source}: {len(misfits)} of the adapter's {len(adapter.pairs)} tensors do not fit the "
                            f"base model {base.path}, e.g. {misfits[0]}: the adapter was made for another "
                            f"model{of_model}; pass the model it was trained on")
+    if TOKEN_EMBD in adapter.pairs and "output.weight" not in base.tensors:  # an adapter that fits, all but this
+        raise GGTorchError(f"{source}: adapter targets token_embd.weight, but {base.path} ties its output "
+                           "to token_embd and llama.cpp aborts on such an adapter; drop that tensor")
 
 
 def write_adapter(path: str | os.PathLike[str], adapter: LoraAdapter, dtype: str = "f32") -> Path:

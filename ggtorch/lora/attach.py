@@ -63,9 +63,10 @@ def attach_lora(model: nn.Module, config: LoraConfig | None = None, seed: int = 
     config = config or LoraConfig()
     if any(isinstance(m, _LoRA) for m in model.modules()):
         raise BadFlag("the model already has LoRA adapters attached; attach once, or merge and reload")
+    plan = _plan(model, config)
+    config.check_kinds({kind for kind, _, _ in plan}, getattr(getattr(model, "config", None), "arch", "given"))
     for p in model.parameters():
         p.requires_grad_(False)
-    plan = _plan(model, config)
     if _is_tied(model) and any(config.rank_of(k) > 0 for k in TIED_KINDS):
         log.info("tied output: no LoRA on token_embd/output (llama.cpp cannot load such an adapter)")
     wrapped: list[_LoRA] = []

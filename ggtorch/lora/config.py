@@ -8,6 +8,7 @@ matrix, phi3) takes the place of attn_q/k/v in that order; a model has one or th
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -56,6 +57,11 @@ FINETUNE_RANK_FIELDS: dict[str, tuple[str, ...]] = {
 }
 """Run option (FinetuneConfig field, the old --rank-* flag) -> the tensor kinds whose rank it sets."""
 
+MAX_RANK = 4096
+"""The largest LoRA rank: an 8B model's width. A rank at a matrix's width is no longer low-rank (a full delta with
+more parameters); beyond it only the memory grows. Per-matrix widths are not checked: a Gated DeltaNet's ssm_beta
+is 32 rows wide, below ranks that suit its other matrices."""
+
 OPTION_NAMES: dict[str, str] = {"rank": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout"}
 """LoraConfig field -> the run option that sets it; messages name that option's flag."""
 
@@ -79,15 +85,16 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         """The one check of the LoRA options (the CLI, config files and the API all end here)."""
-        if self.rank < 1:
-            raise BadFlag(f"{flag(OPTION_NAMES['rank'])} must be at least 1, got {self.rank}")
+        if not 1 <= self.rank <= MAX_RANK:
+            raise BadFlag(f"{flag(OPTION_NAMES['rank'])} must be at least 1 and at most {MAX_RANK}, got {self.rank}")
         unknown = sorted(set(self.ranks) - set(ALL_KINDS))
         if unknown:
             raise BadFlag(f"unknown LoRA tensor kind '{unknown[0]}'; kinds are {', '.join(ALL_KINDS)}")
         for option, kinds in FINETUNE_RANK_FIELDS.items():
             for kind in kinds:
-                if self.ranks.get(kind, 0) < 0:
-                    raise BadFlag(f"{flag(option)} must be >= 0, got {self.ranks[kind]} (the LoRA rank of {kind})")
+                if not 0 <= self.ranks.get(kind, 0) <= MAX_RANK:
+                    raise BadFlag(f"{flag(option)} must be at least 0 and at most {MAX_RANK}, got {self.ranks[kind]} "
+                                  f"(the LoRA rank of {kind})")
         if self.alpha is not None and not (math.isfinite(self.alpha) and self.alpha > 0):
             raise BadFlag(f"{flag(OPTION_NAMES['alpha'])} must be a positive number, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
@@ -108,6 +115,16 @@ class LoraConfig:
     def explicit(self, kind: str) -> bool:
         """Whether the user asked for this kind by name (an override > 0)."""
         return self.ranks.get(kind, 0) > 0
+
+    def check_kinds(self, present: Collection[str], arch: str) -> None:
+        """Refuse a rank given for tensors the model does not have (--rank-qkv on a llama, --rank-exps on a dense
+        model): it would adapt nothing, and the tensors the user meant keep the default rank."""
+        for option, kinds in FINETUNE_RANK_FIELDS.items():
+            rank = max(self.ranks.get(kind, 0) for kind in kinds)
+            if rank > 0 and not set(kinds) & set(present):
+                applying = [flag(o) for o, ks in FINETUNE_RANK_FIELDS.items() if set(ks) & set(present)]
+                raise BadFlag(f"{flag(option)} {rank} sets the LoRA rank of {', '.join(kinds)}, which this {arch} "
+                              f"model does not have; drop it (the ranks of its tensors: {', '.join(applying)})")
 
     @classmethod
     def from_finetune(cls, c: Any) -> LoraConfig:

@@ -19,6 +19,17 @@ from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.ops import policy
 from ggtorch.ops.threads import follow_free_cores
 
+SEED_MAX = 2**64 - 1
+"""The largest sampling seed: torch.Generator's 64 bits."""
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_whole(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,12 +43,22 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise BadFlag(f"temperature {self.temperature} must be >= 0 (0 is greedy)")
-        if self.top_k < 0:
-            raise BadFlag(f"top-k {self.top_k} must be >= 0 (0 disables it)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise BadFlag(f"top-p {self.top_p} must be in (0, 1] (1 disables it)")
+        """The one check of the sampling options: ``ggtorch generate``'s flags and the API's keywords build this."""
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise BadFlag(f"--temp: temperature {self.temperature!r} must be >= 0 and finite (0 is greedy)")
+        if not _is_whole(self.top_k) or self.top_k < 0:
+            raise BadFlag(f"--top-k: top-k {self.top_k!r} must be >= 0, a whole number (0 disables it)")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise BadFlag(f"--top-p: top-p {self.top_p!r} must be in (0, 1] (1 disables it)")
+        if self.seed is not None and (not _is_whole(self.seed) or not 0 <= self.seed <= SEED_MAX):
+            raise BadFlag(f"-s: seed {self.seed!r} must be in [0, {SEED_MAX}], a whole number (-1 on the command "
+                          "line, None in Python, picks one at random)")
+
+
+def check_n_tokens(n_tokens: int) -> None:
+    """The one check of how many tokens to generate (``ggtorch generate -n``, the API's ``n_tokens``)."""
+    if not _is_whole(n_tokens) or n_tokens < 1:
+        raise BadFlag(f"-n: n_tokens {n_tokens!r} must be >= 1, a whole number")
 
 
 def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -70,12 +91,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = filter_top_p(filter_top_k(logits.float(), params.top_k), params.top_p)
+    # the largest logit subtracted first: a tiny temperature then sharpens to greedy instead of overflowing to nan
+    logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits / params.temperature, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def check_fits(model: Transformer, n_prompt: int, n_tokens: int) -> None:
     """Refuse a generation the model's context cannot hold, saying which part to shorten."""
+    check_n_tokens(n_tokens)
     n_ctx = model.config.n_ctx_train
     if n_prompt >= n_ctx:
         raise BadData(f"the prompt is {n_prompt} tokens and the model's context holds {n_ctx}, with room for "

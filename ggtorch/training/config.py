@@ -36,18 +36,34 @@ from ggtorch.data.packing import Batching, LongRecords
 from ggtorch.data.samples import UTF8Errors
 from ggtorch.errors import BadFlag, flag
 from ggtorch.io.model_file import OUTTYPES
+from ggtorch.io.paths import check_latest_name
 from ggtorch.lora import LoraConfig
+from ggtorch.lora.config import MAX_RANK
 from ggtorch.models.init import INITS
 from ggtorch.ops.dtypes import F32_MAX, DTypeChoice, DTypeName, finite_in_f32
 from ggtorch.training.distributed import BACKENDS
 from ggtorch.training.optim import AdamConfig
-from ggtorch.training.preference import OBJECTIVES, REFERENCE_OBJECTIVES
+from ggtorch.training.preference import OBJECTIVE_OPTIONS, OBJECTIVES, REFERENCE_OBJECTIVES
 
 DEFAULT_CHECKPOINT_IN = "checkpoint.gguf"
 """What a run resumes from when --checkpoint-in is not given, if that file exists (the old finetune's default)."""
 
 NAN_SKIP_LIMIT = 10
 """With --on-nan skip, this many non-finite steps in a row stop the run anyway."""
+
+SEED_MAX = 2**32 - 1
+"""The largest --seed: the LoRA init and the old sample shuffle seed ``std::mt19937`` with 32 bits, so larger seeds
+would repeat smaller ones."""
+
+MAX_THREADS = os.cpu_count() or 1
+"""The largest --threads: this machine's logical CPUs. A torch thread team larger than the CPUs waits at every
+parallel region for members without a core (ggtorch.ops.threads): steps run hundreds of times slower, never
+faster."""
+
+PREFERENCE_WEIGHT_MAX = 100.0
+"""The largest --beta and --orpo-lambda, 1000 times their default (TRL's): beyond it DPO's sigmoid saturates once a
+margin passes a tenth of a nat, and ORPO's odds-ratio term outweighs the answers' likelihood a thousandfold. --beta
+1e30 trained a loss of 1.5e25 and wrote the adapter."""
 
 # --help groups; each command orders them (ggtorch.cli.finetune, ggtorch.cli.train)
 FILES = "Model and data"
@@ -72,18 +88,51 @@ class OptionInfo:
     """Spellings besides the long flag: short names and old aliases."""
     off: str | None = None
     """A switch's 'off' spelling (``--no-checkpointing``); without one a switch can only be turned on."""
-    minimum: int | None = None
+    minimum: float | None = None
+    """The smallest value allowed."""
+    maximum: float | None = None
+    """The largest value allowed."""
+    above: float | None = None
+    """A bound the value must exceed (``--beta`` above 0): for floats, whose smallest allowed value has no name."""
+    below: float | None = None
+    """A bound the value must stay under (``--val-split`` below 1)."""
     choices: tuple[str, ...] | None = None
     """Allowed values kept in a table elsewhere; otherwise the field's Literal annotation gives them."""
     default_text: str | None = None
     """What a None default means, for --help (other defaults are shown as they are)."""
 
+    def __post_init__(self) -> None:
+        assert self.minimum is None or self.above is None, "one lower bound"
+        assert self.maximum is None or self.below is None, "one upper bound"
+
+    def in_range(self, value: float) -> bool:
+        return ((self.minimum is None or value >= self.minimum) and (self.maximum is None or value <= self.maximum)
+                and (self.above is None or value > self.above) and (self.below is None or value < self.below))
+
+    def range_text(self) -> str | None:
+        """The range as messages and --help say it ("at least 1", "in [0, 1)"); None: any value of the type.
+
+        A range with an open end is written as an interval; a closed one (every whole-number option's) in words."""
+        low, high = self.minimum if self.minimum is not None else self.above, \
+            self.maximum if self.maximum is not None else self.below
+        if low is not None and high is not None and (self.above is not None or self.below is not None):
+            return (f"in {'(' if self.above is not None else '['}{_number(low)}, "
+                    f"{_number(high)}{')' if self.below is not None else ']'}")
+        words = [f"{'above' if self.above is not None else 'at least'} {_number(low)}" if low is not None else "",
+                 f"{'below' if self.below is not None else 'at most'} {_number(high)}" if high is not None else ""]
+        return " and ".join(w for w in words if w) or None
+
+
+def _number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
 
 def option(default: Any, help: str, group: str, *, flags: Sequence[str] = (), off: str | None = None,
-           minimum: int | None = None, choices: Iterable[str] | None = None, default_text: str | None = None) -> Any:
+           minimum: float | None = None, maximum: float | None = None, above: float | None = None,
+           below: float | None = None, choices: Iterable[str] | None = None, default_text: str | None = None) -> Any:
     """A dataclass field for one option: its default, and its flag spellings, help and checks as metadata."""
-    info = OptionInfo(help, group, tuple(flags), off, minimum, tuple(choices) if choices is not None else None,
-                      default_text)
+    info = OptionInfo(help, group, tuple(flags), off, minimum, maximum, above, below,
+                      tuple(choices) if choices is not None else None, default_text)
     return dataclasses.field(default=default, metadata={"option": info})
 
 
@@ -138,6 +187,23 @@ def describe_value(value: Any) -> str:
     return f"a {type(value).__name__} ({str(value)[:40]})"
 
 
+def check_value(cls: type, f: dataclasses.Field[Any], value: Any) -> None:
+    """Refuse a value of option ``f`` of ``cls`` that is not of its type, not one of its choices or out of its range:
+    the one check of a flag, a config-file key and an API keyword."""
+    expected = value_problem(cls, f, value)
+    if expected is not None:
+        raise BadFlag(f"{flag(f.name)} must be {expected}, got {describe_value(value)}")
+    if value is None:
+        return
+    allowed = choices(cls, f)
+    if allowed is not None and value not in allowed:
+        raise BadFlag(f"{flag(f.name)} must be one of {', '.join(allowed)}, got '{value}'")
+    info = option_info(f)
+    if not isinstance(value, bool) and isinstance(value, (int, float)) and not info.in_range(value):
+        fix = f"; leave it out to use {info.default_text}" if f.default is None and info.default_text else ""
+        raise BadFlag(f"{flag(f.name)} must be {info.range_text()}, got {value}{fix}")
+
+
 def value_problem(cls: type, f: dataclasses.Field[Any], value: Any) -> str | None:
     """What option ``f`` of ``cls`` expects, when ``value`` is not of its type (or, for a number, not finite in
     f32, where it will be used); None when it is. A flag, a config file and an API keyword are held to the same."""
@@ -170,8 +236,9 @@ class RunConfig:
     train_data: str = option(
         "shakespeare.txt", "Training text (UTF-8), or records: a .jsonl/.parquet file or a folder of them.", FILES)
     val_data: str | None = option(None, "Separate text (or records) for a held-out validation loss.", FILES)
-    val_split: float = option(0.0, "Fraction of the training text held out for validation (0: none).", FILES)
-    eval_every: int = option(0, "Validation loss every N iterations (0: only at the end).", FILES)
+    val_split: float = option(0.0, "Fraction of the training text held out for validation (0: none).", FILES,
+                              minimum=0.0, below=1.0)
+    eval_every: int = option(0, "Validation loss every N iterations (0: only at the end).", FILES, minimum=0)
     utf8_errors: UTF8Errors = option(
         DataOptions.utf8_errors, "Invalid UTF-8 in text: stop with the byte offset, or replace it with U+FFFD.",
         FILES)
@@ -211,9 +278,9 @@ class RunConfig:
                             flags=("-n",), minimum=1)
     epochs: int = option(-1, "Stop after N epochs over the samples (<= 0: no limit).", TRAINING)
     seed: int = option(-1, "Seed of the initial weights (LoRA or a new model) and the shuffling; -1 uses the time.",
-                       TRAINING, flags=("-s",))
+                       TRAINING, flags=("-s",), minimum=-1, maximum=SEED_MAX)
     threads: int | None = option(None, "torch CPU threads, kept as given (as is OMP_NUM_THREADS).", TRAINING,
-                                 flags=("-t",), minimum=1,
+                                 flags=("-t",), minimum=1, maximum=MAX_THREADS,
                                  default_text="the cores other processes leave free, checked as it runs")
     use_checkpointing: bool = option(True, "Gradient checkpointing per transformer block (less memory, more "
                                      "compute).", TRAINING, off="--no-checkpointing")
@@ -269,42 +336,37 @@ class RunConfig:
                                    SAMPLES)
 
     # --- model overrides ---------------------------------------------------------------------------------
-    norm_rms_eps: float | None = option(None, "RMSNorm epsilon.", OVERRIDES, default_text="from the model")
-    rope_freq_base: float | None = option(None, "RoPE frequency base.", OVERRIDES, default_text="from the model")
-    rope_freq_scale: float | None = option(None, "RoPE frequency scale.", OVERRIDES, default_text="from the model")
+    norm_rms_eps: float | None = option(None, "RMSNorm epsilon.", OVERRIDES, above=0.0,
+                                        default_text="the model's value")
+    rope_freq_base: float | None = option(None, "RoPE frequency base.", OVERRIDES, above=0.0,
+                                          default_text="the model's value")
+    rope_freq_scale: float | None = option(None, "RoPE frequency scale.", OVERRIDES, above=0.0,
+                                           default_text="the model's value")
 
     def __post_init__(self) -> None:
         self._check_fields()
         if self.grad_acc < 1:
             self.grad_acc = 1  # the old finetune clamped --grad-acc to >= 1
-        if not 0.0 <= self.val_split < 1.0:
-            raise BadFlag(f"{flag('val_split')} must be in [0, 1), got {self.val_split}")
         if self.val_split and self.val_data:
             raise BadFlag(f"{flag('val_split')} and {flag('val_data')} exclude each other; pass one of them")
-        for name in ("norm_rms_eps", "rope_freq_base", "rope_freq_scale"):  # overrides of the model's own values
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise BadFlag(f"{flag(name)} must be above 0, got {value}; leave it out to use the model's value")
         AdamConfig.from_finetune(self)  # the optimizer's own rules
+        check_latest_name(self.pattern_fn_it, self.fn_latest, self.checkpoint_out)  # names that collide
 
     def _check_fields(self) -> None:
-        """The rules every option may declare: its type, its choices and its minimum."""
+        """The rules every option may declare: its type, its choices and its range."""
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, os.PathLike) and value_type(type(self), f) is str:  # a notebook's Path: a file name
                 value = os.fspath(value)
                 setattr(self, f.name, value)
-            expected = value_problem(type(self), f, value)
-            if expected is not None:
-                raise BadFlag(f"{flag(f.name)} must be {expected}, got {describe_value(value)}")
-            if value is None:
-                continue
-            allowed = choices(type(self), f)
-            if allowed is not None and value not in allowed:
-                raise BadFlag(f"{flag(f.name)} must be one of {', '.join(allowed)}, got '{value}'")
-            minimum = option_info(f).minimum
-            if minimum is not None and value < minimum:
-                raise BadFlag(f"{flag(f.name)} must be at least {minimum}, got {value}")
+            check_value(type(self), f, value)
+
+    def given(self, name: str) -> bool:
+        """Whether option ``name`` was set to other than its default: how a rule knows a flag was passed, the same
+        for a flag, a config file and an API keyword (each passes only what the user set; setting the default is
+        setting nothing)."""
+        f = next(f for f in fields(self) if f.name == name)
+        return getattr(self, name) != f.default
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -358,7 +420,7 @@ class FinetuneConfig(RunConfig):
         "per step instead of twice (faster, that much more memory; with --no-checkpointing).", TRAINING, minimum=0)
 
     # --- LoRA: LoraConfig holds the rules (lora.config.OPTION_NAMES, FINETUNE_RANK_FIELDS) -----------
-    lora_r: int = option(LoraConfig.rank, "Default rank of every adapted matrix.", LORA)
+    lora_r: int = option(LoraConfig.rank, f"Default rank of every adapted matrix (each rank at most {MAX_RANK}).", LORA)
     lora_alpha: float | None = option(LoraConfig.alpha, "Alpha; the adapter scale is alpha/r.", LORA,
                                       default_text="--lora-r: scale 1")
     lora_dropout: float = option(LoraConfig.dropout, "Dropout on the LoRA input (0: none).", LORA)
@@ -396,11 +458,11 @@ class FinetuneConfig(RunConfig):
                             "pairs ({prompt, chosen, rejected} records) with that objective.", PREFERENCE,
                             choices=OBJECTIVES)
     beta: float = option(0.1, "DPO and IPO: how far the trained model may move from the reference (TRL's beta; "
-                         "smaller moves further).", PREFERENCE)
+                         "smaller moves further).", PREFERENCE, above=0.0, maximum=PREFERENCE_WEIGHT_MAX)
     label_smoothing: float = option(0.0, "DPO: the share of pairs assumed mislabelled (conservative DPO), 0 to "
-                                    "below 0.5.", PREFERENCE)
+                                    "below 0.5.", PREFERENCE, minimum=0.0, below=0.5)
     orpo_lambda: float = option(0.1, "ORPO: the weight of the odds-ratio term beside the chosen answers' NLL "
-                                "(TRL's ORPOConfig.beta).", PREFERENCE)
+                                "(TRL's ORPOConfig.beta).", PREFERENCE, minimum=0.0, maximum=PREFERENCE_WEIGHT_MAX)
     ref_model: str | None = option(None, "DPO and IPO: a reference GGUF with the base's vocabulary, instead of the "
                                    "base with the adapter switched off.", PREFERENCE,
                                    default_text="the base, adapter off")
@@ -417,22 +479,28 @@ class FinetuneConfig(RunConfig):
                           f"{self.base_dtype} nothing is decoded, drop it")
 
     def _check_preference(self) -> None:
-        if not self.beta > 0:
-            raise BadFlag(f"{flag('beta')} must be above 0, got {self.beta}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise BadFlag(f"{flag('label_smoothing')} must be in [0, 0.5), got {self.label_smoothing}")
-        if not self.orpo_lambda >= 0:
-            raise BadFlag(f"{flag('orpo_lambda')} must be 0 or above, got {self.orpo_lambda}")
+        """Options of other objectives than the run's are refused: a flag that changes nothing must not look as if
+        it did (a TRL user's --beta for ORPO would leave ORPO's weight at its default)."""
+        readers = {name: tuple(o for o, names in OBJECTIVE_OPTIONS.items() if name in names)  # option -> objectives
+                   for names in OBJECTIVE_OPTIONS.values() for name in names} | {"ref_model": REFERENCE_OBJECTIVES}
+        for name, objectives in readers.items():
+            if self.given(name) and self.objective not in objectives:
+                orpo = (name, self.objective) == ("beta", "orpo")
+                trl = " (TRL's ORPOConfig.beta is --orpo-lambda here)" if orpo else ""
+                raise BadFlag(f"{flag(name)} applies to --objective {' or '.join(objectives)}, not "
+                              f"{self.objective}{trl}; drop it")
         if self.objective == "sft":
             return
-        if self.ref_model and self.objective not in REFERENCE_OBJECTIVES:
-            raise BadFlag(f"{flag('ref_model')} applies to --objective dpo or ipo; {self.objective} has no reference "
-                          "model, drop it")
-        if self.label_smoothing and self.objective != "dpo":
-            raise BadFlag(f"{flag('label_smoothing')} applies to --objective dpo, not {self.objective}")
+        if self.objective == "ipo" and not finite_in_f32((0.5 / self.beta) ** 2):  # not a learning-rate problem
+            raise BadFlag(f"{flag('beta')} {self.beta:g} with --objective ipo: IPO's loss aims at a margin of "
+                          f"1/(2 beta) = {0.5 / self.beta:.3g}, whose square overflows f32, so every loss would be "
+                          "inf; raise --beta (TRL's default is 0.1)")
         if self.train_on_prompt:
             raise BadFlag(f"{flag('train_on_prompt')} does not apply to --objective {self.objective}: preference "
                           "losses compare the answers")
+        if self.given("data_format"):
+            raise BadFlag(f"{flag('data_format')} does not apply to --objective {self.objective}: preference records "
+                          "are {prompt, chosen, rejected} whatever their texts hold; drop it")
 
     @property
     def preference(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Any
 
@@ -75,8 +76,8 @@ def _expected_default(f: dataclasses.Field[Any]) -> str | None:
     return '""' if f.default == "" else str(f.default)
 
 
-@pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_help_shows_each_default_from_the_field(command: str) -> None:
+def _help_rows(command: str) -> dict[str, str]:
+    """Each flag spelling -> its row of ``ggtorch COMMAND --help``."""
     result = run_cli([command, "--help"], terminal_width=1000)  # one line per option
     assert result.exit_code == 0, result.output
     rows = {}
@@ -86,6 +87,26 @@ def test_help_shows_each_default_from_the_field(command: str) -> None:
         if m:  # an option's spellings, then its help on the same line or (long spellings) the next
             for spelling in m.group(1).replace(",", " ").replace("/", " ").split():
                 rows.setdefault(spelling, m.group(2) or lines[i + 1].strip())
+    return rows
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_shows_each_declared_range(command: str) -> None:
+    """--help states the range the config checks, from the same declaration."""
+    rows = _help_rows(command)
+    shown = set()
+    for f in dataclasses.fields(COMMANDS[command]):
+        allowed = f.metadata["option"].range_text()
+        if allowed is not None:
+            assert f"Must be {allowed}." in rows[_long(f.name)], (f.name, rows[_long(f.name)])
+            shown.add(f.name)
+    assert {"ctx", "threads", "seed", "val_split"} <= shown
+    assert f"at most {os.cpu_count() or 1}." in rows["--threads"]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_shows_each_default_from_the_field(command: str) -> None:
+    rows = _help_rows(command)
     for f in dataclasses.fields(COMMANDS[command]):
         row = rows[_long(f.name)]
         assert row.startswith(f.metadata["option"].help), (f.name, row)

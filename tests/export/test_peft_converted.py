@@ -16,7 +16,7 @@ import torch
 
 from ggtorch.io.gguf import read_gguf
 from ggtorch.lora.adapter_file import adapter_from_model, write_adapter
-from tests.export.test_families import PEFT_TOL, hf_logits, trained_peft_folder_converted
+from tests.export.test_families import PEFT_TOL, hf_logits, present_ranks, trained_peft_folder_converted
 from tests.families import eval_tokens
 from tests.helpers import run_cli
 from tests.llama_models import llama_cpp_logits
@@ -62,7 +62,8 @@ def test_exported_peft_folder_on_the_checkpoint_equals_ggtorch(converted: Callab
     from peft import PeftModel
 
     base_path = converted(name)
-    f, model = trained_looking_model(base_path, ranks={"ssm_out": 2, "attn_gate": 8, **NO_EXPERTS})  # rank_pattern
+    f, model = trained_looking_model(base_path, ranks={**present_ranks(base_path, {"ssm_out": 2, "attn_gate": 8}),
+                                                       **NO_EXPERTS})  # rank_pattern
     tokens = eval_tokens(model.config.n_vocab, N_TOKENS)
     ours = ggtorch_logits(model, tokens)
     adapter = write_adapter(tmp_path / "adapter.gguf", adapter_from_model(model, f))

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ggtorch.errors import Unsupported
+from ggtorch.errors import BadFlag, Unsupported
 from ggtorch.io.gguf import read_gguf
 from ggtorch.lora import LoraConfig, attach_lora, lora_modules
 from ggtorch.lora.adapter_file import adapter_from_model, load_adapter_into, read_adapter, write_adapter
@@ -180,7 +180,9 @@ def test_rank_qkv_sets_the_fused_kind_and_is_recorded_only_when_given(family_mod
 
     f = read_gguf(family_model("phi3", "Q8_0"))
     model = build_model(f, ModelConfig.from_gguf(f), keep_quantized=True)
-    attach_lora(model, LoraConfig(rank=4, ranks={"attn_qkv": 2, "attn_q": 8}))  # attn_q: not in this model
+    with pytest.raises(BadFlag, match="--rank-wq 8 sets the LoRA rank of attn_q, which this phi3 model does not"):
+        attach_lora(model, LoraConfig(rank=4, ranks={"attn_qkv": 2, "attn_q": 8}))  # attn_q: not in this model
+    attach_lora(model, LoraConfig(rank=4, ranks={"attn_qkv": 2}))
     ranks = {m.gguf_name: m.rank for _, m in lora_modules(model)}
     assert ranks["blk.0.attn_qkv.weight"] == 2 and ranks["blk.0.attn_output.weight"] == 4
     assert not any(".attn_q." in n for n in ranks)

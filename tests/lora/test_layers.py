@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from ggtorch.errors import Unsupported
+from ggtorch.errors import BadFlag, Unsupported
 from ggtorch.lora import (
     LoraConfig,
     LoRAEmbedding,
@@ -228,6 +228,27 @@ def test_tied_model_skips_embedding_and_output(stories260k, caplog) -> None:
     for kind in ("token_embd", "output"):
         with pytest.raises(Unsupported, match="ties its output"):
             attach_lora(load_model_file(stories260k).model, LoraConfig(ranks={kind: 4}), seed=1)
+
+
+@pytest.mark.parametrize("ranks, message", [
+    ({"attn_qkv": 8}, "--rank-qkv 8 sets the LoRA rank of attn_qkv, which this llama model does not have"),
+    ({"ffn_gate_exps": 4, "ffn_down_exps": 4, "ffn_up_exps": 4, "ffn_gate_up_exps": 4},
+     "--rank-exps 4 sets the LoRA rank of ffn_gate_exps, ffn_down_exps, ffn_up_exps, ffn_gate_up_exps, which"),
+    ({"attn_gate": 2, "ssm_beta": 2, "ssm_alpha": 2, "ssm_out": 2}, "--rank-linear-attn 2 sets the LoRA rank of"),
+    ({"per_layer_inp_gate": 2, "per_layer_proj": 2}, "--rank-per-layer 2 sets the LoRA rank of"),
+])
+def test_a_rank_for_tensors_the_model_lacks_is_refused(stories260k, ranks: dict, message: str) -> None:
+    """A llama has no fused qkv, experts, DeltaNet or per-layer embeddings: a rank for them would adapt nothing and
+    leave the tensors meant at the default rank. Refused before the model is touched, naming the ranks that apply."""
+    model = load_model_file(stories260k).model
+    trainable = [p.requires_grad for p in model.parameters()]
+    with pytest.raises(BadFlag) as refused:
+        attach_lora(model, LoraConfig(ranks=ranks))
+    assert str(refused.value).startswith(message)
+    assert "--rank-wq" in str(refused.value) and "--rank-qkv" not in str(refused.value).split("(")[-1]
+    assert [p.requires_grad for p in model.parameters()] == trainable and not lora_state_dict(model)
+    zero = {kind: 0 for kind in ranks}  # switching off what the model lacks asks for nothing
+    attach_lora(model, LoraConfig(ranks=zero))
 
 
 def test_lora_tensors_round_trip(q4_loaded) -> None:

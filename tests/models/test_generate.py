@@ -116,6 +116,32 @@ def test_bad_sampling_flags_are_rejected() -> None:
             SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": math.nan}, "--temp: temperature nan must be >= 0 and finite"),
+    ({"temperature": math.inf}, "--temp: temperature inf must be >= 0 and finite"),
+    ({"top_p": math.nan}, "--top-p: top-p nan must be in (0, 1]"),
+    ({"top_k": 2.5}, "--top-k: top-k 2.5 must be >= 0, a whole number"),
+    ({"seed": -5}, "-s: seed -5 must be in [0, 18446744073709551615]"),
+])
+def test_sampling_values_without_meaning_are_refused_with_the_range(kwargs: dict, message: str) -> None:
+    with pytest.raises(BadFlag) as refused:
+        SamplingParams(**kwargs)
+    assert str(refused.value).startswith(message)
+
+
+def test_a_tiny_temperature_samples_the_most_likely_token() -> None:
+    """A temperature far below a logit's spacing sharpens to greedy instead of overflowing to nan probabilities."""
+    logits = torch.tensor([[3.0, 30.0, -2.0, 29.5]])
+    for temperature in (1e-30, 1e-45):
+        assert sample(logits, SamplingParams(temperature=temperature, seed=0), torch.Generator()).tolist() == [1]
+
+
+@pytest.mark.parametrize("n_tokens", [0, -2])
+def test_no_tokens_to_generate_is_refused_as_the_cli_refuses_it(stories: LoadedModel, n_tokens: int) -> None:
+    with pytest.raises(BadFlag, match=f"-n: n_tokens {n_tokens} must be >= 1"):
+        generate(stories.model, stories.tokenizer, "Once", n_tokens)
+
+
 def test_generation_beyond_context_is_refused(stories: LoadedModel) -> None:
     with pytest.raises(BadFlag, match="context"):
         list(iter_tokens(stories.model, [1], stories.config.n_ctx_train))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,9 @@ import yaml
 from ggtorch.data import DataOptions, RecordOptions
 from ggtorch.errors import BadFlag
 from ggtorch.lora import LoraConfig
+from ggtorch.lora.config import MAX_RANK
 from ggtorch.lora.config import OPTION_NAMES as LORA_OPTION_NAMES
-from ggtorch.training.config import FinetuneConfig, RunConfig, TrainConfig, choices
+from ggtorch.training.config import FinetuneConfig, OptionInfo, RunConfig, TrainConfig, choices, value_type
 from ggtorch.training.optim import OPTION_NAMES, AdamConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -135,3 +138,81 @@ def test_option_defaults_are_the_parts_defaults() -> None:
     linked = {*OPTION_NAMES.values(), *LORA_OPTION_NAMES.values(), *(f.name for f in dataclasses.fields(DataOptions)),
               *(f.name for f in dataclasses.fields(RecordOptions))}
     assert linked <= FinetuneConfig.field_names()
+
+
+def _outside(info: OptionInfo, kind: type) -> list[float]:
+    """Values just outside each end of a declared range."""
+    step = 1 if kind is int else 1e-6
+    values = []
+    if info.minimum is not None:
+        values.append(info.minimum - step)
+    if info.above is not None:
+        values.append(info.above)
+    if info.maximum is not None:
+        values.append(info.maximum + step)
+    if info.below is not None:
+        values.append(info.below)
+    return values
+
+
+@pytest.mark.parametrize("config_cls, required", [(FinetuneConfig, {}), (TrainConfig, {"vocab_model": "v.gguf"})])
+def test_each_declared_range_is_checked_at_both_ends(config_cls: type[RunConfig], required: dict) -> None:
+    """Every bound an option declares refuses the value just past it, naming the flag, the range and the value."""
+    checked = set()
+    for f in dataclasses.fields(config_cls):
+        info = f.metadata["option"]
+        for value in _outside(info, value_type(config_cls, f)):
+            with pytest.raises(BadFlag, match=rf"^--{f.name.replace('_', '-')} must be {re.escape(info.range_text())}, "
+                                              rf"got {re.escape(str(value))}"):
+                config_cls(**required, **{f.name: value})
+            checked.add(f.name)
+    assert {"threads", "seed", "val_split", "eval_every", "norm_rms_eps"} <= checked
+    if config_cls is FinetuneConfig:
+        assert {"beta", "orpo_lambda", "label_smoothing"} <= checked
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"lora_r": 100_000}, f"--lora-r must be at least 1 and at most {MAX_RANK}, got 100000"),
+    ({"rank_exps": 100_000}, f"--rank-exps must be at least 0 and at most {MAX_RANK}, got 100000"),
+    ({"threads": (os.cpu_count() or 1) + 1}, f"--threads must be at least 1 and at most {os.cpu_count() or 1}, got "),
+    ({"beta": 1e30}, "--beta must be in (0, 100], got 1e+30"),
+    ({"orpo_lambda": 1e30, "objective": "orpo"}, "--orpo-lambda must be at least 0 and at most 100, got 1e+30"),
+    ({"seed": 2**32}, "--seed must be at least -1 and at most 4294967295, got 4294967296"),
+    ({"seed": -2}, "--seed must be at least -1"),
+    ({"val_split": 1.0}, "--val-split must be in [0, 1), got 1.0"),
+    ({"rope_freq_base": 0.0}, "--rope-freq-base must be above 0, got 0.0; leave it out to use the model's value"),
+])
+def test_numbers_without_meaning_are_refused(change: dict, message: str, tmp_path: Path) -> None:
+    """The issue's cases, from the API and from a config file alike (a flag passes the same config)."""
+    with pytest.raises(BadFlag) as from_api:
+        FinetuneConfig(**change)
+    assert str(from_api.value).startswith(message)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({k.replace("_", "-"): v for k, v in change.items()}))
+    with pytest.raises(BadFlag) as from_file:
+        FinetuneConfig.from_file(path)
+    assert str(from_file.value) == str(from_api.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"objective": "orpo", "beta": 0.5},
+     "--beta applies to --objective dpo or ipo, not orpo (TRL's ORPOConfig.beta is --orpo-lambda here); drop it"),
+    ({"objective": "dpo", "orpo_lambda": 0.5}, "--orpo-lambda applies to --objective orpo, not dpo; drop it"),
+    ({"objective": "ipo", "orpo_lambda": 0.5}, "--orpo-lambda applies to --objective orpo, not ipo; drop it"),
+    ({"beta": 0.5}, "--beta applies to --objective dpo or ipo, not sft; drop it"),
+    ({"label_smoothing": 0.1}, "--label-smoothing applies to --objective dpo, not sft; drop it"),
+    ({"ref_model": "r.gguf"}, "--ref-model applies to --objective dpo or ipo, not sft; drop it"),
+    ({"objective": "dpo", "data_format": "chat"}, "--data-format does not apply to --objective dpo"),
+])
+def test_an_option_the_objective_does_not_use_is_refused(change: dict, message: str) -> None:
+    with pytest.raises(BadFlag) as refused:
+        FinetuneConfig(**change)
+    assert str(refused.value).startswith(message)
+
+
+def test_an_option_counts_as_given_when_it_differs_from_its_default() -> None:
+    """One rule for a flag, a config file and a keyword: setting the default is setting nothing."""
+    FinetuneConfig(objective="orpo", beta=0.1, orpo_lambda=0.5)  # beta's default: not given
+    FinetuneConfig(objective="dpo", beta=0.5, label_smoothing=0.1, ref_model="r.gguf")
+    c = FinetuneConfig(objective="ipo", beta=0.5)
+    assert c.given("beta") and c.given("objective") and not c.given("orpo_lambda")

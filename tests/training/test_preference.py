@@ -263,7 +263,7 @@ def test_preference_training_resumes_exactly(stories260k: Path, tmp_path: Path) 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--objective", "orpo", "--ref-model", "x.gguf"], "--ref-model applies to --objective dpo or ipo"),
-    (["--objective", "dpo", "--beta", "0"], "--beta must be above 0"),
+    (["--objective", "dpo", "--beta", "0"], "--beta must be in (0, 100], got 0.0"),
     (["--objective", "ipo", "--label-smoothing", "0.1"], "--label-smoothing applies to --objective dpo"),
     (["--objective", "dpo", "--train-on-prompt"], "--train-on-prompt does not apply"),
     (["--objective", "dpo", "--train-data", "TEXT"], "trains on preference records"),

@@ -109,3 +109,17 @@ def test_callbacks_need_only_the_hooks_they_use(stories260k: Path, texts: dict[s
     base = Callback()
     assert base.on_step(trainer, results[0]) is None and base.on_eval(trainer, 1, 0.5) is None
     assert base.on_save(trainer, []) is None
+
+
+def test_eval_every_without_validation_data_is_said_once(stories260k: Path, texts: dict[str, Path],
+                                                         tmp_path: Path) -> None:
+    """--eval-every with nothing to evaluate changes nothing the run trains: a warning says so (not a refusal); with
+    validation data, or left at its default, nothing is said."""
+    said = "--eval-every 5 has no validation data to evaluate, so it does nothing; give --val-data or --val-split"
+    cases = (("none", {"eval_every": 5}, [said]), ("split", {"eval_every": 5, "val_split": 0.1}, []),
+             ("default", {}, []))
+    for name, more, expected in cases:
+        (tmp_path / name).mkdir()
+        trainer = Trainer(lora_run(stories260k, texts, tmp_path / name, **more), log_records=False)
+        assert [w for w in trainer.warnings if "--eval-every" in w] == expected
+        trainer.close()
