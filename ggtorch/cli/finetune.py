@@ -88,7 +88,7 @@ def finetune(**values: Any) -> None:
     echo = _echo(trainer)
     echo(f"model: {config.model_base} ({trainer.model_config.n_layer} layers, n_embd "
          f"{trainer.model_config.n_embd}), base weights {_held_as(trainer, config.base_dtype)}, compute "
-         f"{trainer.config.dtype}, device {trainer.device}, malloc {trainer.allocator}")
+         f"{compute_dtype(trainer)}, device {trainer.device}, malloc {trainer.allocator}")
     echo(f"LoRA: {n_trainable:,} trainable parameters; seed {trainer.seed}")
     for note in trainer.notes:
         echo(f"note: {note}")
@@ -102,6 +102,17 @@ def _held_as(trainer: Trainer, base_dtype: str) -> str:
         return base_dtype
     types = Counter(t.ggml_type.name for t in trainer.base.tensors.values() if len(t.shape) >= 2)
     return f"as stored ({', '.join(name for name, _ in types.most_common())})"
+
+
+def compute_dtype(trainer: Trainer) -> str:
+    """The compute dtype, and who chose it: --dtype auto trains in bf16 on a CPU that multiplies bf16 natively,
+    which its user may not know it does."""
+    dtype = trainer.config.dtype
+    if not trainer.run.auto_dtype:
+        return dtype
+    if dtype == "bf16":
+        return "bf16 (--dtype auto: this device multiplies bf16 natively, faster than f32; --dtype f32 to change)"
+    return f"{dtype} (--dtype auto)"
 
 
 def _echo(trainer: Trainer) -> Any:

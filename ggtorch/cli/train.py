@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from ggtorch import api
-from ggtorch.cli.finetune import _echo, run_trainer, start_trainer
+from ggtorch.cli.finetune import _echo, compute_dtype, run_trainer, start_trainer
 from ggtorch.cli.options import config_command, config_from_cli
 from ggtorch.training.config import (
     FILES,
@@ -48,6 +48,6 @@ def train(**values: Any) -> None:
     source = f"full finetune of {config.model_base}" if config.model_base else f"new model over {config.vocab_model}"
     _echo(trainer)(f"model: {source}: {mc.n_layer} layers, n_embd {mc.n_embd}, n_ff {mc.n_ff}, heads "
                    f"{mc.n_head}/{mc.n_head_kv}, vocab {mc.n_vocab}; {sum(p.numel() for _, p, _ in trainer.params):,} "
-                   f"trainable parameters; compute {trainer.config.dtype}, device {trainer.device}, "
+                   f"trainable parameters; compute {compute_dtype(trainer)}, device {trainer.device}, "
                    f"malloc {trainer.allocator}, seed {trainer.seed}")
     run_trainer(ctx, trainer, "only_write_model", "model_out")

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ggtorch.ops.dtypes import cpu_matmul_speed_vs_f32
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -72,9 +74,14 @@ class Policy:
     dist_backend: str = "gloo"
     """torch.distributed's backend for ranks on this device: NCCL between GPUs, gloo elsewhere."""
     auto_dtype: str = "f32"
-    """What ``--dtype auto`` computes in: bf16 where the device multiplies bf16 natively (CUDA from compute
-    capability 8.0, Ampere), f32 elsewhere: a CPU keeps f32, as bf16 products without its dot-product instructions
-    run several times slower (``--dtype bf16`` asks for it, and warns where it is slow)."""
+    """What ``--dtype auto`` computes a loaded model in (generate, perplexity, the API's ``load_model``): bf16 where
+    the device multiplies bf16 natively (CUDA from compute capability 8.0, Ampere), f32 elsewhere. A CPU keeps f32
+    here: its logits are then llama.cpp's to f32 rounding."""
+    train_dtype: str = "f32"
+    """What ``--dtype auto`` trains in: the device's :attr:`auto_dtype`, except on a CPU that multiplies bf16
+    natively and at least :data:`BF16_TRAIN_SPEEDUP` times faster than f32 (AMX, AVX512-BF16, Arm's BF16; measured
+    by ``ops.dtypes.cpu_matmul_speed_vs_f32``), where a step's products, most of its time at the sizes people
+    train, run in bf16 (weights, their gradients and AdamW's state stay f32)."""
     tf32: bool = False
     """f32 matrix products may round their operands to TF32 on the tensor cores (CUDA from Ampere): the products of
     an f32 run (a LoRA's, a full finetune's) run several times faster, at bf16-like operand precision with f32
@@ -128,6 +135,10 @@ def cpu_vendor() -> str:
     return platform.processor()  # Windows names the vendor here; elsewhere an architecture
 
 
+BF16_TRAIN_SPEEDUP = 1.5
+"""How much faster than f32 a CPU must multiply bf16 matrices for ``--dtype auto`` to train in bf16: CPUs with bf16
+dot products measure 2x (AVX512-BF16) to 10x (AMX) at the probe's size, those without 0.3x."""
+
 _by_device: dict[str, Policy] = {}
 
 
@@ -143,9 +154,11 @@ def for_device(device_type: str) -> Policy:
 def choose(device_type: str) -> Policy:
     """The policy for a device type, decided now from what this machine is (:func:`for_device` keeps the first)."""
     if device_type == "cpu":
+        fast_bf16 = cpu_matmul_speed_vs_f32(torch.bfloat16) >= BF16_TRAIN_SPEEDUP
         return Policy("cpu", c_dequantize=True, c_lowrank=True, c_fused=True, c_attention=True,
                       onednn_f32="GenuineIntel" not in cpu_vendor(), written_attention_max_tokens=512,
-                      fused_adamw=True, in_place_softmax=True, complex_rope=True)
+                      fused_adamw=True, in_place_softmax=True, complex_rope=True,
+                      train_dtype="bf16" if fast_bf16 else "f32")
     if device_type == "cuda":
         return cuda_policy(torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0))
     if device_type == "mps":
@@ -161,7 +174,7 @@ def cuda_policy(capability: tuple[int, int]) -> Policy:
     ampere = capability >= (8, 0)
     return Policy("cuda", compiled_dequantize=True, flex_attention="compiled", fused_adamw=True,
                   in_place_softmax=True, complex_rope=True, device_rng=True, dist_backend="nccl",
-                  auto_dtype="bf16" if ampere else "f32", tf32=ampere,
+                  auto_dtype="bf16" if ampere else "f32", train_dtype="bf16" if ampere else "f32", tf32=ampere,
                   decode_step_values=1 << 26, dequantize_chunk_bytes=256 << 20, keep_dequantized_bytes=512 << 20,
                   loss_chunk_bytes=256 << 20, head_chunk_bytes=512 << 20, slab_rows=8192, slab_bytes=256 << 20,
                   eval_head_bytes=1 << 30)

@@ -286,7 +286,8 @@ class RunConfig:
                                      "compute).", TRAINING, off="--no-checkpointing")
     device: str = option("auto", "auto (CUDA, else MPS, else the CPU), cpu, cuda, cuda:N or mps.", TRAINING)
     dtype: DTypeChoice = option("auto", "Compute dtype (bf16/f16: autocast, f16 with a gradient scaler); auto: bf16 "
-                                "where the device multiplies it natively (CUDA from Ampere), else f32.", TRAINING)
+                                "where the device multiplies it natively and faster than f32 (CUDA from Ampere; "
+                                "CPUs with AMX or AVX512-BF16), else f32.", TRAINING)
     dist_backend: str | None = option(None, "torch.distributed backend under torchrun.", TRAINING, choices=BACKENDS,
                                       default_text="nccl on CUDA, else gloo")
     force: bool = option(False, "Start even when the expected peak memory exceeds the memory available.",

@@ -162,8 +162,10 @@ class Run:
         self.dist, self.device = setup(resolve_device(c.device), c.dist_backend)
         self.policy = policy.current(self.device)
         """The kernels and sizes the run computes with (ggtorch.ops.policy): the device's, or the one a caller set."""
-        if c.dtype == "auto":
-            self.config = c = dataclasses.replace(c, dtype=self.policy.auto_dtype)
+        self.auto_dtype = c.dtype == "auto"
+        """Whether the compute dtype was the device policy's choice (``--dtype auto``), not the user's."""
+        if self.auto_dtype:
+            self.config = c = dataclasses.replace(c, dtype=self.policy.train_dtype)
         # under torchrun every rank trains the same order: rank 0's seed (drawn from the clock for -1)
         self.seed = self.dist.broadcast_int(c.seed if c.seed >= 0 else int(time.time()) & 0xFFFFFFFF, self.device)
         torch.manual_seed(self.seed)  # dropout masks; a resumed run restores the RNG state instead
@@ -282,7 +284,7 @@ class Run:
         """Warn when --dtype bf16/f16 is slower than f32 on this CPU: autocast exists to make the products faster,
         and a CPU without bf16/f16 dot products makes them several times slower instead."""
         c = self.config
-        if c.dtype == "f32" or self.device.type != "cpu":
+        if c.dtype == "f32" or self.device.type != "cpu" or self.auto_dtype:
             return
         speed = cpu_matmul_speed_vs_f32(DTYPES[c.dtype])
         if speed < SLOW_COMPUTE_DTYPE:
