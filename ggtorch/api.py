@@ -135,7 +135,8 @@ class GGUFModel:
         """Freeze the model and attach trainable LoRA (``ranks`` per tensor kind, e.g. ``{"attn_q": 8}``).
 
         Kinds are GGUF's: attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down,
-        token_embd, output (norms only by explicit rank). Returns self.
+        token_embd, output (norms only by explicit rank). A MoE model's routed experts (ffn_*_exps) default to
+        rank x 8 / their number, at least 1 (``--rank-exps``'s default). Returns self.
         """
         config = LoraConfig(rank=rank, alpha=alpha, ranks=dict(ranks or {}), dropout=dropout)
         attach_lora(self.model, config, seed=seed)

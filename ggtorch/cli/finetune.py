@@ -115,6 +115,17 @@ def compute_dtype(trainer: Trainer) -> str:
     return f"{dtype} (--dtype auto)"
 
 
+def checkpointing(trainer: Trainer) -> str:
+    """Whether the blocks recompute their activations in backward, and why when the run chose."""
+    on = trainer.config.use_checkpointing
+    if not trainer.run.auto_checkpointing:
+        return f"activation checkpointing {'on' if on else 'off'}"
+    if on:
+        return ("activation checkpointing on (auto: without it the estimate leaves too little memory; "
+                "--no-checkpointing)")
+    return "activation checkpointing off (auto: the estimate has room; --use-checkpointing to save memory)"
+
+
 def _echo(trainer: Trainer) -> Any:
     """click.echo on rank 0; silence on the other torchrun ranks (they compute the same numbers)."""
     return click.echo if trainer.dist.is_main else (lambda *args, **kwargs: None)
@@ -145,7 +156,7 @@ def run_trainer(ctx: click.Context, trainer: Trainer, only_write: str, output: s
     resumed = f"; resumed from {trainer.resumed_from} at iteration {trainer.iteration}" if trainer.resumed_from else ""
     echo(f"data: {trainer.data.summary()}{resumed}")
     ranks = f" per rank x {world} ranks (torch.distributed {trainer.dist.backend})" if world > 1 else ""
-    echo(trainer.run.memory.describe())
+    echo(trainer.run.memory.describe() + "; " + checkpointing(trainer))
     echo(f"batch: {config.batch} x grad-acc {config.grad_acc}{ranks} = {config.batch * config.grad_acc * world} "
          "sequences per optimizer step")
     start = time.perf_counter()

@@ -60,7 +60,7 @@ def attach_lora(model: nn.Module, config: LoraConfig | None = None, seed: int = 
     After this, exactly the LoRA parameters require grad. On a tied model token_embd and output
     are skipped (see the module docstring). ``seed`` seeds the A initialization.
     """
-    config = config or LoraConfig()
+    config = (config or LoraConfig()).for_model(getattr(getattr(model, "config", None), "n_expert", 0) or 0)
     if any(isinstance(m, _LoRA) for m in model.modules()):
         raise BadFlag("the model already has LoRA adapters attached; attach once, or merge and reload")
     plan = _plan(model, config)

@@ -7,6 +7,7 @@ matrix, phi3) takes the place of attn_q/k/v in that order; a model has one or th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -62,6 +63,13 @@ MAX_RANK = 4096
 more parameters); beyond it only the memory grows. Per-matrix widths are not checked: a Gated DeltaNet's ssm_beta
 is 32 rows wide, below ranks that suit its other matrices."""
 
+EXPERTS_AT_FULL_RANK = 8
+"""The routed experts' default rank (no --rank-exps): --lora-r x 8 / the number of experts, at least 1, so that all
+experts' adapters together hold about the parameters of 8 experts at --lora-r. A model's own routing sends each token
+through a few of many experts (8 of 128 in Qwen3-30B-A3B), each of which sees a share of the tokens; and --lora-r on
+every expert multiplies the adapter by the expert count: r16 on Qwen3-30B-A3B's 18,432 expert matrices is 830M
+parameters, 13 GiB with their gradients and AdamW moments, where rank 1 is 52M (0.8 GiB)."""
+
 OPTION_NAMES: dict[str, str] = {"rank": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout"}
 """LoraConfig field -> the run option that sets it; messages name that option's flag."""
 
@@ -111,6 +119,14 @@ class LoraConfig:
         if kind in self.ranks:
             return self.ranks[kind]
         return 0 if kind in NORM_KINDS else self.rank
+
+    def for_model(self, n_expert: int) -> LoraConfig:
+        """This config for a model of ``n_expert`` routed experts: without a rank for them, they take
+        :data:`EXPERTS_AT_FULL_RANK`'s default (the same config for 8 experts or fewer, and for a dense model)."""
+        if n_expert <= EXPERTS_AT_FULL_RANK or any(kind in self.ranks for kind in EXPERT_KINDS):
+            return self
+        rank = max(1, self.rank * EXPERTS_AT_FULL_RANK // n_expert)
+        return dataclasses.replace(self, ranks={**self.ranks, **dict.fromkeys(EXPERT_KINDS, rank)})
 
     def explicit(self, kind: str) -> bool:
         """Whether the user asked for this kind by name (an override > 0)."""

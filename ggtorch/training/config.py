@@ -282,8 +282,11 @@ class RunConfig:
     threads: int | None = option(None, "torch CPU threads, kept as given (as is OMP_NUM_THREADS).", TRAINING,
                                  flags=("-t",), minimum=1, maximum=MAX_THREADS,
                                  default_text="the cores other processes leave free, checked as it runs")
-    use_checkpointing: bool = option(True, "Gradient checkpointing per transformer block (less memory, more "
-                                     "compute).", TRAINING, off="--no-checkpointing")
+    use_checkpointing: bool | None = option(
+        None, "Gradient checkpointing per transformer block: each block's activations are recomputed in backward "
+        "(less memory; every product of the forward runs twice, a third of a step's work).", TRAINING,
+        off="--no-checkpointing",
+        default_text="auto: off where the memory estimate has room for every block's activations, else on")
     device: str = option("auto", "auto (CUDA, else MPS, else the CPU), cpu, cuda, cuda:N or mps.", TRAINING)
     dtype: DTypeChoice = option("auto", "Compute dtype (bf16/f16: autocast, f16 with a gradient scaler); auto: bf16 "
                                 "where the device multiplies it natively and faster than f32 (CUDA from Ampere; "
@@ -444,8 +447,11 @@ class FinetuneConfig(RunConfig):
                                      default_text="--lora-r")
     rank_exps: int | None = option(None, "Rank for the routed experts of a MoE model (ffn_gate_exps, ffn_up_exps, "
                                    "ffn_down_exps; each expert its own pair, so E times the parameters of one "
-                                   "matrix). 0 adapts attention and any shared expert only. Routers stay frozen.",
-                                   LORA, default_text="--lora-r")
+                                   "matrix). 0 adapts attention and any shared expert only. Routers stay frozen. "
+                                   "The default keeps all experts' adapters near the size of 8 experts' at --lora-r: "
+                                   "r16 on each of Qwen3-30B-A3B's 18,432 expert matrices would be 830M parameters "
+                                   "(13 GiB with AdamW), rank 1 is 52M.", LORA,
+                                   default_text="--lora-r x 8 / the number of experts, at least 1")
     rank_linear_attn: int | None = option(None, "Rank for a Gated DeltaNet layer's attn_gate, ssm_beta, ssm_alpha and "
                                           "ssm_out (qwen35; its fused q|k|v takes --rank-qkv). The short "
                                           "convolution and the decay rates are never adapted.", LORA,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ggtorch.io.gguf import GGUFFile
-from ggtorch.lora.config import LoraConfig
+from ggtorch.lora.config import EXPERT_KINDS, LoraConfig
 from ggtorch.models import names
 from ggtorch.models.attention import products_max_tokens, saved_keys_per_query
 from ggtorch.models.config import ModelConfig
@@ -54,18 +54,31 @@ class MemoryEstimate:
     runtime: int
     """This process before loading (0 on a CUDA device: the estimate is the device's)."""
     weights: int
+    """The base weights that must stay resident: decoded floats, vectors, anything copied to a device."""
     trained: int
     activations: int
     loss: int
     device: str = "cpu"
+    mapped: int = 0
+    """The quantized weights a CPU run reads from the memory-mapped file as it uses them: resident while the machine
+    has room, paged out and read again when it has not (the run goes on, slower)."""
+    trained_params: tuple[tuple[str, int], ...] = ()
+    """The trained parameters by what they adapt (the routed experts' adapters apart): what to name when they are what
+    does not fit."""
 
     @property
     def total(self) -> int:
+        return self.resident + self.mapped
+
+    @property
+    def resident(self) -> int:
+        """What the run needs in memory whatever it pages: all but the mapped weights."""
         return self.runtime + self.weights + self.trained + self.activations + self.loss
 
     def parts(self) -> str:
         """The parts, in GiB."""
-        return (f"weights {self.weights / GIB:.2f}, trained tensors + AdamW {self.trained / GIB:.2f}, "
+        mapped = f" + {self.mapped / GIB:.2f} mapped from the file" if self.mapped else ""
+        return (f"weights {self.weights / GIB:.2f}{mapped}, trained tensors + AdamW {self.trained / GIB:.2f}, "
                 f"activations {self.activations / GIB:.2f}, loss {self.loss / GIB:.2f}, "
                 f"runtime {self.runtime / GIB:.2f}")
 
@@ -81,12 +94,18 @@ def estimate_memory(base: GGUFFile, config: ModelConfig, *, batch: int, ctx: int
                     keep_dequantized: int = 0) -> MemoryEstimate:
     """The expected peak of one training process (``lora`` None: every weight is trained).
     ``keep_dequantized``: bytes of decoded matrices a forward keeps for its backward (--keep-dequantized-mib)."""
+    lora = lora.for_model(config.n_expert or 0) if lora is not None else None  # the experts' default rank
     held = trunk_tensors(base, config)  # a next-token-prediction block after the trunk is never loaded
-    weights = sum(_held_bytes(base, name, matrix_dtype, embedding_dtype, keep_quantized) for name in held)
+    held_bytes = {name: _held_bytes(base, name, matrix_dtype, embedding_dtype, keep_quantized) for name in held}
+    mapped = sum(b for name, b in held_bytes.items() if _mapped(base, name, b, keep_quantized, device))
+    weights = sum(held_bytes.values()) - mapped
     elements = [_trained_elements(base, name, lora) for name in held]
+    experts = sum(n for name, n in zip(held, elements, strict=True) if _is_routed_expert(name))
+    trained_params = ((("the routed experts' adapters", experts), ("the other adapters", sum(elements) - experts))
+                      if lora is not None else (("the model's weights", sum(elements)),))
     trained = sum(elements) * 4 * ADAM_COPIES
     if lora is None:
-        trained -= weights  # the f32 weights are the trained tensors themselves
+        trained -= weights  # the f32 weights are the trained tensors themselves (a full run holds no quantized one)
     # AdamW's update: temporaries of two tensors at a time on CPU (torch's per-tensor loop), of the
     # whole list on CUDA (its foreach path)
     trained += 4 * (2 * max(elements, default=0) if device.type == "cpu" else sum(elements))
@@ -107,7 +126,20 @@ def estimate_memory(base: GGUFFile, config: ModelConfig, *, batch: int, ctx: int
     runtime = current_rss() + RUNTIME_GROWTH if device.type == "cpu" else 0
     slabs = lora is not None and not lora.rank_of("output")  # a frozen output: the vocabulary-slab loss
     return MemoryEstimate(runtime=runtime, weights=weights, trained=trained, activations=activations,
-                          loss=_loss_bytes(base, config, tokens, e, keep_quantized, slabs, device), device=str(device))
+                          loss=_loss_bytes(base, config, tokens, e, keep_quantized, slabs, device), device=str(device),
+                          mapped=mapped, trained_params=tuple((what, n) for what, n in trained_params if n))
+
+
+def _mapped(base: GGUFFile, name: str, held: int, keep_quantized: bool, device: torch.device) -> bool:
+    """Whether a tensor held as ``held`` bytes stays pages of the mapped file: quantized blocks kept as stored on the
+    CPU (float tensors are converted copies; a device gets a copy of everything)."""
+    info = base.tensors[name]
+    return device.type == "cpu" and keep_quantized and info.ggml_type not in FLOAT_TYPES and held == info.nbytes
+
+
+def _is_routed_expert(name: str) -> bool:
+    parsed = names.parse_gguf_name(name)
+    return parsed is not None and parsed[0] in EXPERT_KINDS
 
 
 def _held_bytes(base: GGUFFile, name: str, matrix_dtype: torch.dtype, embedding_dtype: torch.dtype | None,
@@ -243,8 +275,12 @@ def _loss_bytes(base: GGUFFile, c: ModelConfig, tokens: int, e: int, keep_quanti
     return held
 
 
-def ways_to_lower(config: Any) -> str:
-    """The flags that lower a run's peak memory from where ``config`` (a RunConfig) sets it."""
+def ways_to_lower(config: Any, memory: MemoryEstimate | None = None) -> str:
+    """The flags that lower a run's peak memory from where ``config`` (a RunConfig) sets it: the adapter's ranks where
+    the trained tensors are most of ``memory`` (a smaller batch cannot help there), else the batch, the context and
+    how the base and the activations are held."""
+    if memory is not None and memory.trained > memory.activations + memory.loss and memory.trained_params:
+        return _ways_to_shrink_trained(config, memory)
     fixes = "a smaller --batch or --ctx"
     if not config.use_checkpointing:
         fixes += ", --use-checkpointing"
@@ -253,6 +289,21 @@ def ways_to_lower(config: Any) -> str:
     if getattr(config, "keep_dequantized_mib", 0):
         fixes += ", a smaller --keep-dequantized-mib"
     return fixes
+
+
+def _ways_to_shrink_trained(config: Any, memory: MemoryEstimate) -> str:
+    """'--rank-exps (now 16) or --lora-r (now 16), as the trained parameters ...': the trained tensors by part, the
+    largest first, with the flags that shrink them."""
+    parts = sorted(memory.trained_params, key=lambda p: -p[1])
+    total = sum(n for _, n in parts)
+    held = ", ".join(f"{what} hold {n / 1e6:,.1f}M parameters ({memory.trained * n / total / GIB:.2f} GiB with their "
+                     "gradients and AdamW moments)" for what, n in parts)
+    if not hasattr(config, "lora_r"):  # a full finetune: every weight is trained
+        return f"a smaller model or a LoRA run (ggtorch finetune): {held}"
+    flags = [f"--lora-r (now {config.lora_r})"]
+    if parts[0][0].startswith("the routed experts"):
+        flags.insert(0, "a smaller --rank-exps (0 adapts attention and any shared expert only)")
+    return f"{' or '.join(flags)}, since the trained tensors are most of it: {held}"
 
 
 def _proc_bytes(path: str, key: str) -> int | None:

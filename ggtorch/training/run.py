@@ -51,7 +51,7 @@ from ggtorch.quant.autograd import keeping_dequantized
 from ggtorch.quant.modules import QuantEmbedding, QuantExperts, QuantLinear
 from ggtorch.training.config import DEFAULT_CHECKPOINT_IN, RunConfig
 from ggtorch.training.distributed import setup
-from ggtorch.training.memory import GIB, available_bytes, estimate_memory, ways_to_lower
+from ggtorch.training.memory import GIB, MemoryEstimate, available_bytes, estimate_memory, ways_to_lower
 from ggtorch.training.optim import AdamConfig, GGMLAdamW
 from ggtorch.training.preference import OBJECTIVE_OPTIONS, REFERENCE_OBJECTIVES, PreferenceObjective
 from ggtorch.training.weights import LoraWeights, Weights, weights_kind
@@ -88,6 +88,12 @@ products measures about 0.3 for bf16 and 0.01 for f16)."""
 
 F16_INITIAL_LOSS_SCALE = 2.0**16
 """f16 runs' first loss scale (torch.amp.GradScaler's default): halved at each step whose gradients overflow."""
+
+
+AUTO_CHECKPOINTING_SHARE = 0.85
+"""Without --use-checkpointing or --no-checkpointing, a run skips checkpointing where its estimate without it (the
+mapped weights included: paging them costs more than recomputing) takes at most this share of the available memory:
+the estimate is within a quarter of the measured peak, and other processes move."""
 
 
 def enable_block_checkpointing(model: torch.nn.Module) -> int:
@@ -221,13 +227,22 @@ class Run:
         matrix_dtype, embedding_dtype, keep_quantized = kind.base_dtypes(c)
         check_tensor_names(self.base, self.model_config)  # the estimate reads them: a bad file fails here, named
         rows = 2 * c.batch if self.objective is not None else c.batch  # a pair is two sequences
-        self.memory = estimate_memory(
-            self.base, self.model_config, batch=rows, ctx=c.ctx, checkpointing=c.use_checkpointing,
-            compute_dtype=DTYPES[c.dtype], matrix_dtype=matrix_dtype, embedding_dtype=embedding_dtype,
-            keep_quantized=keep_quantized, lora=LoraConfig.from_finetune(c) if kind is LoraWeights else None,
-            device=self.device, keep_dequantized=getattr(c, "keep_dequantized_mib", 0) << 20)
-        if not c.force:
-            self._check_memory()
+
+        def estimate(checkpointing: bool) -> MemoryEstimate:
+            return estimate_memory(
+                self.base, self.model_config, batch=rows, ctx=c.ctx, checkpointing=checkpointing,
+                compute_dtype=DTYPES[c.dtype], matrix_dtype=matrix_dtype, embedding_dtype=embedding_dtype,
+                keep_quantized=keep_quantized, lora=LoraConfig.from_finetune(c) if kind is LoraWeights else None,
+                device=self.device, keep_dequantized=getattr(c, "keep_dequantized_mib", 0) << 20)
+
+        self.auto_checkpointing = c.use_checkpointing is None
+        """Whether the run chose its activation checkpointing from the memory estimate (the default)."""
+        if self.auto_checkpointing:
+            without = estimate(checkpointing=False)
+            keeping = getattr(c, "keep_dequantized_mib", 0)  # keeps decoded matrices for a backward without recompute
+            self.config = c = dataclasses.replace(c, use_checkpointing=not keeping and not self._fits(without))
+        self.memory = estimate(checkpointing=c.use_checkpointing)
+        self._check_memory()
         self._check_compute_dtype()
         self.model = build_model(self.base, self.model_config, self.device, dtype=matrix_dtype,
                                  keep_quantized=keep_quantized, embedding_dtype=embedding_dtype)
@@ -296,22 +311,39 @@ class Run:
         return {k: v for k, v in (("rms_eps", c.norm_rms_eps), ("rope_freq_base", c.rope_freq_base),
                                   ("rope_freq_scale", c.rope_freq_scale)) if v is not None}
 
+    def _fits(self, memory: MemoryEstimate) -> bool:
+        """Whether a run of this estimate leaves the machine (or the device) room: its resident part and its mapped
+        weights within :data:`AUTO_CHECKPOINTING_SHARE` of what is available (unknown: no)."""
+        available = available_bytes(self.device)
+        share = 1 if self.device.type == "cuda" else max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        need = share * (memory.resident - memory.runtime) + memory.mapped
+        return available is not None and need <= AUTO_CHECKPOINTING_SHARE * available
+
     def _check_memory(self) -> None:
-        """Refuse a run whose expected peak exceeds what is available, before loading anything.
+        """Refuse a run whose expected peak exceeds what is available, before loading anything (unless --force), and
+        say when the mapped quantized weights will page.
 
         Processes of one machine (torchrun's local ranks) share its memory: each needs its own."""
         available = available_bytes(self.device)
         if available is None:
             return
         share = 1 if self.device.type == "cuda" else max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        need = share * (self.memory.total - self.memory.runtime)
+        need = share * (self.memory.resident - self.memory.runtime)  # the ranks share the mapped file's pages
         if need <= available:
+            if need + self.memory.mapped > available:
+                self.warnings.append(
+                    f"the base's {self.memory.mapped / GIB:.2f} GiB of quantized weights, read from the mapped file "
+                    f"as each step uses them, do not all fit beside the run's {need / GIB:.2f} GiB in the "
+                    f"{available / GIB:.2f} GiB available: the kernel will page them, reading some from disk again "
+                    "each step (the run goes on, slower)")
+            return
+        if self.config.force:
             return
         where = f"{self.device}'s free memory" if self.device.type == "cuda" else "the memory available (MemAvailable)"
         ranks = f" for its {share} processes on this machine" if share > 1 else ""
         raise BadFlag(f"this run needs about {need / GIB:.2f} GiB{ranks} more than is loaded now "
                       f"({self.memory.parts()} GiB), and {where} is {available / GIB:.2f} GiB; "
-                      f"lower it with {ways_to_lower(self.config)}, or pass --force to start anyway")
+                      f"lower it with {ways_to_lower(self.config, self.memory)}, or pass --force to start anyway")
 
     # --- data ----------------------------------------------------------------------------------
     def _open_data(self, records: Sequence[Mapping[str, Any]] | None) -> DataStream:
@@ -510,6 +542,8 @@ def _reference(record: Mapping[str, Any]) -> str:
 
 
 def _options_hash(config: RunConfig) -> int:
-    """A fingerprint of the options every rank must share (not the per-rank device or threads)."""
-    options = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("device", "threads")}
+    """A fingerprint of the options every rank must share (not the per-rank device, threads or checkpointing, which
+    each rank chooses from its machine's memory by default)."""
+    options = {k: v for k, v in dataclasses.asdict(config).items()
+               if k not in ("device", "threads", "use_checkpointing")}  # a rank's own; recomputing changes no number
     return zlib.crc32(json.dumps(options, sort_keys=True, default=str).encode())

@@ -52,7 +52,7 @@ class LoraWeights:
         self.config = config
         self.model = model
         self.base = base
-        self.lora_config: LoraConfig | None = LoraConfig.from_finetune(config)
+        self.lora_config: LoraConfig | None = LoraConfig.from_finetune(config).for_model(model.config.n_expert or 0)
         attach_lora(model, self.lora_config, seed=seed)
         model.to(device)
         self.params: Params = trainable_parameters(model)
