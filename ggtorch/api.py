@@ -26,8 +26,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -98,11 +99,29 @@ class GGUFModel:
     tokenizer: Tokenizer
     config: ModelConfig
     gguf: GGUFFile
+    autocast: torch.dtype | None = None
+    """The dtype generate and perplexity compute in under autocast: a bf16 or f16 run's, whose model holds its float
+    matrices in that dtype beside an f32 residual stream (None: the model's own dtypes)."""
 
     @classmethod
     def from_trainer(cls, trainer: Trainer) -> GGUFModel:
-        """The model a run is training (LoRA attached), to generate or evaluate with mid-run."""
-        return cls(trainer.model, trainer.tokenizer, trainer.model_config, trainer.base)
+        """The model a run is training (LoRA attached), to generate or evaluate with mid-run, computing as the run
+        does (a bf16 run's model under bf16 autocast; call ``model`` itself under the same autocast)."""
+        dtype = DTYPES[trainer.config.dtype]
+        return cls(trainer.model, trainer.tokenizer, trainer.model_config, trainer.base,
+                   autocast=dtype if dtype != torch.float32 else None)
+
+    @contextlib.contextmanager
+    def _computing(self) -> Iterator[None]:
+        """Eval mode (and the run's autocast) while generate or perplexity runs; training mode as it was after."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
+                                enabled=self.autocast is not None):
+                yield
+        finally:
+            self.model.train(was_training)
 
     @property
     def device(self) -> torch.device:
@@ -111,24 +130,16 @@ class GGUFModel:
     def generate(self, prompt: str = "", n_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True) -> str:
         """The text the model writes after ``prompt`` (BOS added as llama.cpp does; greedy by default)."""
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with self._computing():
             return generate(self.model, self.tokenizer, prompt, n_tokens, temperature, top_k, top_p, seed,
                             stop_at_eos)
-        finally:
-            self.model.train(was_training)
 
     def perplexity(self, text: str, n_ctx: int = 512, batch_size: int = 1) -> PerplexityResult:
         """llama-perplexity's number for ``text`` (comparable with llama.cpp's output)."""
         tokens = self.tokenizer.encode(text, add_special=True)
         bos = self.tokenizer.bos_id if tokens and tokens[0] == self.tokenizer.bos_id else None
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with self._computing():
             return perplexity(self.model, tokens, n_ctx, bos_id=bos, batch_size=batch_size)
-        finally:
-            self.model.train(was_training)
 
     def add_lora(self, rank: int = 4, alpha: float | None = None, ranks: Mapping[str, int] | None = None,
                  dropout: float = 0.0, seed: int = 0) -> GGUFModel:

@@ -25,7 +25,7 @@ def small_run(stories260k: Path, text: Path, out: Path, **options: object) -> Fi
     defaults: dict[str, object] = dict(
         model_base=str(stories260k), train_data=str(text), ctx=32, batch=4, adam_iter=6, adam_alpha=0.01, warmup=2,
         seed=5, save_every=0, threads=1, checkpoint_in="", checkpoint_out=str(out / "ck-ITERATION.gguf"),
-        lora_out=str(out / "lora-ITERATION.gguf"))
+        lora_out=str(out / "lora-ITERATION.gguf"), dtype="f32")  # logits checked against llama.cpp's f32
     return FinetuneConfig(**{**defaults, **options})  # type: ignore[arg-type]
 
 

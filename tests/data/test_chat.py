@@ -446,7 +446,8 @@ def test_step_loss_is_the_sum_over_counted_targets_of_all_micro_batches(chat_mod
     """grad_acc 2, micro-batches with different counts: loss = sum CE / total count (not mean of means)."""
     records = [{"prompt": q, "response": a} for q, a in QA[:2]]  # answers of 6 and 4 tokens
     config = FinetuneConfig(model_base=str(chat_model), train_data="", ctx=64, batch=1, grad_acc=2, adam_iter=1,
-                            checkpoint_in="", checkpoint_out="", lora_out="", seed=3, batching="pad")
+                            checkpoint_in="", checkpoint_out="", lora_out="", seed=3, batching="pad",
+                            dtype="f32")  # the loss is checked in f32
     trainer = Trainer(config, records=records, log_records=False)
     twin = RecordData(load_records(records, "records"), trainer.tokenizer, 64, RecordOptions(batching="pad"),
                       seed=trainer.seed)

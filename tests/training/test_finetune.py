@@ -79,7 +79,8 @@ def finetuned(stories260k: Path, stories_q8: Path, random_llama: Callable[..., P
             out = tmp_path_factory.mktemp(name) / "lora.gguf"
             config = FinetuneConfig(model_base=str(base), train_data=str(texts["train"]), ctx=16, batch=2,
                                     adam_iter=4, warmup=0, adam_alpha=0.02, seed=1, save_every=0, checkpoint_in="",
-                                    checkpoint_out="", lora_out=str(out), use_checkpointing=False)
+                                    checkpoint_out="", lora_out=str(out), use_checkpointing=False,
+                                    dtype="f32")  # its logits are checked against llama.cpp's f32
             trainer = Trainer(config)
             trainer.train()
             trainer.close()

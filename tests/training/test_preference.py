@@ -137,7 +137,8 @@ RECORDS = [{"prompt": f"Once upon a time, {name} went to the park.", "chosen": f
 def _trainer(stories260k: Path, tmp_path: Path, **options) -> Trainer:
     options = {"model_base": str(stories260k), "records": RECORDS, "batch": 4, "ctx": 48, "seed": 3,
                "adam_gclip": 0.0, "checkpoint_out": "", "lora_out": "", "log_file": str(tmp_path / "log.jsonl"),
-               "progress": False, "run": False, "device": "cpu", "lora_dropout": 0.0, **options}
+               "progress": False, "run": False, "device": "cpu", "lora_dropout": 0.0, "dtype": "f32",
+               **options}  # the objectives are checked in f32
     return api.finetune(**options)
 
 

@@ -41,7 +41,8 @@ def _ggtorch_trainer(gguf: Path, tmp_path: Path, objective: str, **options):
     trainer = api.finetune(model_base=str(gguf), records=RECORDS, objective=objective, batch=len(RECORDS),
                            ctx=64, batching="pad", seed=1, adam_gclip=0.0, checkpoint_out="", lora_out="",
                            log_file=str(tmp_path / "log.jsonl"), progress=False, run=False, device="cpu",
-                           lora_dropout=0.0, lora_r=4, lora_alpha=8, **NO_OUTPUT_LORA, **options)
+                           lora_dropout=0.0, lora_r=4, lora_alpha=8, dtype="f32", **NO_OUTPUT_LORA,
+                           **options)  # TRL's side computes in f32
     with torch.no_grad():  # both halves away from their init, so the policy differs from the reference
         for _, p, _ in trainer.params:
             p.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))

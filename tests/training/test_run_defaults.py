@@ -7,6 +7,7 @@ so that each side of the decision is reached on any machine.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from ggtorch.api import GGUFModel
 from ggtorch.errors import BadFlag
 from ggtorch.io.gguf import read_gguf
 from ggtorch.lora import LoraConfig
@@ -87,6 +89,22 @@ def test_dtype_auto_trains_in_the_policys_dtype_and_says_so(cpu_policy: Callable
     expected = ("compute bf16 (--dtype auto: this device multiplies bf16 natively" if train_dtype == "bf16"
                 else "compute f32 (--dtype auto)")
     assert expected in first, first
+
+
+def test_a_bf16_runs_model_generates_and_scores_as_it_trains(cpu_policy: Callable[..., policy.Policy],
+                                                              stories260k: Path, texts: dict[str, Path],
+                                                              tmp_path: Path) -> None:
+    """Its float matrices are bf16 beside an f32 residual stream: the API computes it under the run's autocast (it
+    raised a dtype mismatch outside it)."""
+    cpu_policy(train_dtype="bf16")
+    trainer = Trainer(config(stories260k, texts["train"], tmp_path), log_records=False)
+    trainer.train()
+    tuned = GGUFModel.from_trainer(trainer)
+    assert tuned.autocast == torch.bfloat16
+    assert tuned.generate("Once upon a time", n_tokens=8)
+    assert math.isfinite(tuned.perplexity(texts["train"].read_text()[:2000], n_ctx=128).perplexity)
+    assert trainer.model.training  # generate left it as it was
+    trainer.close()
 
 
 # --- activation checkpointing --------------------------------------------------------------------------------------
