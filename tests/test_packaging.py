@@ -103,7 +103,7 @@ def test_demo_runs_from_the_wheel_in_a_fresh_environment(wheel: Path, tmp_path: 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env |= {"XDG_CACHE_HOME": str(cache), "HF_HUB_OFFLINE": "1", "no_proxy": "*", "https_proxy": "http://0.0.0.0:9"}
     demo = subprocess.run([str(env_dir / "bin" / "ggtorch"), "demo", "-o", str(tmp_path / "out"), "--base-iterations",
-                           "20", "--lora-iterations", "4", "-t", "2"], capture_output=True, text=True, cwd=tmp_path,
+                           "20", "--lora-iterations", "4", "-t", "1"], capture_output=True, text=True, cwd=tmp_path,
                           env=env, timeout=600)
     assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
     assert (tmp_path / "out" / "lora-zen.gguf").is_file()

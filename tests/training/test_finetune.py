@@ -151,7 +151,7 @@ def test_help_lists_old_flags_in_groups() -> None:
 def test_old_command_line_runs_with_notes(stories260k: Path, texts: dict[str, Path], tmp_path: Path) -> None:
     """A command line of the old program, ggml-only flags included, runs (underscore spellings too)."""
     code, out = run(["finetune", "--model-base", str(stories260k), "--train-data", str(texts["train"]),
-                     "--threads", "2", "--adam-iter", "2", "--batch", "2", "--ctx", "16", "--lora-r", "2",
+                     "--threads", "1", "--adam-iter", "2", "--batch", "2", "--ctx", "16", "--lora-r", "2",
                      "--rank-ffn_gate", "3", "--no-flash", "-ngl", "0", "--mem-compute", "8",
                      "--checkpoint-out", "ck-ITERATION.gguf", "--lora-out", "l-ITERATION.gguf"], tmp_path)
     assert code == 0, out

@@ -47,7 +47,7 @@ def run_and_measure(command: str, model: Path, train: Path, cwd: Path, flags: li
     """(estimated GiB as printed, measured peak GiB) of two steps of ``command``."""
     output = ["--lora-out", "a.gguf"] if command == "finetune" else ["--model-out", "m.gguf"]
     cmd = [sys.executable, "-m", "ggtorch", command, "--model-base", str(model), "--train-data", str(train),
-           "-n", "2", "-t", "2", "--save-every", "0", "--checkpoint-out", "", *output, *flags]
+           "-n", "2", "-t", "1", "--save-every", "0", "--checkpoint-out", "", *output, *flags]
     done = subprocess.run([sys.executable, "-c", WRAPPER, *cmd], cwd=cwd, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr

@@ -27,7 +27,7 @@ def test_full_finetune_writes_a_model_llama_cpp_runs_equally(family_model: Calla
     base = family_model(name)
     code, out = run(["train", "--model-base", str(base), "--train-data", str(texts["train"]), "-c", "32", "-b", "2",
                      "-n", "2", "--warmup", "1", "--adam-alpha", "0.01", "--seed", "1", "--save-every", "0",
-                     "--checkpoint-out", "", "--model-out", "tuned.gguf", "-t", "2"], tmp_path)
+                     "--checkpoint-out", "", "--model-out", "tuned.gguf", "-t", "1"], tmp_path)
     assert code == 0, out
     tuned = tmp_path / "tuned.gguf"
     tokens = tokens_for(tuned)
