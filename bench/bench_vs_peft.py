@@ -1043,7 +1043,7 @@ def plan(case: Case, spec: dict[str, Any], row: dict[str, Any], sides: list[str]
 
 
 KEPT_COMMANDS = ("bench/bench_moe.py", "bench/bench_step_profile.py", "bench/bench_distributed.py",
-                 "bench/bench_hybrid.py", "bench/bench_dpo.py")
+                 "bench/bench_hybrid.py", "bench/bench_dpo.py", "bench/bench_scale.py")
 """Benchmarks whose sections of BENCHMARKS.md another command writes: a rerun of this one keeps them."""
 
 

@@ -1,0 +1,381 @@
+"""LoRA steps on full-size files of the shapes people hold: Llama-3-8B and Qwen3-30B-A3B in Q4_K_M.
+
+Not a test. Writes each model streamed, tensor by tensor, with random valid Q4_K / Q6_K blocks typed as
+llama-quantize's Q4_K_M types them (llama.cpp's src/llama-quant.cpp: output Q6_K; attn_v and ffn_down Q6_K in
+the layers ``use_more_bits`` picks; the rest Q4_K; norms F32): no full-size f32 tensor is ever in memory. The
+keys come from a one-layer model of the same shape written by tests/families.py, the tokenizer from llama.cpp's
+own vocabulary files (Llama 3's 128,256 tokens; Qwen2's 151,936 for Qwen3). Then, each in a fresh process:
+
+- ggtorch: ``ggtorch finetune``'s run (the Trainer) with its defaults (``--dtype auto``, ``--use-checkpointing``
+  auto, the routed experts' default rank), LoRA r16 on q/k/v/o/gate/up/down (token_embd and output off, as the
+  peer), batch x context tokens of text; load time, the first step and the steady ones, tokens/s, peak resident
+  and anonymous memory (sampled every 50 ms; VmHWM), the memory estimate, and one more step with every
+  dequantization timed (the decode share);
+- the matrix rate: torch.mm and oneDNN (ggtorch.ops.matmul) on the model's own product shapes with batch x
+  context rows, forward and input gradient, f32 and bf16, the faster kernel; the step's useful work (4 x the
+  matrix parameters a token passes x tokens; routed experts only for an MoE) over it;
+- the peer a user would pick at 8B, transformers + peft with the model built in bf16 from its config (random
+  weights of the same shapes: 16 GB, the GGUF dequantized would be 32), LoRA r16 on the same seven projections,
+  the same tokens, AdamW; the MoE shapes have no peer on a 24 GiB machine (their bf16 weights alone are 61 GB).
+
+Rounds alternate the sides (``--rounds``); a figure is the median of the steady steps of a round, each round shown.
+
+    python bench/bench_scale.py --model llama3-8b --threads 2 [--ctx 256] [--rounds 2] [--peer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_dequant import best_time  # noqa: E402  (this folder)
+from bench_vs_peft import peak_rss_bytes, timing_dequantization  # noqa: E402
+
+LORA_RANK = 16
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(frozen=True)
+class Model:
+    """A full-size shape: the family, its vocabulary and tests/families.py's Shape fields."""
+
+    arch: str
+    vocab: str
+    shape: dict[str, Any]
+    hf: dict[str, Any]
+    """transformers' config of the same shape (the peer), or {} where no peer fits the machine."""
+
+
+MODELS = {
+    "llama3-8b": Model("llama", "llama-bpe",
+                       dict(n_embd=4096, n_ff=14336, n_layer=32, n_head=32, n_head_kv=8, rope_freq_base=500000.0,
+                            rms_eps=1e-5, n_ctx=8192),
+                       dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                            rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=False)),
+    "qwen3-30b-a3b": Model("qwen3moe", "qwen2",
+                           dict(n_embd=2048, n_ff=6144, n_layer=48, n_head=32, n_head_kv=4, head_dim=128,
+                                n_expert=128, n_expert_used=8, n_ff_exp=768, rope_freq_base=1e6, n_ctx=40960),
+                           {}),
+    "smoke": Model("llama", "llama-bpe", dict(n_embd=256, n_ff=512, n_layer=2, n_head=4, n_head_kv=2),
+                   dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128256, tie_word_embeddings=False)),
+}
+
+
+# --- the file -------------------------------------------------------------------------------------------------------
+
+
+def use_more_bits(i_layer: int, n_layer: int) -> bool:
+    """llama-quant.cpp's choice of the layers whose attn_v and ffn_down get more bits."""
+    return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or (i_layer - n_layer // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, shape: tuple[int, ...], n_layer: int) -> Any:
+    """The type llama-quantize's Q4_K_M gives a tensor of these shapes (dense and MoE, n_expert != 8)."""
+    from gguf import GGMLQuantizationType as T
+
+    if len(shape) == 1 or name.endswith("_norm.weight"):
+        return T.F32
+    if name == "output.weight":
+        return T.Q6_K
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
+    if (".attn_v." in name or ".ffn_down" in name) and use_more_bits(layer, n_layer):
+        return T.Q6_K
+    return T.Q4_K
+
+
+def random_blocks(rng: np.random.Generator, ggml_type: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """Random valid blocks of ``ggml_type`` for a tensor of ``shape`` (torch order), values of about
+    1/sqrt(row width) as a trained model's: random quants and sub-block scales, a finite f16 scale per block."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as T
+
+    n = int(np.prod(shape))
+    if ggml_type == T.F32:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32).reshape(shape)
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    blocks = rng.integers(0, 256, (n // block, size), dtype=np.uint8)
+    std = 1.0 / np.sqrt(shape[-1])
+    if ggml_type == T.Q4_K:  # d, dmin, scales[12], qs[128]: d * sc * q - dmin * m, q in 0..15, sc and m in 0..63
+        blocks[:, 0:2] = np.frombuffer(np.float16(std / (31 * 4.6)).tobytes(), np.uint8)
+        blocks[:, 2:4] = np.frombuffer(np.float16(7.5 * std / (31 * 4.6)).tobytes(), np.uint8)
+    elif ggml_type == T.Q6_K:  # ql[128], qh[64], scales[16] (int8), d: d * scale * (q - 32)
+        blocks[:, 208:210] = np.frombuffer(np.float16(std / (64 * 18.5)).tobytes(), np.uint8)
+    else:
+        raise ValueError(f"no random blocks for {ggml_type.name}")
+    return blocks
+
+
+def write_model(name: str, folder: Path, seed: int = 0) -> Path:
+    """``folder/NAME-Q4_K_M.gguf``, written once (a file there is whole: the writer renames a complete one)."""
+    from ggtorch.io.gguf import read_gguf, write_gguf_streaming
+    from tests.families import Shape, vocabulary_file, write_random_model
+
+    m = MODELS[name]
+    path = folder / f"{name}-Q4_K_M.gguf"
+    if path.exists():
+        return path
+    vocab = read_gguf(vocabulary_file(m.vocab))
+    n_vocab = len(vocab.metadata["tokenizer.ggml.tokens"])
+    # the keys of the shape from one layer at full width, its vocabulary a 512-token stand-in (tests/fixtures)
+    template = read_gguf(write_random_model(folder / "template.gguf", m.arch, vocabulary_file("stories"),
+                                            Shape(**{**m.shape, "n_layer": 1})))
+    n_layer = m.shape["n_layer"]
+    metadata = {k: v for k, v in template.metadata.items() if not k.startswith("tokenizer.")}
+    types = {k: v for k, v in template.value_types.items() if not k.startswith("tokenizer.")}
+    metadata |= {k: v for k, v in vocab.metadata.items() if k.startswith("tokenizer.")}
+    types |= {k: v for k, v in vocab.value_types.items() if k.startswith("tokenizer.")}
+    metadata[f"{m.arch}.block_count"] = n_layer
+    metadata["general.file_type"] = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    metadata["general.name"] = f"random {name}"
+    if f"{m.arch}.vocab_size" in metadata:
+        metadata[f"{m.arch}.vocab_size"] = n_vocab
+    infos = []
+    for t in template.tensors.values():
+        shape = (n_vocab, *t.shape[1:]) if t.name in ("token_embd.weight", "output.weight") else t.shape
+        names = [t.name] if not t.name.startswith("blk.") else [t.name.replace("blk.0.", f"blk.{i}.", 1)
+                                                               for i in range(n_layer)]
+        infos += [(n, q4_k_m_type(n, shape, n_layer), shape) for n in names]
+    infos.sort(key=lambda info: (info[0].startswith("blk."), int(info[0].split(".")[1]) if info[0].startswith(
+        "blk.") else 0))
+    rng = np.random.default_rng(seed)
+    write_gguf_streaming(path, m.arch, metadata, infos, (random_blocks(rng, t, s) for _, t, s in infos), types)
+    (folder / "template.gguf").unlink()
+    return path
+
+
+def matrix_shapes(path: Path) -> tuple[list[tuple[int, int, int]], int]:
+    """(out, in, how many a token passes) of each distinct product, and the matrix parameters a token passes:
+    every layer matrix and the output head (an MoE's routed experts: the used ones only); the embedding is a
+    lookup."""
+    from ggtorch.io.gguf import read_gguf
+    from ggtorch.models.config import ModelConfig
+
+    f = read_gguf(path)
+    config = ModelConfig.from_gguf(f)
+    passes: dict[tuple[int, int], int] = {}
+    for name, info in f.tensors.items():
+        if len(info.shape) < 2 or name == "token_embd.weight" or "ffn_gate_inp" in name:
+            continue
+        *stack, n_out, n_in = info.shape
+        used = config.n_expert_used if stack else 1
+        passes[n_out, n_in] = passes.get((n_out, n_in), 0) + used
+    return [(o, i, k) for (o, i), k in passes.items()], sum(o * i * k for (o, i), k in passes.items())
+
+
+# --- the children ---------------------------------------------------------------------------------------------------
+
+
+class MemorySampler:
+    """The process's peak anonymous and resident memory, read from /proc every 50 ms (the kernel keeps a peak of
+    the resident set, VmHWM, but not of its anonymous part)."""
+
+    def __init__(self) -> None:
+        self.peak = {"RssAnon": 0, "VmRSS": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            for line in Path("/proc/self/status").read_text().splitlines():
+                key = line.split(":")[0]
+                if key in self.peak:
+                    self.peak[key] = max(self.peak[key], int(line.split()[1]) * 1024)
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def child_ggtorch(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from ggtorch.training.config import FinetuneConfig
+    from ggtorch.training.trainer import Trainer
+
+    torch.set_num_threads(spec["threads"])
+    sampler = MemorySampler()
+    t0 = time.perf_counter()
+    config = FinetuneConfig(model_base=spec["model"], train_data=spec["text"], ctx=spec["ctx"], batch=spec["batch"],
+                            adam_iter=spec["steps"] + 1, lora_r=LORA_RANK, rank_tok_embd=0, rank_out=0, seed=1,
+                            checkpoint_in="", checkpoint_out="", lora_out="", save_every=0, threads=spec["threads"],
+                            log_file=str(Path(spec["workdir"]) / "ggtorch-log.jsonl"), overwrite=True)
+    trainer = Trainer(config, log_records=False, manage_process=spec.get("manage_process", True))
+    load = time.perf_counter() - t0
+    results = trainer.train()
+    with timing_dequantization() as seconds:
+        decode_step = trainer.step().seconds
+    memory = trainer.run.memory
+    out = {"load_s": load, "step_s": [r.seconds for r in results], "loss": [r.loss for r in results],
+           "decode_s": sum(seconds), "decode_step_s": decode_step, "dtype": trainer.config.dtype,
+           "checkpointing": trainer.config.use_checkpointing, "estimate_gib": memory.total / 2**30,
+           "estimate_resident_gib": memory.resident / 2**30, "estimate_mapped_gib": memory.mapped / 2**30,
+           "trained_params": dict(memory.trained_params)}
+    trainer.close()
+    peak = sampler.stop()
+    return out | {"peak_rss_gib": peak_rss_bytes() / 2**30, "peak_anon_gib": peak["RssAnon"] / 2**30}
+
+
+def child_peer(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.set_num_threads(spec["threads"])
+    sampler = MemorySampler()
+    t0 = time.perf_counter()
+    config = AutoConfig.for_model(**MODELS[spec["name"]].hf)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, lora_dropout=0.0,
+                                             target_modules=LORA_TARGETS))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    load = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(0)
+    step_s, losses = [], []
+    for _ in range(spec["steps"] + 1):
+        tokens = torch.randint(0, config.vocab_size, (spec["batch"], spec["ctx"] + 1), generator=gen)
+        t = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(input_ids=tokens[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        step_s.append(time.perf_counter() - t)
+        losses.append(float(loss))
+    peak = sampler.stop()
+    return {"load_s": load, "step_s": step_s, "loss": losses, "peak_rss_gib": peak_rss_bytes() / 2**30,
+            "peak_anon_gib": peak["RssAnon"] / 2**30}
+
+
+def child_gemm(spec: dict[str, Any]) -> dict[str, Any]:
+    """GFLOP/s of the step's products on this machine: per dtype, the faster of torch.mm and oneDNN over the sum of
+    the model's forward and input-gradient products, each shape weighted by how many a token passes."""
+    import torch
+
+    from ggtorch.ops import matmul, policy
+
+    torch.set_num_threads(spec["threads"])
+    n = spec["rows"]
+    out: dict[str, Any] = {}
+    with policy.using(policy.current("cpu").replace(onednn_f32=True)):
+        for name, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+            totals = {"torch.mm": 0.0, "oneDNN": 0.0}
+            flops = 0.0
+            for o, i, k in spec["shapes"]:
+                w = torch.randn(o, i, dtype=dtype) * 0.02
+                x, dy = torch.randn(n, i, dtype=dtype), torch.randn(n, o, dtype=dtype)
+                flops += 2 * 2.0 * n * o * i * k
+                products = {"torch.mm": (partial(torch.mm, x, w.T), partial(torch.mm, dy, w)),
+                            "oneDNN": (partial(matmul.mm_t, x, w), partial(matmul.mm, dy, w))}
+                for kernel, (fwd, grad) in products.items():
+                    totals[kernel] += k * (best_time(fwd, 2) + best_time(grad, 2))
+            out[name] = {kernel: flops / seconds / 1e9 for kernel, seconds in totals.items()}
+    return out
+
+
+CHILDREN = {"ggtorch": child_ggtorch, "peer": child_peer, "gemm": child_gemm}
+
+
+def run_child(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """One side in a fresh interpreter: its last stdout line, parsed."""
+    done = subprocess.run([sys.executable, __file__, "--child", kind, "--spec", json.dumps(spec)],
+                          capture_output=True, text=True, cwd=ROOT)
+    if done.returncode:
+        return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# --- the table ------------------------------------------------------------------------------------------------------
+
+
+def steady(result: dict[str, Any]) -> float:
+    return statistics.median(result["step_s"][1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=list(MODELS), default="llama3-8b")
+    parser.add_argument("--ctx", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps after the first, per round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--peer", action="store_true", help="run transformers + peft in bf16 too (8B: ~20 GiB)")
+    parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "ggtorch-bench-scale"))
+    parser.add_argument("--child", choices=list(CHILDREN), help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(CHILDREN[args.child](json.loads(args.spec))))
+        return
+
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    model = write_model(args.model, workdir)
+    print(f"{model.name}: {model.stat().st_size / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f} s to write or find)")
+    shapes, per_token = matrix_shapes(model)
+    tokens = args.batch * args.ctx
+    useful = 4.0 * per_token * tokens
+    spec = {"name": args.model, "model": str(model), "text": str(ROOT / "tests" / "fixtures" / "tinyshakespeare.txt"),
+            "ctx": args.ctx, "batch": args.batch, "steps": args.steps, "threads": args.threads,
+            "workdir": str(workdir), "rows": tokens, "shapes": shapes}
+    sides = ["ggtorch", "peer"] if args.peer and MODELS[args.model].hf else ["ggtorch"]
+    rounds: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        results = {"gemm": run_child("gemm", spec)}
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            results[side] = run_child(side, spec)
+        rounds.append(results)
+        print(json.dumps(results, default=str)[:4000])
+    print(f"\n{args.model}, Q4_K_M, {args.batch} x {args.ctx} tokens, {args.threads} threads, LoRA r{LORA_RANK}; "
+          f"useful work {useful / 1e12:.2f} TFLOP a step ({per_token / 1e9:.2f}B matrix parameters a token passes)")
+    print("| round | side | load s | first s | steady s/step | tokens/s | share of f32 / bf16 rate | peak anon GiB | "
+          "peak RSS GiB | estimate GiB | decode share |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for i, results in enumerate(rounds, 1):
+        gemm = results["gemm"]
+        f32, bf16 = max(gemm["f32"].values()), max(gemm["bf16"].values())
+        for side in sides:
+            res = results[side]
+            if "error" in res:
+                print(f"| {i} | {side} | error: {res['error']} |")
+                continue
+            s = steady(res)
+            rate = useful / s / 1e9
+            extra = (f"{res['estimate_gib']:.2f} ({res['estimate_mapped_gib']:.2f} mapped) | "
+                     f"{res['decode_s'] / res['decode_step_s']:.0%} |" if side == "ggtorch" else "- | - |")
+            label = f"{side} ({res['dtype']}, checkpointing {'on' if res['checkpointing'] else 'off'})" \
+                if side == "ggtorch" else f"{side} (bf16)"
+            print(f"| {i} | {label} | {res['load_s']:.0f} | {res['step_s'][0]:.1f} | {s:.1f} | {tokens / s:.1f} | "
+                  f"{rate / f32:.0%} / {rate / bf16:.0%} | {res['peak_anon_gib']:.2f} | {res['peak_rss_gib']:.2f} | "
+                  f"{extra}")
+        print(f"| {i} | GEMM GFLOP/s | f32 {f32:.0f} (torch.mm {gemm['f32']['torch.mm']:.0f}, oneDNN "
+              f"{gemm['f32']['oneDNN']:.0f}); bf16 {bf16:.0f} (torch.mm {gemm['bf16']['torch.mm']:.0f}, oneDNN "
+              f"{gemm['bf16']['oneDNN']:.0f}) |")
+
+
+if __name__ == "__main__":
+    main()
