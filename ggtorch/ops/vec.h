@@ -48,11 +48,24 @@ static inline v16 ld_bf16(const uint16_t *p) {
 
 /* f32 -> bf16: the high halves of the rounded bits (NaN made quiet), taken by one lane shuffle (or, without
  * shuffles, a shift and a narrowing conversion) */
-static inline void st_bf16(uint16_t *p, v16 v) {
+/* f32 -> bf16 in the high half of each lane: the bits rounded to nearest even, NaN made quiet */
+static inline u32x16 bf16_bits(v16 v) {
     u32x16 b;
     memcpy(&b, &v, sizeof b);
     const u32x16 nan = (u32x16)(v != v);
-    const u32x16 r = ((b | 0x00400000u) & nan) | ((b + 0x7fffu + ((b >> 16) & 1u)) & ~nan);
+    return ((b | 0x00400000u) & nan) | ((b + 0x7fffu + ((b >> 16) & 1u)) & ~nan);
+}
+
+/* bf16_bits for lanes that hold no NaN (the caller knows): the rounding alone */
+static inline u32x16 bf16_bits_of_numbers(v16 v) {
+    u32x16 b;
+    memcpy(&b, &v, sizeof b);
+    return b + 0x7fffu + ((b >> 16) & 1u);
+}
+
+/* The high halves of the lanes of r, as 16 bf16 values at p (one lane shuffle, or without shuffles a shift and
+ * a narrowing conversion) */
+static inline void st_high_halves(uint16_t *p, u32x16 r) {
 #ifdef GGTORCH_SHUFFLES
     u16x32 w;
     memcpy(&w, &r, sizeof w);
@@ -62,6 +75,8 @@ static inline void st_bf16(uint16_t *p, v16 v) {
 #endif
     memcpy(p, &h, sizeof h);
 }
+
+static inline void st_bf16(uint16_t *p, v16 v) { st_high_halves(p, bf16_bits(v)); }
 
 static inline float f32_of_f32(const float *p) { return *p; }
 

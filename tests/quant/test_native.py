@@ -78,6 +78,28 @@ def test_special_scales_decode_as_llama_cpp_does(ggml_type: T, ggml_to_float) ->
 
 
 @pytest.mark.parametrize("ggml_type", NATIVE, ids=lambda t: t.name)
+def test_special_scales_decode_to_bf16_as_torch_rounds(ggml_type: T) -> None:
+    """The same special scales decoded straight to bf16 (blocks with finite scales take a rounding that skips the
+    NaN check; 4-bit types pick their values from a table per scale where the CPU has AVX-512): torch's f32 values
+    cast by torch, NaN where it has NaN."""
+    bs, ts = GGML_QUANT_SIZES[ggml_type]
+    nan_payload = np.array([0x7FFF], dtype=np.uint16).view(np.float16)  # rounds past the sign if taken for a number
+    specials = np.concatenate([F16_SPECIALS, nan_payload])
+    blocks = random_blocks(ggml_type, (len(specials) * 3 * bs,), seed=4).reshape(-1, ts)
+    offsets = {T.Q4_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[ggml_type]
+    for k, offset in enumerate(offsets):
+        scales = np.tile(np.roll(specials, k), 3)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    raw = torch.from_numpy(blocks)
+    got = native.decode(raw, ggml_type, torch.empty(blocks.shape[0] * bs, dtype=torch.bfloat16))
+    expected = _torch_decoded(raw, ggml_type).to(torch.bfloat16)
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert expected.isnan().any() and not expected.isnan().all()
+    numbers = ~expected.isnan()
+    assert torch.equal(got[numbers].view(torch.int16), expected[numbers].view(torch.int16))
+
+
+@pytest.mark.parametrize("ggml_type", NATIVE, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_into_out_and_other_dtypes(ggml_type: T, dtype: torch.dtype, cpu_policy) -> None:
     """Into a given ``out`` or new memory, in f32, bf16 (rounded in C) and f16 (decoded in f32 chunks, each
