@@ -14,7 +14,14 @@ from torch import nn
 from torch.func import functional_call
 
 from ggtorch.errors import Unsupported
-from ggtorch.lora.product import Products, _expert_products, _frozen_products, delta_only, lora_products
+from ggtorch.lora.product import (
+    Products,
+    _expert_products,
+    _frozen_products,
+    delta_only,
+    expert_lora_products,
+    lora_products,
+)
 from ggtorch.models.model import RMSNorm
 from ggtorch.ops.experts import Experts, grouped
 from ggtorch.quant.autograd import compute_dtype
@@ -189,21 +196,20 @@ class LoRAExperts(_LoRA):
         if self.passes_through:
             return self.base(x, counts)
         dtype = compute_dtype(x)
-        a, b = self.lora_a.unbind(0), self.lora_b.unbind(0)
         frozen = isinstance(self.base, QuantExperts) or not self.base.weight.requires_grad
         dropout = self.training and isinstance(self.dropout, nn.Dropout)
-        scale = (float(self.scale),)
         unscaled = self.base.scale is None  # a scaled stack scales its own product only (llama.cpp's w_s)
         if frozen and unscaled and not dropout and (dtype == self.lora_a.dtype or
                                                     torch.is_autocast_enabled(x.device.type)):
-            return grouped(x, counts, lambda e, rows: lora_products(
-                rows, scale, (_expert_products(self.base, e, dtype),), dtype, [a[e], b[e]])[0])
+            return expert_lora_products(x, counts, float(self.scale), lambda e: _expert_products(self.base, e, dtype),
+                                        dtype, self.lora_a, self.lora_b)
         y = self.base(x, counts)
         if not torch.is_autocast_enabled(x.device.type):
             dtype = self.lora_a.dtype
         only = (delta_only(*_linear_shape(self.base)[1:]),)
+        a, b = self.lora_a.unbind(0), self.lora_b.unbind(0)
         delta = grouped(self.dropout(x), counts,
-                        lambda e, rows: lora_products(rows, scale, only, dtype, [a[e], b[e]])[0])
+                        lambda e, rows: lora_products(rows, (float(self.scale),), only, dtype, [a[e], b[e]])[0])
         return y + delta.to(y.dtype)
 
     def delta_weight(self) -> torch.Tensor:

@@ -649,3 +649,60 @@ def test_linear_parts_are_the_forwards_product_or_none() -> None:
     layer.unmerge()
     assert layer.linear_parts() is not None
     assert LoRALinear(base, rank=2, dropout=0.1).linear_parts() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16-autocast"])
+def test_expert_lora_is_one_node_with_each_expert_s_one_layer_product(dtype: torch.dtype) -> None:
+    """LoRAExperts over a quantized stack: one autograd node for all experts, whose output and gradients (x, A, B)
+    equal bit for bit those of each expert's rows through the one-layer LoRA product (lora_products) over that
+    expert's matrix, and a float64 formula within rounding; an expert no row reaches gets zero gradients."""
+    from ggtorch.lora.layers import LoRAExperts
+    from ggtorch.lora.product import _expert_products, lora_products
+    from ggtorch.quant import dequantize
+    from ggtorch.quant.modules import QuantExperts
+    from tests.quant.test_dequant import random_blocks
+
+    n_expert, n_out, n_in = 5, 48, 256
+    raw = torch.from_numpy(random_blocks(GGMLQuantizationType.Q4_K, (n_expert, n_out, n_in), seed=2))
+    layer = LoRAExperts(QuantExperts(raw.reshape(-1), GGMLQuantizationType.Q4_K, (n_expert, n_out, n_in)), rank=3,
+                        alpha=6.0)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        layer.lora_a.normal_(generator=gen)
+        layer.lora_b.normal_(generator=gen)
+    counts = [4, 0, 7, 1, 3]  # expert 1 gets no row
+    x = torch.randn(sum(counts), n_in, generator=gen, requires_grad=True)
+    probe = torch.randn(sum(counts), n_out, generator=gen)
+
+    def run(forward) -> tuple[torch.Tensor, ...]:
+        x.grad = layer.lora_a.grad = layer.lora_b.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            y = forward()
+        (y.float() * probe).sum().backward()
+        return y.detach(), x.grad, layer.lora_a.grad, layer.lora_b.grad
+
+    nodes: list[str] = []
+
+    def grouped() -> torch.Tensor:
+        y = layer(x, counts)
+        nodes.append(type(y.grad_fn).__name__)
+        return y
+
+    def per_expert() -> torch.Tensor:
+        a, b = layer.lora_a.unbind(0), layer.lora_b.unbind(0)
+        parts = [lora_products(rows, (float(layer.scale),), (_expert_products(layer.base, e, dtype),), dtype,
+                               [a[e], b[e]])[0] for e, rows in enumerate(x.split(counts)) if rows.shape[0]]
+        return torch.cat(parts)
+
+    got, expected = run(grouped), run(per_expert)
+    assert nodes == ["_ExpertLoRAProductsBackward"]
+    for g, e, name in zip(got, expected, ["y", "x.grad", "A.grad", "B.grad"], strict=True):
+        assert g.dtype == e.dtype and torch.equal(g, e), name
+    assert not got[2][1].any() and not got[3][1].any() and got[2][0].any()
+
+    w = dequantize(layer.base.raw, GGMLQuantizationType.Q4_K, (n_expert, n_out, n_in)).double()
+    a64, b64, x64 = layer.lora_a.double(), layer.lora_b.double(), x.detach().double()
+    ids = torch.repeat_interleave(torch.arange(n_expert), torch.tensor(counts))
+    formula = torch.einsum("ni,noi->no", x64, w[ids] + float(layer.scale) * b64[ids] @ a64[ids])
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[0].double(), formula, rtol=tolerance, atol=tolerance * float(formula.abs().max()))
