@@ -1,10 +1,13 @@
-"""LoRA steps on full-size files of the shapes people hold: Llama-3-8B and Qwen3-30B-A3B in Q4_K_M.
+"""LoRA steps on full-size files of the shapes people hold: Llama-3-8B, Qwen3-30B-A3B and Qwen3.5/3.6-35B-A3B's
+qwen35moe hybrid in Q4_K_M.
 
 Not a test. Writes each model streamed, tensor by tensor, with random valid Q4_K / Q6_K blocks typed as
-llama-quantize's Q4_K_M types them (llama.cpp's src/llama-quant.cpp: output Q6_K; attn_v and ffn_down Q6_K in
-the layers ``use_more_bits`` picks; the rest Q4_K; norms F32): no full-size f32 tensor is ever in memory. The
-keys come from a one-layer model of the same shape written by tests/families.py, the tokenizer from llama.cpp's
-own vocabulary files (Llama 3's 128,256 tokens; Qwen2's 151,936 for Qwen3). Then, each in a fresh process:
+llama-quantize's Q4_K_M types them (llama.cpp's src/llama-quant.cpp: output Q6_K; attn_v (a DeltaNet layer's
+attn_qkv with them) and ffn_down Q6_K in the layers ``use_more_bits`` picks; the rest Q4_K; norms, routers and
+convolutions F32): no full-size f32 tensor is ever in memory. The keys come from one period of layers of the
+same shape (one layer; a hybrid's three DeltaNet layers and one attention layer) written by tests/families.py,
+the tokenizer from llama.cpp's own vocabulary files (Llama 3's 128,256 tokens; Qwen2's 151,936 for Qwen3;
+Qwen3.5's 248,320). Then, each in a fresh process:
 
 - ggtorch: ``ggtorch finetune``'s run (the Trainer) with its defaults (``--dtype auto``, ``--use-checkpointing``
   auto, the routed experts' default rank), LoRA r16 on q/k/v/o/gate/up/down (token_embd and output off, as the
@@ -16,7 +19,8 @@ own vocabulary files (Llama 3's 128,256 tokens; Qwen2's 151,936 for Qwen3). Then
   matrix parameters a token passes x tokens; routed experts only for an MoE) over it;
 - the peer a user would pick at 8B, transformers + peft with the model built in bf16 from its config (random
   weights of the same shapes: 16 GB, the GGUF dequantized would be 32), LoRA r16 on the same seven projections,
-  the same tokens, AdamW; the MoE shapes have no peer on a 24 GiB machine (their bf16 weights alone are 61 GB).
+  the same tokens, AdamW. The MoE shape's bf16 weights alone are 61 GB: its peer is asked to build it under an
+  address-space limit of the machine's memory, and its own error stands in the table.
 
 Rounds alternate the sides (``--rounds``); a figure is the median of the steady steps of a round, each round shown.
 
@@ -59,7 +63,11 @@ class Model:
     vocab: str
     shape: dict[str, Any]
     hf: dict[str, Any]
-    """transformers' config of the same shape (the peer), or {} where no peer fits the machine."""
+    """transformers' config of the same shape (the peer)."""
+    peer_fits: bool = True
+    """False where the peer's bf16 weights alone exceed the machine's memory: it is asked to build the model under
+    an address-space limit of the machine's memory (without one the kernel's OOM killer would end it, and maybe
+    more than it), and its own error is the row."""
 
 
 MODELS = {
@@ -72,7 +80,19 @@ MODELS = {
     "qwen3-30b-a3b": Model("qwen3moe", "qwen2",
                            dict(n_embd=2048, n_ff=6144, n_layer=48, n_head=32, n_head_kv=4, head_dim=128,
                                 n_expert=128, n_expert_used=8, n_ff_exp=768, rope_freq_base=1e6, n_ctx=40960),
-                           {}),
+                           dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                                moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                                num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                vocab_size=151936, rope_theta=1e6, max_position_embeddings=40960,
+                                tie_word_embeddings=False),
+                           peer_fits=False),
+    "qwen35moe-35b-a3b": Model("qwen35moe", "qwen35",
+                               dict(n_embd=2048, n_ff=512, n_layer=40, n_head=16, n_head_kv=2, head_dim=256, n_rot=64,
+                                    n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512,
+                                    delta_net=(16, 32, 128, 4), full_attention_interval=4, rope_freq_base=1e7,
+                                    rope_sections=(11, 11, 10, 0), n_ctx=262144),
+                               dict(model_type="qwen3_5_moe_text"),  # transformers' defaults are this shape
+                               peer_fits=False),
     "smoke": Model("llama", "llama-bpe", dict(n_embd=256, n_ff=512, n_layer=2, n_head=4, n_head_kv=2),
                    dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128256, tie_word_embeddings=False)),
@@ -87,18 +107,37 @@ def use_more_bits(i_layer: int, n_layer: int) -> bool:
     return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or (i_layer - n_layer // 8) % 3 == 2
 
 
-def q4_k_m_type(name: str, shape: tuple[int, ...], n_layer: int) -> Any:
-    """The type llama-quantize's Q4_K_M gives a tensor of these shapes (dense and MoE, n_expert != 8)."""
+ATTENTION_V = (".attn_v.weight", ".attn_qkv.weight", ".attn_kv_b.weight")
+"""llama-quant.cpp's attn_v category: one counter runs over them all (a DeltaNet layer's attn_qkv included)."""
+
+
+def q4_k_m_type(name: str, shape: tuple[int, ...], n_layer: int,
+                attention_v_index: tuple[int, int] | None = None) -> Any:
+    """The type llama-quantize's Q4_K_M gives a tensor of these shapes (dense, MoE with n_expert != 8, qwen35's
+    hybrids): llama-quant.cpp's tensor_get_type. ``attention_v_index``: (i, n) of a tensor of the attn_v category
+    among the n the file has (None: its layer among n_layer, as where every layer has one)."""
     from gguf import GGMLQuantizationType as T
 
-    if len(shape) == 1 or name.endswith("_norm.weight"):
+    if (len(shape) == 1 or shape[-1] % 256 or name.endswith("_norm.weight") or "ffn_gate_inp.weight" in name
+            or "ssm_conv1d" in name):
         return T.F32
     if name == "output.weight":
         return T.Q6_K
     layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
-    if (".attn_v." in name or ".ffn_down" in name) and use_more_bits(layer, n_layer):
+    if ".ffn_down" in name and use_more_bits(layer, n_layer):
+        return T.Q6_K
+    if name.endswith(ATTENTION_V) and use_more_bits(*(attention_v_index or (layer, n_layer))):
         return T.Q6_K
     return T.Q4_K
+
+
+def q4_k_m_types(shapes: dict[str, tuple[int, ...]], n_layer: int) -> dict[str, Any]:
+    """:func:`q4_k_m_type` of each tensor of a file (name -> shape, blocks in layer order), the attn_v category
+    counted as llama-quant.cpp counts it."""
+    v_names = sorted((n for n in shapes if n.startswith("blk.") and n.endswith(ATTENTION_V)),
+                     key=lambda n: int(n.split(".")[1]))
+    return {n: q4_k_m_type(n, shape, n_layer, (v_names.index(n), len(v_names)) if n in v_names else None)
+            for n, shape in shapes.items()}
 
 
 def random_blocks(rng: np.random.Generator, ggml_type: Any, shape: tuple[int, ...]) -> np.ndarray:
@@ -116,6 +155,9 @@ def random_blocks(rng: np.random.Generator, ggml_type: Any, shape: tuple[int, ..
     if ggml_type == T.Q4_K:  # d, dmin, scales[12], qs[128]: d * sc * q - dmin * m, q in 0..15, sc and m in 0..63
         blocks[:, 0:2] = np.frombuffer(np.float16(std / (31 * 4.6)).tobytes(), np.uint8)
         blocks[:, 2:4] = np.frombuffer(np.float16(7.5 * std / (31 * 4.6)).tobytes(), np.uint8)
+    elif ggml_type == T.Q5_K:  # d, dmin, scales[12], qh[32], qs[128]: d * sc * q - dmin * m, q in 0..31
+        blocks[:, 0:2] = np.frombuffer(np.float16(std / (31 * 9.2)).tobytes(), np.uint8)
+        blocks[:, 2:4] = np.frombuffer(np.float16(15.5 * std / (31 * 9.2)).tobytes(), np.uint8)
     elif ggml_type == T.Q6_K:  # ql[128], qh[64], scales[16] (int8), d: d * scale * (q - 32)
         blocks[:, 208:210] = np.frombuffer(np.float16(std / (64 * 18.5)).tobytes(), np.uint8)
     else:
@@ -134,9 +176,11 @@ def write_model(name: str, folder: Path, seed: int = 0) -> Path:
         return path
     vocab = read_gguf(vocabulary_file(m.vocab))
     n_vocab = len(vocab.metadata["tokenizer.ggml.tokens"])
-    # the keys of the shape from one layer at full width, its vocabulary a 512-token stand-in (tests/fixtures)
+    # the keys of the shape from one period of layers at full width (a hybrid's: its DeltaNet layers and one
+    # attention layer), its vocabulary a 512-token stand-in (tests/fixtures)
+    period = m.shape.get("full_attention_interval") or 1
     template = read_gguf(write_random_model(folder / "template.gguf", m.arch, vocabulary_file("stories"),
-                                            Shape(**{**m.shape, "n_layer": 1})))
+                                            Shape(**{**m.shape, "n_layer": period})))
     n_layer = m.shape["n_layer"]
     metadata = {k: v for k, v in template.metadata.items() if not k.startswith("tokenizer.")}
     types = {k: v for k, v in template.value_types.items() if not k.startswith("tokenizer.")}
@@ -147,12 +191,16 @@ def write_model(name: str, folder: Path, seed: int = 0) -> Path:
     metadata["general.name"] = f"random {name}"
     if f"{m.arch}.vocab_size" in metadata:
         metadata[f"{m.arch}.vocab_size"] = n_vocab
-    infos = []
+    shapes: dict[str, tuple[int, ...]] = {}
     for t in template.tensors.values():
         shape = (n_vocab, *t.shape[1:]) if t.name in ("token_embd.weight", "output.weight") else t.shape
-        names = [t.name] if not t.name.startswith("blk.") else [t.name.replace("blk.0.", f"blk.{i}.", 1)
-                                                               for i in range(n_layer)]
-        infos += [(n, q4_k_m_type(n, shape, n_layer), shape) for n in names]
+        if not t.name.startswith("blk."):
+            shapes[t.name] = shape
+            continue
+        j = int(t.name.split(".")[1])
+        shapes |= {t.name.replace(f"blk.{j}.", f"blk.{i}.", 1): shape for i in range(j, n_layer, period)}
+    tensor_types = q4_k_m_types(shapes, n_layer)
+    infos = [(n, tensor_types[n], shape) for n, shape in shapes.items()]
     infos.sort(key=lambda info: (info[0].startswith("blk."), int(info[0].split(".")[1]) if info[0].startswith(
         "blk.") else 0))
     rng = np.random.default_rng(seed)
@@ -242,6 +290,11 @@ def child_peer(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.set_num_threads(spec["threads"])
+    if not MODELS[spec["name"]].peer_fits:
+        import resource
+
+        limit = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     sampler = MemorySampler()
     t0 = time.perf_counter()
     config = AutoConfig.for_model(**MODELS[spec["name"]].hf)
@@ -303,7 +356,8 @@ def run_child(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
     done = subprocess.run([sys.executable, __file__, "--child", kind, "--spec", json.dumps(spec)],
                           capture_output=True, text=True, cwd=ROOT)
     if done.returncode:
-        return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return {"error": lines[-1:] or [f"exit status {done.returncode}"]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -322,7 +376,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps after the first, per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--peer", action="store_true", help="run transformers + peft in bf16 too (8B: ~20 GiB)")
+    parser.add_argument("--peer", action="store_true",
+                        help="run transformers + peft in bf16 too (8B: ~20 GiB; the MoE: its error building the model)")
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "ggtorch-bench-scale"))
     parser.add_argument("--child", choices=list(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -342,7 +397,7 @@ def main() -> None:
     spec = {"name": args.model, "model": str(model), "text": str(ROOT / "tests" / "fixtures" / "tinyshakespeare.txt"),
             "ctx": args.ctx, "batch": args.batch, "steps": args.steps, "threads": args.threads,
             "workdir": str(workdir), "rows": tokens, "shapes": shapes}
-    sides = ["ggtorch", "peer"] if args.peer and MODELS[args.model].hf else ["ggtorch"]
+    sides = ["ggtorch", "peer"] if args.peer else ["ggtorch"]
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
         results = {"gemm": run_child("gemm", spec)}

@@ -36,7 +36,22 @@ def test_each_tensor_is_typed_as_llama_cpps_q4_k_m_types_it(scale: Any, tmp_path
     assert GGMLQuantizationType.Q6_K in ours.values() and GGMLQuantizationType.Q4_K in ours.values()
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K])
+def test_a_qwen35moe_hybrid_is_typed_as_llama_cpps_q4_k_m_types_it(scale: Any, tmp_path: Path) -> None:
+    """The 35B-A3B row's family at rows of 256: DeltaNet layers (attn_qkv counted with the attention layers' attn_v,
+    the convolution F32), routed and shared experts, F32 routers."""
+    shape = Shape(n_embd=256, n_ff=256, n_layer=8, n_head=4, n_head_kv=2, head_dim=64, n_rot=32, n_expert=4,
+                  n_expert_used=2, n_ff_exp=256, n_ff_shexp=256, delta_net=(2, 4, 128, 4), full_attention_interval=4,
+                  rope_sections=(6, 6, 4, 0))
+    f32 = write_random_model(tmp_path / "f32.gguf", "qwen35moe", vocabulary_file("stories"), shape)
+    theirs = read_gguf(quantize_with_llama_cpp(f32, tmp_path / "q4_k_m.gguf", "Q4_K_M"))
+    ours = scale.q4_k_m_types({name: info.shape for name, info in theirs.tensors.items()}, shape.n_layer)
+    assert ours == {name: info.ggml_type for name, info in theirs.tensors.items()}
+    assert ours["blk.0.attn_qkv.weight"] == ours["blk.3.attn_v.weight"] == GGMLQuantizationType.Q6_K
+    assert ours["blk.1.attn_qkv.weight"] == GGMLQuantizationType.Q4_K
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+                                       GGMLQuantizationType.Q6_K])
 def test_random_blocks_decode_to_finite_values_of_a_trained_models_scale(scale: Any, ggml_type: Any) -> None:
     width = 4096
     blocks = scale.random_blocks(np.random.default_rng(0), ggml_type, (64, width))
