@@ -13,7 +13,8 @@ Qwen3.5's 248,320). Then, each in a fresh process:
   auto, the routed experts' default rank), LoRA r16 on q/k/v/o/gate/up/down (token_embd and output off, as the
   peer), batch x context tokens of text; load time, the first step and the steady ones, tokens/s, peak resident
   and anonymous memory (sampled every 50 ms; VmHWM), the memory estimate, and one more step with every
-  dequantization timed (the decode share);
+  step under torch.profiler: where its time goes (decoding blocks, matrix products, attention, the rest: each op's
+  own time, grouped by name);
 - the matrix rate: torch.mm and oneDNN (ggtorch.ops.matmul) on the model's own product shapes with batch x
   context rows, forward and input gradient, f32 and bf16, the faster kernel; the step's useful work (4 x the
   matrix parameters a token passes x tokens; routed experts only for an MoE) over it;
@@ -25,6 +26,7 @@ Qwen3.5's 248,320). Then, each in a fresh process:
 Rounds alternate the sides (``--rounds``); a figure is the median of the steady steps of a round, each round shown.
 
     python bench/bench_scale.py --model llama3-8b --threads 2 [--ctx 256] [--rounds 2] [--peer]
+    python bench/bench_scale.py --model qwen35-2b --threads 2 --contexts 256,1024,4096
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_dequant import best_time  # noqa: E402  (this folder)
-from bench_vs_peft import peak_rss_bytes, timing_dequantization  # noqa: E402
+from bench_vs_peft import peak_rss_bytes  # noqa: E402
 
 LORA_RANK = 16
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -93,6 +95,13 @@ MODELS = {
                                     rope_sections=(11, 11, 10, 0), n_ctx=262144),
                                dict(model_type="qwen3_5_moe_text"),  # transformers' defaults are this shape
                                peer_fits=False),
+    "qwen35-2b": Model("qwen35", "qwen35",
+                       dict(n_embd=2048, n_ff=6144, n_layer=24, n_head=8, n_head_kv=2, head_dim=256, n_rot=64,
+                            delta_net=(16, 16, 128, 4), full_attention_interval=4, rope_freq_base=1e7,
+                            rope_sections=(11, 11, 10, 0), tied_output=True, n_ctx=262144),
+                       dict(model_type="qwen3_5_text", hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                            num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                            linear_num_value_heads=16, tie_word_embeddings=True)),
     "smoke": Model("llama", "llama-bpe", dict(n_embd=256, n_ff=512, n_layer=2, n_head=4, n_head_kv=2),
                    dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128256, tie_word_embeddings=False)),
@@ -136,8 +145,11 @@ def q4_k_m_types(shapes: dict[str, tuple[int, ...]], n_layer: int) -> dict[str, 
     counted as llama-quant.cpp counts it."""
     v_names = sorted((n for n in shapes if n.startswith("blk.") and n.endswith(ATTENTION_V)),
                      key=lambda n: int(n.split(".")[1]))
-    return {n: q4_k_m_type(n, shape, n_layer, (v_names.index(n), len(v_names)) if n in v_names else None)
-            for n, shape in shapes.items()}
+    types = {n: q4_k_m_type(n, shape, n_layer, (v_names.index(n), len(v_names)) if n in v_names else None)
+             for n, shape in shapes.items()}
+    if "output.weight" not in shapes:  # a tied embedding is typed as the output it also is
+        types["token_embd.weight"] = q4_k_m_type("output.weight", shapes["token_embd.weight"], n_layer)
+    return types
 
 
 def random_blocks(rng: np.random.Generator, ggml_type: Any, shape: tuple[int, ...]) -> np.ndarray:
@@ -167,6 +179,9 @@ def random_blocks(rng: np.random.Generator, ggml_type: Any, shape: tuple[int, ..
 
 def write_model(name: str, folder: Path, seed: int = 0) -> Path:
     """``folder/NAME-Q4_K_M.gguf``, written once (a file there is whole: the writer renames a complete one)."""
+    import torch
+    from gguf import GGMLQuantizationType as T
+
     from ggtorch.io.gguf import read_gguf, write_gguf_streaming
     from tests.families import Shape, vocabulary_file, write_random_model
 
@@ -201,10 +216,23 @@ def write_model(name: str, folder: Path, seed: int = 0) -> Path:
         shapes |= {t.name.replace(f"blk.{j}.", f"blk.{i}.", 1): shape for i in range(j, n_layer, period)}
     tensor_types = q4_k_m_types(shapes, n_layer)
     infos = [(n, tensor_types[n], shape) for n, shape in shapes.items()]
+    sources = {n: n if not n.startswith("blk.") else f"blk.{int(n.split('.')[1]) % period}.{n.split('.', 2)[2]}"
+               for n in shapes}
+
+    def values(name: str, ggml_type: Any, shape: tuple[int, ...]) -> np.ndarray:
+        """Random blocks, or for a tensor kept in F32 (norms, routers, a DeltaNet layer's decay, gates and
+        convolution) the template's own values for its layer of the period: tests/families.py draws them as a
+        working model's, where ones would make a decay grow instead of fade."""
+        if ggml_type == T.F32 and sources[name] in template.tensors:
+            source = template.tensors[sources[name]]
+            if source.ggml_type == T.F32 and tuple(source.shape) == tuple(shape):
+                return source.raw().view(torch.float32).reshape(shape).numpy()
+        return random_blocks(rng, ggml_type, shape)
+
     infos.sort(key=lambda info: (info[0].startswith("blk."), int(info[0].split(".")[1]) if info[0].startswith(
         "blk.") else 0))
     rng = np.random.default_rng(seed)
-    write_gguf_streaming(path, m.arch, metadata, infos, (random_blocks(rng, t, s) for _, t, s in infos), types)
+    write_gguf_streaming(path, m.arch, metadata, infos, (values(n, t, s) for n, t, s in infos), types)
     (folder / "template.gguf").unlink()
     return path
 
@@ -254,6 +282,21 @@ class MemorySampler:
         return self.peak
 
 
+STEP_PARTS = {"decode": ("ggtorch::dequantize_",),
+              "products": ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::matmul"),
+              "attention": ("ggtorch::attention", "ggtorch::attention_backward", "aten::_flash_attention_forward",
+                            "aten::_scaled_dot_product_flash_attention_for_cpu",
+                            "aten::_scaled_dot_product_flash_attention_for_cpu_backward")}
+"""The ops of each part of a step, by the profiler's names (each op's own time, so nothing counts twice)."""
+
+
+def step_shares(self_times: dict[str, float]) -> dict[str, float]:
+    """Each part's share of a profiled step's op time (name -> own time), the ops of no part as "rest"."""
+    total = sum(self_times.values()) or 1.0
+    shares = {part: sum(self_times.get(name, 0.0) for name in names) / total for part, names in STEP_PARTS.items()}
+    return shares | {"rest": 1.0 - sum(shares.values())}
+
+
 def child_ggtorch(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -270,11 +313,14 @@ def child_ggtorch(spec: dict[str, Any]) -> dict[str, Any]:
     trainer = Trainer(config, log_records=False, manage_process=spec.get("manage_process", True))
     load = time.perf_counter() - t0
     results = trainer.train()
-    with timing_dequantization() as seconds:
-        decode_step = trainer.step().seconds
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled_step = trainer.step().seconds
+    shares = step_shares({e.key: e.self_cpu_time_total for e in prof.key_averages()})
     memory = trainer.run.memory
     out = {"load_s": load, "step_s": [r.seconds for r in results], "loss": [r.loss for r in results],
-           "decode_s": sum(seconds), "decode_step_s": decode_step, "dtype": trainer.config.dtype,
+           "shares": shares, "profiled_step_s": profiled_step, "dtype": trainer.config.dtype,
            "checkpointing": trainer.config.use_checkpointing, "estimate_gib": memory.total / 2**30,
            "estimate_resident_gib": memory.resident / 2**30, "estimate_mapped_gib": memory.mapped / 2**30,
            "trained_params": dict(memory.trained_params)}
@@ -368,6 +414,29 @@ def steady(result: dict[str, Any]) -> float:
     return statistics.median(result["step_s"][1:])
 
 
+def context_table(name: str, model: Path, contexts: list[int], args: argparse.Namespace, workdir: Path) -> None:
+    """Issue 70's cost as the work grows: one ggtorch run a context length, batch 1, the defaults."""
+    rows = []
+    for ctx in contexts:
+        spec = {"name": name, "model": str(model), "text": str(ROOT / "tests" / "fixtures" / "tinyshakespeare.txt"),
+                "ctx": ctx, "batch": 1, "steps": args.steps, "threads": args.threads, "workdir": str(workdir)}
+        rows.append((ctx, run_child("ggtorch", spec)))
+        print(json.dumps(rows[-1], default=str)[:2000])
+    print(f"\n{name}, Q4_K_M, batch 1, {args.threads} threads, LoRA r{LORA_RANK}, the defaults")
+    print("| context | dtype, checkpointing | first s | steady s/step | tokens/s | s per 1k tokens | peak anon GiB | "
+          "peak RSS GiB | estimate GiB | decode / products / attention / rest |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for ctx, res in rows:
+        if "error" in res:
+            print(f"| {ctx} | error: {res['error']} |")
+            continue
+        s = steady(res)
+        print(f"| {ctx} | {res['dtype']}, {'on' if res['checkpointing'] else 'off'} | {res['step_s'][0]:.1f} | "
+              f"{s:.1f} | {ctx / s:.1f} | {1000 * s / ctx:.1f} | {res['peak_anon_gib']:.2f} | "
+              f"{res['peak_rss_gib']:.2f} | {res['estimate_gib']:.2f} | "
+              f"{' / '.join(f'{v:.0%}' for v in res['shares'].values())} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=list(MODELS), default="llama3-8b")
@@ -378,6 +447,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peer", action="store_true",
                         help="run transformers + peft in bf16 too (8B: ~20 GiB; the MoE: its error building the model)")
+    parser.add_argument("--contexts", help="comma-separated context lengths (batch 1): ggtorch's s/step, memory and "
+                        "where the step goes at each, one round each, instead of the rounds against the rate and peer")
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "ggtorch-bench-scale"))
     parser.add_argument("--child", choices=list(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -391,6 +462,9 @@ def main() -> None:
     t0 = time.perf_counter()
     model = write_model(args.model, workdir)
     print(f"{model.name}: {model.stat().st_size / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f} s to write or find)")
+    if args.contexts:
+        context_table(args.model, model, [int(c) for c in args.contexts.split(",")], args, workdir)
+        return
     shapes, per_token = matrix_shapes(model)
     tokens = args.batch * args.ctx
     useful = 4.0 * per_token * tokens
@@ -408,7 +482,7 @@ def main() -> None:
     print(f"\n{args.model}, Q4_K_M, {args.batch} x {args.ctx} tokens, {args.threads} threads, LoRA r{LORA_RANK}; "
           f"useful work {useful / 1e12:.2f} TFLOP a step ({per_token / 1e9:.2f}B matrix parameters a token passes)")
     print("| round | side | load s | first s | steady s/step | tokens/s | share of f32 / bf16 rate | peak anon GiB | "
-          "peak RSS GiB | estimate GiB | decode share |")
+          "peak RSS GiB | estimate GiB | decode / products / attention / rest |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for i, results in enumerate(rounds, 1):
         gemm = results["gemm"]
@@ -421,7 +495,7 @@ def main() -> None:
             s = steady(res)
             rate = useful / s / 1e9
             extra = (f"{res['estimate_gib']:.2f} ({res['estimate_mapped_gib']:.2f} mapped) | "
-                     f"{res['decode_s'] / res['decode_step_s']:.0%} |" if side == "ggtorch" else "- | - |")
+                     f"{' / '.join(f'{v:.0%}' for v in res['shares'].values())} |" if side == "ggtorch" else "- | - |")
             label = f"{side} ({res['dtype']}, checkpointing {'on' if res['checkpointing'] else 'off'})" \
                 if side == "ggtorch" else f"{side} (bf16)"
             print(f"| {i} | {label} | {res['load_s']:.0f} | {res['step_s'][0]:.1f} | {s:.1f} | {tokens / s:.1f} | "

@@ -36,13 +36,15 @@ def test_each_tensor_is_typed_as_llama_cpps_q4_k_m_types_it(scale: Any, tmp_path
     assert GGMLQuantizationType.Q6_K in ours.values() and GGMLQuantizationType.Q4_K in ours.values()
 
 
-def test_a_qwen35moe_hybrid_is_typed_as_llama_cpps_q4_k_m_types_it(scale: Any, tmp_path: Path) -> None:
-    """The 35B-A3B row's family at rows of 256: DeltaNet layers (attn_qkv counted with the attention layers' attn_v,
-    the convolution F32), routed and shared experts, F32 routers."""
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen35"])
+def test_a_qwen35_hybrid_is_typed_as_llama_cpps_q4_k_m_types_it(scale: Any, tmp_path: Path, arch: str) -> None:
+    """The 35B-A3B and 2B rows' families at rows of 256: DeltaNet layers (attn_qkv counted with the attention layers'
+    attn_v, the convolution F32), routed and shared experts and F32 routers (qwen35moe), a tied embedding typed as
+    the output (qwen35)."""
     shape = Shape(n_embd=256, n_ff=256, n_layer=8, n_head=4, n_head_kv=2, head_dim=64, n_rot=32, n_expert=4,
                   n_expert_used=2, n_ff_exp=256, n_ff_shexp=256, delta_net=(2, 4, 128, 4), full_attention_interval=4,
-                  rope_sections=(6, 6, 4, 0))
-    f32 = write_random_model(tmp_path / "f32.gguf", "qwen35moe", vocabulary_file("stories"), shape)
+                  rope_sections=(6, 6, 4, 0), tied_output=arch == "qwen35")
+    f32 = write_random_model(tmp_path / "f32.gguf", arch, vocabulary_file("stories"), shape)
     theirs = read_gguf(quantize_with_llama_cpp(f32, tmp_path / "q4_k_m.gguf", "Q4_K_M"))
     ours = scale.q4_k_m_types({name: info.shape for name, info in theirs.tensors.items()}, shape.n_layer)
     assert ours == {name: info.ggml_type for name, info in theirs.tensors.items()}
@@ -75,4 +77,6 @@ def test_the_file_is_written_whole_and_ggtorch_trains_it(scale: Any, tmp_path: P
                                   "ctx": 32, "batch": 1, "steps": 1, "threads": 1, "workdir": str(tmp_path),
                                   "manage_process": False})  # in this worker: its malloc and threads stay
     assert all(math.isfinite(loss) for loss in result["loss"]) and len(result["step_s"]) == 2
-    assert result["estimate_mapped_gib"] > 0 and 0 < result["decode_s"] < result["decode_step_s"]
+    shares = result["shares"]
+    assert result["estimate_mapped_gib"] > 0 and list(shares) == ["decode", "products", "attention", "rest"]
+    assert math.isclose(sum(shares.values()), 1.0) and all(0 < v < 1 for v in shares.values())
