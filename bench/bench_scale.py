@@ -12,7 +12,7 @@ Qwen3.5's 248,320). Then, each in a fresh process:
 - ggtorch: ``ggtorch finetune``'s run (the Trainer) with its defaults (``--dtype auto``, ``--use-checkpointing``
   auto, the routed experts' default rank), LoRA r16 on q/k/v/o/gate/up/down (token_embd and output off, as the
   peer), batch x context tokens of text; load time, the first step and the steady ones, tokens/s, peak resident
-  and anonymous memory (sampled every 50 ms; VmHWM), the memory estimate, and one more step with every
+  and anonymous memory (sampled every 50 ms; VmHWM), the memory estimate, and one more
   step under torch.profiler: where its time goes (decoding blocks, matrix products, attention, the rest: each op's
   own time, grouped by name);
 - the matrix rate: torch.mm and oneDNN (ggtorch.ops.matmul) on the model's own product shapes with batch x
@@ -54,6 +54,7 @@ from bench_dequant import best_time  # noqa: E402  (this folder)
 from bench_vs_peft import peak_rss_bytes  # noqa: E402
 
 LORA_RANK = 16
+TEXT = ROOT / "tests" / "fixtures" / "tinyshakespeare.txt"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -207,23 +208,23 @@ def write_model(name: str, folder: Path, seed: int = 0) -> Path:
     if f"{m.arch}.vocab_size" in metadata:
         metadata[f"{m.arch}.vocab_size"] = n_vocab
     shapes: dict[str, tuple[int, ...]] = {}
+    sources: dict[str, str] = {}  # each tensor's template tensor: the same one, or its layer of the period
     for t in template.tensors.values():
         shape = (n_vocab, *t.shape[1:]) if t.name in ("token_embd.weight", "output.weight") else t.shape
-        if not t.name.startswith("blk."):
-            shapes[t.name] = shape
-            continue
-        j = int(t.name.split(".")[1])
-        shapes |= {t.name.replace(f"blk.{j}.", f"blk.{i}.", 1): shape for i in range(j, n_layer, period)}
+        j = int(t.name.split(".")[1]) if t.name.startswith("blk.") else None
+        names = [t.name] if j is None else [t.name.replace(f"blk.{j}.", f"blk.{i}.", 1)
+                                            for i in range(j, n_layer, period)]
+        shapes |= {n: shape for n in names}
+        sources |= {n: t.name for n in names}
     tensor_types = q4_k_m_types(shapes, n_layer)
     infos = [(n, tensor_types[n], shape) for n, shape in shapes.items()]
-    sources = {n: n if not n.startswith("blk.") else f"blk.{int(n.split('.')[1]) % period}.{n.split('.', 2)[2]}"
-               for n in shapes}
+    rng = np.random.default_rng(seed)
 
     def values(name: str, ggml_type: Any, shape: tuple[int, ...]) -> np.ndarray:
         """Random blocks, or for a tensor kept in F32 (norms, routers, a DeltaNet layer's decay, gates and
         convolution) the template's own values for its layer of the period: tests/families.py draws them as a
         working model's, where ones would make a decay grow instead of fade."""
-        if ggml_type == T.F32 and sources[name] in template.tensors:
+        if ggml_type == T.F32:
             source = template.tensors[sources[name]]
             if source.ggml_type == T.F32 and tuple(source.shape) == tuple(shape):
                 return source.raw().view(torch.float32).reshape(shape).numpy()
@@ -231,7 +232,6 @@ def write_model(name: str, folder: Path, seed: int = 0) -> Path:
 
     infos.sort(key=lambda info: (info[0].startswith("blk."), int(info[0].split(".")[1]) if info[0].startswith(
         "blk.") else 0))
-    rng = np.random.default_rng(seed)
     write_gguf_streaming(path, m.arch, metadata, infos, (values(n, t, s) for n, t, s in infos), types)
     (folder / "template.gguf").unlink()
     return path
@@ -414,12 +414,17 @@ def steady(result: dict[str, Any]) -> float:
     return statistics.median(result["step_s"][1:])
 
 
+def shares_text(result: dict[str, Any]) -> str:
+    """A ggtorch run's step parts, "decode / products / attention / rest" as percentages."""
+    return " / ".join(f"{v:.0%}" for v in result["shares"].values())
+
+
 def context_table(name: str, model: Path, contexts: list[int], args: argparse.Namespace, workdir: Path) -> None:
     """Issue 70's cost as the work grows: one ggtorch run a context length, batch 1, the defaults."""
     rows = []
     for ctx in contexts:
-        spec = {"name": name, "model": str(model), "text": str(ROOT / "tests" / "fixtures" / "tinyshakespeare.txt"),
-                "ctx": ctx, "batch": 1, "steps": args.steps, "threads": args.threads, "workdir": str(workdir)}
+        spec = {"name": name, "model": str(model), "text": str(TEXT), "ctx": ctx, "batch": 1, "steps": args.steps,
+                "threads": args.threads, "workdir": str(workdir)}
         rows.append((ctx, run_child("ggtorch", spec)))
         print(json.dumps(rows[-1], default=str)[:2000])
     print(f"\n{name}, Q4_K_M, batch 1, {args.threads} threads, LoRA r{LORA_RANK}, the defaults")
@@ -433,8 +438,7 @@ def context_table(name: str, model: Path, contexts: list[int], args: argparse.Na
         s = steady(res)
         print(f"| {ctx} | {res['dtype']}, {'on' if res['checkpointing'] else 'off'} | {res['step_s'][0]:.1f} | "
               f"{s:.1f} | {ctx / s:.1f} | {1000 * s / ctx:.1f} | {res['peak_anon_gib']:.2f} | "
-              f"{res['peak_rss_gib']:.2f} | {res['estimate_gib']:.2f} | "
-              f"{' / '.join(f'{v:.0%}' for v in res['shares'].values())} |")
+              f"{res['peak_rss_gib']:.2f} | {res['estimate_gib']:.2f} | {shares_text(res)} |")
 
 
 def main() -> None:
@@ -468,7 +472,7 @@ def main() -> None:
     shapes, per_token = matrix_shapes(model)
     tokens = args.batch * args.ctx
     useful = 4.0 * per_token * tokens
-    spec = {"name": args.model, "model": str(model), "text": str(ROOT / "tests" / "fixtures" / "tinyshakespeare.txt"),
+    spec = {"name": args.model, "model": str(model), "text": str(TEXT),
             "ctx": args.ctx, "batch": args.batch, "steps": args.steps, "threads": args.threads,
             "workdir": str(workdir), "rows": tokens, "shapes": shapes}
     sides = ["ggtorch", "peer"] if args.peer else ["ggtorch"]
@@ -495,7 +499,7 @@ def main() -> None:
             s = steady(res)
             rate = useful / s / 1e9
             extra = (f"{res['estimate_gib']:.2f} ({res['estimate_mapped_gib']:.2f} mapped) | "
-                     f"{' / '.join(f'{v:.0%}' for v in res['shares'].values())} |" if side == "ggtorch" else "- | - |")
+                     f"{shares_text(res)} |" if side == "ggtorch" else "- | - |")
             label = f"{side} ({res['dtype']}, checkpointing {'on' if res['checkpointing'] else 'off'})" \
                 if side == "ggtorch" else f"{side} (bf16)"
             print(f"| {i} | {label} | {res['load_s']:.0f} | {res['step_s'][0]:.1f} | {s:.1f} | {tokens / s:.1f} | "

@@ -46,8 +46,6 @@ static inline v16 ld_bf16(const uint16_t *p) {
     return v;
 }
 
-/* f32 -> bf16: the high halves of the rounded bits (NaN made quiet), taken by one lane shuffle (or, without
- * shuffles, a shift and a narrowing conversion) */
 /* f32 -> bf16 in the high half of each lane: the bits rounded to nearest even, NaN made quiet */
 static inline u32x16 bf16_bits(v16 v) {
     u32x16 b;
@@ -76,6 +74,7 @@ static inline void st_high_halves(uint16_t *p, u32x16 r) {
     memcpy(p, &h, sizeof h);
 }
 
+/* f32 -> bf16 at p: the high halves of the rounded bits */
 static inline void st_bf16(uint16_t *p, v16 v) { st_high_halves(p, bf16_bits(v)); }
 
 static inline float f32_of_f32(const float *p) { return *p; }
