@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import torch
 
 from ggtorch.errors import BadFlag
-from ggtorch.export.merge import MergePlan, merge_to_gguf, read_source
+from ggtorch.export.merge import MergePlan, MergeSource, merge_to_gguf, read_source, validate_source
 from ggtorch.export.peft import export_peft as _export_peft
 from ggtorch.export.peft import import_peft as _import_peft
 from ggtorch.io.checkpoint import Checkpoint, load_checkpoint
@@ -67,6 +67,10 @@ out, 0.5 halves it. Far beyond, the merged weights leave the base's range (a sca
 and a model whose perplexity is nan)."""
 
 
+AdapterSpec = str | os.PathLike[str] | tuple[str | os.PathLike[str], float]
+"""An adapter to apply or merge: its path, or (path, user scale) as ``--lora-scaled FILE SCALE``."""
+
+
 def adapter_scale(path: str | os.PathLike[str], scale: Any) -> float:
     """The user scale of adapter ``path`` (export-lora's ``--lora-scaled FILE:SCALE``, the API's ``(path, scale)``),
     refused outside ±:data:`ADAPTER_SCALE_MAX`: the one check of the CLI and the API."""
@@ -78,6 +82,21 @@ def adapter_scale(path: str | os.PathLike[str], scale: Any) -> float:
         raise BadFlag(f"--lora-scaled {path}:{scale}: the scale must be in [-{ADAPTER_SCALE_MAX:g}, "
                       f"{ADAPTER_SCALE_MAX:g}] (1 applies the adapter as trained, -1 removes it), got {value:g}")
     return value
+
+
+def read_lora_source(spec: AdapterSpec, base: GGUFFile | None = None) -> MergeSource:
+    """The LoRA ``spec`` names, with its scale checked: the one reader of ``--lora`` for every command and the API.
+    ``base``: the model it is for (a PEFT folder is read against it)."""
+    path, scale = (spec[0], adapter_scale(spec[0], spec[1])) if isinstance(spec, tuple) else (spec, 1.0)
+    return read_source(path, scale, base)
+
+
+def read_lora_sources(specs: Sequence[AdapterSpec], base: GGUFFile) -> list[MergeSource]:
+    """The adapters ``specs`` name, each checked against ``base`` as llama.cpp checks them on load."""
+    sources = [read_lora_source(spec, base) for spec in specs]
+    for src in sources:
+        validate_source(src, base)
+    return sources
 
 
 def _torch_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -154,13 +173,19 @@ class GGUFModel:
         self.model.to(self.device)
         return self
 
-    def load_adapter(self, *adapters: str | os.PathLike[str] | tuple[str | os.PathLike[str], float]) -> GGUFModel:
-        """Apply GGUF LoRA adapters (paths, or (path, scale) pairs) as llama.cpp's ``--lora`` does. Returns self."""
-        loaded = [(read_adapter(a[0]), adapter_scale(a[0], a[1])) if isinstance(a, tuple) else (read_adapter(a), 1.0)
-                  for a in adapters]
-        if not loaded:
-            raise BadFlag("load_adapter needs at least one adapter file")
-        load_adapter_into(self.model, self.gguf, loaded)
+    def load_adapter(self, *adapters: AdapterSpec) -> GGUFModel:
+        """Apply LoRA adapters as llama.cpp's ``--lora`` / ``--lora-scaled`` do: paths, or (path, scale) pairs.
+
+        A path is a GGUF adapter, a PEFT folder (read against this model), a ggtorch training checkpoint (its
+        adapter, norm gains included) or an old finetune's adapter or checkpoint. Adapters are summed, each with
+        its scale; one made for another model is refused, naming both. Returns self."""
+        if not adapters:
+            raise BadFlag("load_adapter needs at least one adapter (a GGUF adapter, a PEFT folder or a checkpoint)")
+        return self._apply(read_lora_sources(adapters, self.gguf))
+
+    def _apply(self, sources: Sequence[MergeSource]) -> GGUFModel:
+        load_adapter_into(self.model, self.gguf, [(s.adapter, s.user_scale) for s in sources if s.adapter.pairs],
+                          [(s.norms, s.user_scale) for s in sources if s.norms])
         self.model.to(self.device)
         return self
 
@@ -197,17 +222,24 @@ class GGUFModel:
 
 
 def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "auto",
-               dtype: str | torch.dtype = "auto", keep_quantized: bool = False) -> GGUFModel:
+               dtype: str | torch.dtype = "auto", keep_quantized: bool = False,
+               lora: AdapterSpec | Sequence[AdapterSpec] | None = None) -> GGUFModel:
     """Open a GGUF model (memory-mapped) and build it on ``device`` (``auto``: CUDA, else MPS, else the CPU).
 
     ``keep_quantized=True`` keeps quantized matrices as ggml blocks, dequantized on the fly
     (a fraction of the memory); otherwise every weight becomes ``dtype`` (f32, bf16 or f16; ``auto``: bf16 where
-    the device multiplies it natively, else f32).
+    the device multiplies it natively, else f32). ``lora``: adapters to apply (see :meth:`GGUFModel.load_adapter`),
+    read and checked against the file before the weights are built.
     """
     torch_device = resolve_device(str(device))
+    if isinstance(lora, (str, os.PathLike)) or (isinstance(lora, tuple) and len(lora) == 2
+                                                and isinstance(lora[1], (int, float))):
+        lora = [lora]  # one adapter given alone, with or without its scale
+    sources = read_lora_sources(list(lora), read_gguf(path)) if lora else []  # checked before the weights are built
     loaded = load_model_file(path, device=torch_device, dtype=_torch_dtype(dtype, torch_device),
                              keep_quantized=keep_quantized)
-    return GGUFModel(loaded.model, loaded.tokenizer, loaded.config, loaded.gguf)
+    model = GGUFModel(loaded.model, loaded.tokenizer, loaded.config, loaded.gguf)
+    return model._apply(sources) if sources else model
 
 
 class ProgressBar(Callback):
@@ -356,9 +388,10 @@ def merge_adapters(base: str | os.PathLike[str],
     """
     if isinstance(adapters, (str, os.PathLike)):
         adapters = [adapters]
-    sources = [read_source(a[0], adapter_scale(a[0], a[1])) if isinstance(a, tuple) else read_source(a)
-               for a in adapters]
-    return merge_to_gguf(base, sources, out, outtype)
+    adapters = list(adapters)
+    folders = any(Path(a[0] if isinstance(a, tuple) else a).is_dir() for a in adapters)
+    base_file = read_gguf(base) if folders else None  # a PEFT folder is read against the base
+    return merge_to_gguf(base, [read_lora_source(a, base_file) for a in adapters], out, outtype)
 
 
 def export_peft(adapter: str | os.PathLike[str] | LoraAdapter, base: str | os.PathLike[str],

@@ -12,7 +12,7 @@ import time
 import click
 
 from ggtorch.api import merge_adapters
-from ggtorch.cli.options import threads_option
+from ggtorch.cli.options import LoraArgsCommand, file_scale, threads_option
 from ggtorch.errors import BadFlag
 from ggtorch.export.merge import OUTTYPES
 from ggtorch.export.old_formats import convert_old
@@ -22,63 +22,8 @@ from ggtorch.io.paths import Input, Output
 from ggtorch.lora.adapter_file import ADAPTER_DTYPES, validate_against_base, write_adapter
 from ggtorch.ops.threads import pin_threads
 
-_SCALED = "--lora-scaled"
 
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-    except ValueError:
-        return False
-    return True
-
-
-def normalize_lora_args(args: list[str]) -> list[str]:
-    """Every adapter flag spelling as ``--lora-scaled FILE:SCALE`` (one per file, order kept)."""
-    out: list[str] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        flag, eq, inline = arg.partition("=") if arg.startswith("--") else (arg, "", "")
-        if flag in ("--lora", "-l", _SCALED, "-s"):
-            value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
-            if value is None:
-                raise BadFlag(f"{flag} needs a file name")
-            i += 1 if eq else 2
-            if flag in ("--lora", "-l"):
-                out += [x for f in value.split(",") if f for x in (_SCALED, f"{f}:1.0")]
-                continue
-            head, _, tail = value.rpartition(":")
-            if head and _is_number(tail):  # FILE:SCALE[,FILE:SCALE...]
-                out += [x for f in value.split(",") if f for x in (_SCALED, f)]
-            elif i < len(args) and _is_number(args[i]):  # old spelling: FILE SCALE
-                out += [_SCALED, f"{value}:{args[i]}"]
-                i += 1
-            else:
-                raise BadFlag(f"{flag} {value}: expected FILE:SCALE or FILE SCALE, e.g. {flag} adapter.gguf:0.5")
-            continue
-        out.append(arg)
-        i += 1
-    return out
-
-
-class _LoraArgsCommand(click.Command):
-    """A command whose adapter flags are normalized before click parses them."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            args = normalize_lora_args(list(args))
-        except BadFlag as e:
-            raise click.UsageError(str(e), ctx) from None
-        return super().parse_args(ctx, args)
-
-
-def _file_scale(spec: str) -> tuple[str, float]:
-    path, _, scale = spec.rpartition(":")
-    return path, float(scale)  # a number (normalize_lora_args checked); read_source refuses one f32 cannot hold
-
-
-@click.command(name="export-lora", cls=_LoraArgsCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(name="export-lora", cls=LoraArgsCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-m", "--model", "--model-base", "model_path", required=True, help="Base GGUF model.")
 @click.option("-o", "--output", "--model-out", "out_path", required=True, help="Merged GGUF model to write.")
 @click.option("--lora", "-l", "lora_plain", multiple=True, metavar="FILE[,FILE...]",
@@ -94,7 +39,7 @@ def export_lora(model_path: str, out_path: str, lora_plain: tuple[str, ...], lor
     """Merge LoRA adapters into a GGUF model: W + Σ scale·(alpha/r)·B·A (llama.cpp's export-lora)."""
     if threads:
         pin_threads(threads)
-    specs = [_file_scale(s) for s in lora_scaled]
+    specs = [file_scale(s) for s in lora_scaled]
     if not specs:
         raise BadFlag("no adapter given; pass --lora FILE or --lora-scaled FILE:SCALE")
     start = time.perf_counter()

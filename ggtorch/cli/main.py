@@ -16,12 +16,12 @@ from typing import Any
 
 import click
 
-from ggtorch.api import load_model
+from ggtorch.api import GGUFModel, load_model
 from ggtorch.cli.allocator import relaunch_on_jemalloc
 from ggtorch.cli.demo import demo
 from ggtorch.cli.export import convert_old_lora, export_lora
 from ggtorch.cli.finetune import finetune, plot
-from ggtorch.cli.options import threads_option
+from ggtorch.cli.options import RunLoraArgsCommand, file_scale, run_lora_options, threads_option
 from ggtorch.cli.peft import convert_lora, export_peft_cmd
 from ggtorch.cli.train import train
 from ggtorch.errors import BadData, GGTorchError
@@ -126,7 +126,17 @@ def info(model_path: str) -> None:
         click.echo(f"  {name:<8} {count:>5} tensors  {nbytes[name] / 2**20:10.2f} MiB")
 
 
-@main.command()
+def load_with_adapters(model_path: str, device: str, dtype: str, keep_quantized: bool,
+                       lora_scaled: tuple[str, ...]) -> GGUFModel:
+    """The model of ``-m`` with the ``--lora``/``--lora-scaled`` adapters applied; on stderr, what was applied."""
+    specs = [file_scale(s) for s in lora_scaled]
+    loaded = load_model(model_path, device=device, dtype=dtype, keep_quantized=keep_quantized, lora=specs)
+    for path, scale in specs:
+        click.echo(f"adapter: {path}" + (f" (scale {scale:g})" if scale != 1.0 else ""), err=True)
+    return loaded
+
+
+@main.command(cls=RunLoraArgsCommand)
 @model_options
 @click.option("-p", "--prompt", default="", show_default=True, help="Text to continue (BOS is added).")
 @click.option("-n", "--n-predict", "n_predict", type=int, default=64, show_default=True,
@@ -136,14 +146,16 @@ def info(model_path: str) -> None:
 @click.option("--top-p", type=float, default=0.95, show_default=True, help="Top-p (1 disables); used when --temp > 0.")
 @click.option("-s", "--seed", type=int, default=-1, show_default=True, help="Sampling seed; -1 picks one at random.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating after an end-of-generation token (EOS, EOT).")
+@run_lora_options
 def generate(model_path: str, device: str, dtype: str, keep_quantized: bool, threads: int | None, prompt: str,
-             n_predict: int, temp: float, top_k: int, top_p: float, seed: int, ignore_eos: bool) -> None:
+             n_predict: int, temp: float, top_k: int, top_p: float, seed: int, ignore_eos: bool,
+             lora_plain: tuple[str, ...], lora_scaled: tuple[str, ...]) -> None:
     """Continue a prompt, printing the text as it is generated."""
     if threads:
         pin_threads(threads)
     params = SamplingParams(temp, top_k, top_p, None if seed == -1 else seed)  # the API's checks, before the load
     check_n_tokens(n_predict)
-    loaded = load_model(model_path, device=device, dtype=dtype, keep_quantized=keep_quantized)
+    loaded = load_with_adapters(model_path, device, dtype, keep_quantized, lora_scaled)
     tok = loaded.tokenizer
     prompt_tokens = tok.encode(prompt, add_special=True)
     if not prompt_tokens:
@@ -167,20 +179,21 @@ def generate(model_path: str, device: str, dtype: str, keep_quantized: bool, thr
     click.echo(f"[{len(new)} tokens in {elapsed:.2f} s, {len(new) / max(elapsed, 1e-9):.1f} tokens/s]", err=True)
 
 
-@main.command(name="perplexity")
+@main.command(name="perplexity", cls=RunLoraArgsCommand)
 @model_options
 @click.option("-f", "--file", "text_file", required=True, help="Text file to evaluate.")
 @click.option("-c", "--ctx", "--ctx-size", "n_ctx", type=click.IntRange(min=4), default=512, show_default=True,
               help="Tokens per chunk (llama-perplexity's -c); the second half of each chunk is scored.")
 @click.option("-b", "--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Chunks evaluated per forward.")
+@run_lora_options
 def perplexity_cmd(model_path: str, device: str, dtype: str, keep_quantized: bool, threads: int | None, text_file: str,
-                   n_ctx: int, batch_size: int) -> None:
+                   n_ctx: int, batch_size: int, lora_plain: tuple[str, ...], lora_scaled: tuple[str, ...]) -> None:
     """Perplexity of a text, as llama.cpp's llama-perplexity computes it."""
     if threads:
         pin_threads(threads)
     text = _read_text(text_file)
-    loaded = load_model(model_path, device=device, dtype=dtype, keep_quantized=keep_quantized)
+    loaded = load_with_adapters(model_path, device, dtype, keep_quantized, lora_scaled)
     n_tokens = len(loaded.tokenizer.encode(text, add_special=True))
     start = time.perf_counter()
     result = loaded.perplexity(text, n_ctx, batch_size)

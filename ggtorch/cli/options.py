@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import click
 from click.core import ParameterSource
 
-from ggtorch.errors import flag
+from ggtorch.errors import BadFlag, flag
 from ggtorch.training.config import (
     FILES,
     OptionInfo,
@@ -136,6 +136,90 @@ def threads_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     return click.option(*info.flags, flag(f.name), "threads", type=int, default=None, callback=check,
                         show_default=info.default_text, help=help_text(info))(fn)
+
+
+_SCALED = "--lora-scaled"
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
+def normalize_lora_args(args: list[str], short: bool = True) -> list[str]:
+    """Every adapter flag spelling as ``--lora-scaled FILE:SCALE`` (one per file, order kept).
+
+    Spellings: ``--lora F`` (comma lists too), ``--lora-scaled F:S`` (comma lists too), ``--lora-scaled F S``
+    (llama.cpp's tools); with ``short``, the old export-lora's ``-l F`` and ``-s F S`` too (commands whose ``-s`` is
+    a seed leave them out)."""
+    plain, scaled = ("--lora", "-l") if short else ("--lora",), (_SCALED, "-s") if short else (_SCALED,)
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":  # what follows is no option
+            out += args[i:]
+            break
+        flag, eq, inline = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if flag in plain + scaled:
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
+            if value is None:
+                raise BadFlag(f"{flag} needs a file name")
+            i += 1 if eq else 2
+            if flag in plain:
+                out += [x for f in value.split(",") if f for x in (_SCALED, f"{f}:1.0")]
+                continue
+            head, _, tail = value.rpartition(":")
+            if head and _is_number(tail):  # FILE:SCALE[,FILE:SCALE...]
+                out += [x for f in value.split(",") if f for x in (_SCALED, f)]
+            elif i < len(args) and _is_number(args[i]):  # FILE SCALE
+                out += [_SCALED, f"{value}:{args[i]}"]
+                i += 1
+            else:
+                raise BadFlag(f"{flag} {value}: expected FILE:SCALE or FILE SCALE, e.g. {flag} adapter.gguf:0.5")
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+class LoraArgsCommand(click.Command):
+    """A command whose adapter flags are normalized before click parses them (export-lora's, with -l and -s)."""
+
+    short_lora_flags = True
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            args = normalize_lora_args(list(args), self.short_lora_flags)
+        except BadFlag as e:
+            raise click.UsageError(str(e), ctx) from None
+        return super().parse_args(ctx, args)
+
+
+class RunLoraArgsCommand(LoraArgsCommand):
+    """A command that runs a model with adapters: llama.cpp's ``--lora`` and ``--lora-scaled`` only."""
+
+    short_lora_flags = False
+
+
+def file_scale(spec: str) -> tuple[str, float]:
+    """``FILE:SCALE`` (normalized by :func:`normalize_lora_args`) as (path, scale)."""
+    path, _, scale = spec.rpartition(":")
+    return path, float(scale)  # a number (normalize_lora_args checked); read_source refuses one f32 cannot hold
+
+
+def run_lora_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--lora FILE`` and ``--lora-scaled FILE SCALE`` (repeatable) of the commands that run a model, as
+    llama.cpp's tools take them; the command receives ``lora_scaled``: ``FILE:SCALE`` strings in order."""
+    fn = click.option(_SCALED, "lora_scaled", multiple=True, metavar="FILE SCALE",
+                      help="An adapter with a user scale (also FILE:SCALE; 1 applies it as trained, -1 "
+                      "removes it).")(fn)
+    return click.option("--lora", "lora_plain", multiple=True, metavar="FILE",
+                        help="Apply a LoRA adapter (repeatable, summed): a GGUF adapter, a PEFT folder or a training "
+                        "checkpoint.")(fn)
 
 
 def config_from_cli(ctx: click.Context, values: dict[str, Any], config_cls: type[C]) -> tuple[C, list[str]]:

@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType
 
 from ggtorch.errors import BadFlag, BadGGUF, GGTorchError, NonFiniteValues, Unsupported
 from ggtorch.export.old_formats import OLD_CHECKPOINT_TYPE, LoraWithNorms, is_ggla, read_old
+from ggtorch.export.peft import import_peft
 from ggtorch.io.checkpoint import CHECKPOINT_TYPE, load_checkpoint
 from ggtorch.io.encode import fallback_type, quantize
 from ggtorch.io.gguf import GGUFFile, read_gguf, require_kind, write_gguf_streaming
@@ -67,11 +68,17 @@ class MergePlan:
         return Counter(v for v in self.merged.values() if v[0] != v[1])
 
 
-def read_source(path: str | os.PathLike[str], user_scale: float = 1.0) -> MergeSource:
-    """Any file that holds a LoRA: GGUF adapter, ggtorch checkpoint, old ggla adapter or checkpoint."""
+def read_source(path: str | os.PathLike[str], user_scale: float = 1.0, base: GGUFFile | None = None) -> MergeSource:
+    """Any file that holds a LoRA: GGUF adapter, ggtorch checkpoint, old ggla adapter or checkpoint, or a PEFT
+    folder (read against ``base``, whose Hugging Face module names it uses)."""
     path = Path(path)
     if not finite_in_f32(user_scale):
         raise BadFlag(f"--lora-scaled {path}:{user_scale}: the scale must be a finite number (within f32's range)")
+    if path.is_dir():
+        if base is None:
+            raise BadFlag(f"--lora {path}: a PEFT folder is read against its base model; convert it first with "
+                          f"`ggtorch convert-lora {path} --base BASE.gguf --outfile adapter.gguf`")
+        return MergeSource(path, import_peft(path, base), {}, user_scale)
     check_input(Input("--lora", path))
     if is_ggla(path):
         return _from_old(path, read_old(path), user_scale)

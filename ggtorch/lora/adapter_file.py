@@ -16,6 +16,7 @@ modules through :func:`adapter_from_model` / :func:`load_adapter_into`.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from ggtorch.errors import BadGGUF, GGTorchError, Unsupported
 from ggtorch.io.encode import encode
 from ggtorch.io.gguf import GGUFFile, TensorOut, read_gguf, require_kind, write_gguf
 from ggtorch.lora.attach import lora_modules, lora_pairs, wrap
+from ggtorch.lora.config import NORM_KINDS
 from ggtorch.lora.layers import LoRANorm
 from ggtorch.models import names
 from ggtorch.quant import dequantize
@@ -236,20 +238,30 @@ def combine_adapters(adapters: list[tuple[LoraAdapter, float]]) -> LoraAdapter:
     return LoraAdapter(arch, 0.0, pairs)
 
 
-def load_adapter_into(model: torch.nn.Module, base: GGUFFile,
-                      adapters: list[tuple[LoraAdapter, float]]) -> torch.nn.Module:
-    """Attach ``adapters`` (each with a user scale, stacked) to a model without LoRA, as llama.cpp applies them."""
+def load_adapter_into(model: torch.nn.Module, base: GGUFFile, adapters: list[tuple[LoraAdapter, float]],
+                      norms: Sequence[tuple[Mapping[str, LoraPair], float]] = ()) -> torch.nn.Module:
+    """Attach ``adapters`` (each with a user scale, stacked) to a model without LoRA, as llama.cpp applies them.
+
+    ``norms``: norm-gain adapters (a ggtorch checkpoint's or the old finetune's, Δg = s·(b @ a)[0]) with their user
+    scales, which llama.cpp's format cannot hold and a merge or this model applies."""
     for adapter, _ in adapters:
         validate_against_base(adapter, base)
-    combined = combine_adapters(adapters)
-    for name in combined.pairs:
-        if names.parse_gguf_name(name) is None:
-            raise GGTorchError(f"adapter tensor '{name}' is not a llama weight")
+    pairs = dict(combine_adapters(adapters).pairs) if adapters else {}  # combined: alpha 0, so each scale is 1
+    norm_pieces: dict[str, list[LoraPair]] = {}
+    for gains, user_scale in norms:
+        for name, pair in gains.items():
+            norm_pieces.setdefault(name, []).append(LoraPair(pair.a * user_scale, pair.b))
+    for name, ps in norm_pieces.items():
+        pairs[name] = LoraPair(torch.cat([p.a for p in ps], dim=0), torch.cat([p.b for p in ps], dim=1))
+    for name in pairs:
+        parsed = names.parse_gguf_name(name)
+        if parsed is None or (name in norm_pieces) != (parsed[0] in NORM_KINDS):
+            raise GGTorchError(f"adapter tensor '{name}' is not a weight of this model that a LoRA can adapt")
     with torch.no_grad():
-        for name, pair in combined.pairs.items():
+        for name, pair in pairs.items():
             kind, bid = names.parse_gguf_name(name)  # type: ignore[misc]  # checked above
             module = wrap(model, kind, bid, pair.rank)
-            module.scale = combined.scale(name)
+            module.scale = 1.0
             module.lora_a.copy_(pair.a)
             module.lora_b.copy_(pair.b)
             module.requires_grad_(False)

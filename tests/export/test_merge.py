@@ -261,7 +261,7 @@ def test_bad_inputs_are_one_line_errors(random_llama: Callable[..., Path], stori
 
 def test_lora_flag_spellings_normalize_alike() -> None:
     """llama.cpp's current (FILE:SCALE, comma lists) and old (-s FILE SCALE, -l FILE) spellings."""
-    from ggtorch.cli.export import normalize_lora_args
+    from ggtorch.cli.options import normalize_lora_args
 
     expected = ["--lora-scaled", "a.gguf:1.0", "--lora-scaled", "b.gguf:0.5", "-o", "x"]
     assert normalize_lora_args(["--lora", "a.gguf", "--lora-scaled", "b.gguf:0.5", "-o", "x"]) == expected
