@@ -29,13 +29,15 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from ggtorch.errors import BadFlag
+from ggtorch.data.conversation import ChatPiece, Conversation
+from ggtorch.data.packing import read_template_file
+from ggtorch.errors import BadData, BadFlag
 from ggtorch.export.merge import MergePlan, MergeSource, merge_to_gguf, read_source, validate_source
 from ggtorch.export.peft import export_peft as _export_peft
 from ggtorch.export.peft import import_peft as _import_peft
@@ -45,7 +47,14 @@ from ggtorch.io.model_file import write_model
 from ggtorch.lora import LoraConfig, attach_lora, count_trainable_parameters, lora_modules, merge_lora
 from ggtorch.lora.adapter_file import LoraAdapter, adapter_from_model, load_adapter_into, read_adapter, write_adapter
 from ggtorch.models.config import ModelConfig
-from ggtorch.models.generate import PerplexityResult, generate, perplexity
+from ggtorch.models.generate import (
+    PerplexityResult,
+    SamplingParams,
+    check_n_tokens,
+    computing,
+    generate,
+    perplexity,
+)
 from ggtorch.models.init import init_tensors, new_config, new_metadata
 from ggtorch.models.loader import load_model_file
 from ggtorch.models.model import Transformer
@@ -121,6 +130,8 @@ class GGUFModel:
     autocast: torch.dtype | None = None
     """The dtype generate and perplexity compute in under autocast: a bf16 or f16 run's, whose model holds its float
     matrices in that dtype beside an f32 residual stream (None: the model's own dtypes)."""
+    _chat: Conversation | None = field(default=None, init=False, repr=False)
+    """The conversation :meth:`chat` continues (its KV cache), made on first use."""
 
     @classmethod
     def from_trainer(cls, trainer: Trainer) -> GGUFModel:
@@ -130,17 +141,9 @@ class GGUFModel:
         return cls(trainer.model, trainer.tokenizer, trainer.model_config, trainer.base,
                    autocast=dtype if dtype != torch.float32 else None)
 
-    @contextlib.contextmanager
-    def _computing(self) -> Iterator[None]:
+    def _computing(self) -> contextlib.AbstractContextManager[None]:
         """Eval mode (and the run's autocast) while generate or perplexity runs; training mode as it was after."""
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
-                                enabled=self.autocast is not None):
-                yield
-        finally:
-            self.model.train(was_training)
+        return computing(self.model, self.autocast)
 
     @property
     def device(self) -> torch.device:
@@ -159,6 +162,37 @@ class GGUFModel:
         bos = self.tokenizer.bos_id if tokens and tokens[0] == self.tokenizer.bos_id else None
         with self._computing():
             return perplexity(self.model, tokens, n_ctx, bos_id=bos, batch_size=batch_size)
+
+    def conversation(self, system: str | None = None,
+                     chat_template: str | os.PathLike[str] | None = None) -> Conversation:
+        """A chat with this model, rendered with its chat template (or the template file ``chat_template``):
+        ``send(text)`` streams a reply, ``ask(text)`` returns it, and the KV cache is kept between turns."""
+        if chat_template is not None:
+            source, name = read_template_file(chat_template), f"chat template {chat_template}"
+        else:
+            source, name = self.gguf.get("tokenizer.chat_template"), "model's chat template (tokenizer.chat_template)"
+            if source is None:
+                raise BadData(f"{self.gguf.path} has no chat template (tokenizer.chat_template); pass one with "
+                              "--chat-template FILE (chat_template= in Python)")
+        return Conversation(self.model, self.tokenizer, source, name, system=system, autocast=self.autocast)
+
+    def chat_stream(self, messages: Sequence[Mapping[str, Any]], n_tokens: int = 1024, temperature: float = 0.0,
+                    top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Iterator[ChatPiece]:
+        """The reply to ``messages`` (``{"role", "content"}`` dicts, the last one the user's) as it is written:
+        pieces of text, each saying whether it is reasoning (``<think>``) or answer. The model's template
+        renders them; a call that continues the previous call's conversation reuses its KV cache."""
+        check_n_tokens(n_tokens)
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        if self._chat is None:
+            self._chat = self.conversation()
+        return self._chat.reply_to(messages, params, n_tokens)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], n_tokens: int = 1024, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> str:
+        """The answer to ``messages`` (greedy by default; a reasoning model's thinking left out: see
+        :meth:`chat_stream`)."""
+        return "".join(p.text for p in self.chat_stream(messages, n_tokens, temperature, top_k, top_p, seed)
+                       if not p.thinking)
 
     def add_lora(self, rank: int = 4, alpha: float | None = None, ranks: Mapping[str, int] | None = None,
                  dropout: float = 0.0, seed: int = 0) -> GGUFModel:

@@ -11,17 +11,16 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import click
 
-from ggtorch.api import GGUFModel, load_model
 from ggtorch.cli.allocator import relaunch_on_jemalloc
+from ggtorch.cli.chat import chat
 from ggtorch.cli.demo import demo
 from ggtorch.cli.export import convert_old_lora, export_lora
 from ggtorch.cli.finetune import finetune, plot
-from ggtorch.cli.options import RunLoraArgsCommand, file_scale, run_lora_options, threads_option
+from ggtorch.cli.options import RunLoraArgsCommand, load_with_adapters, model_options, run_lora_options
 from ggtorch.cli.peft import convert_lora, export_peft_cmd
 from ggtorch.cli.train import train
 from ggtorch.errors import BadData, GGTorchError
@@ -29,7 +28,6 @@ from ggtorch.io.gguf import read_gguf
 from ggtorch.io.paths import Input, check_input
 from ggtorch.models.config import ModelConfig
 from ggtorch.models.generate import SamplingParams, check_fits, check_n_tokens, iter_tokens
-from ggtorch.ops.dtypes import DTYPES
 from ggtorch.ops.threads import follow_free_cores, pin_threads, start_following
 from ggtorch.training.distributed import env_rank, env_world_size
 
@@ -77,20 +75,6 @@ def entry() -> None:
     main()
 
 
-def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Flags every command that loads a model shares."""
-    fn = threads_option(fn)
-    fn = click.option("--keep-quantized", is_flag=True,
-                      help="Keep quantized weights as ggml blocks (less memory, slower).")(fn)
-    fn = click.option("--dtype", type=click.Choice(["auto", *sorted(DTYPES)]), default="auto", show_default=True,
-                      help="Float type of the (dequantized) weights; auto: bf16 where the device multiplies it "
-                      "natively (CUDA from Ampere), else f32.")(fn)
-    fn = click.option("--device", default="auto", show_default=True,
-                      help="torch device: auto (CUDA, else MPS, else the CPU), cpu, cuda, cuda:1, mps.")(fn)
-    fn = click.option("-m", "--model", "model_path", required=True, help="GGUF model file.")(fn)
-    return fn
-
-
 @main.command()
 @click.argument("model_path", metavar="MODEL.gguf")
 def info(model_path: str) -> None:
@@ -124,16 +108,6 @@ def info(model_path: str) -> None:
     click.echo(f"tensors:       {len(f.tensors)}, {n_params:,} parameters, {sum(nbytes.values()) / 2**20:.2f} MiB")
     for name, count in sorted(counts.items(), key=lambda kv: -nbytes[kv[0]]):
         click.echo(f"  {name:<8} {count:>5} tensors  {nbytes[name] / 2**20:10.2f} MiB")
-
-
-def load_with_adapters(model_path: str, device: str, dtype: str, keep_quantized: bool,
-                       lora_scaled: tuple[str, ...]) -> GGUFModel:
-    """The model of ``-m`` with the ``--lora``/``--lora-scaled`` adapters applied; on stderr, what was applied."""
-    specs = [file_scale(s) for s in lora_scaled]
-    loaded = load_model(model_path, device=device, dtype=dtype, keep_quantized=keep_quantized, lora=specs)
-    for path, scale in specs:
-        click.echo(f"adapter: {path}" + (f" (scale {scale:g})" if scale != 1.0 else ""), err=True)
-    return loaded
 
 
 @main.command(cls=RunLoraArgsCommand)
@@ -212,6 +186,7 @@ def _read_text(path: str) -> str:
 
 
 # Commands defined in their own modules (one job each), registered on the group here.
+main.add_command(chat)
 main.add_command(demo)
 main.add_command(finetune)
 main.add_command(plot)

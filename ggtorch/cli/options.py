@@ -17,7 +17,9 @@ from typing import Any, TypeVar
 import click
 from click.core import ParameterSource
 
+from ggtorch.api import GGUFModel, load_model
 from ggtorch.errors import BadFlag, flag
+from ggtorch.ops.dtypes import DTYPES
 from ggtorch.training.config import (
     FILES,
     OptionInfo,
@@ -233,3 +235,27 @@ def config_from_cli(ctx: click.Context, values: dict[str, Any], config_cls: type
     options = read_config_file(values["config_file"], config_cls) if values["config_file"] else {}
     options.update({name: values[name] for name in config_cls.field_names() if given(name)})
     return config_cls(**options), notes
+
+
+def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Flags every command that loads a model shares."""
+    fn = threads_option(fn)
+    fn = click.option("--keep-quantized", is_flag=True,
+                      help="Keep quantized weights as ggml blocks (less memory, slower).")(fn)
+    fn = click.option("--dtype", type=click.Choice(["auto", *sorted(DTYPES)]), default="auto", show_default=True,
+                      help="Float type of the (dequantized) weights; auto: bf16 where the device multiplies it "
+                      "natively (CUDA from Ampere), else f32.")(fn)
+    fn = click.option("--device", default="auto", show_default=True,
+                      help="torch device: auto (CUDA, else MPS, else the CPU), cpu, cuda, cuda:1, mps.")(fn)
+    fn = click.option("-m", "--model", "model_path", required=True, help="GGUF model file.")(fn)
+    return fn
+
+
+def load_with_adapters(model_path: str, device: str, dtype: str, keep_quantized: bool,
+                       lora_scaled: tuple[str, ...]) -> GGUFModel:
+    """The model of ``-m`` with the ``--lora``/``--lora-scaled`` adapters applied; on stderr, what was applied."""
+    specs = [file_scale(s) for s in lora_scaled]
+    loaded = load_model(model_path, device=device, dtype=dtype, keep_quantized=keep_quantized, lora=specs)
+    for path, scale in specs:
+        click.echo(f"adapter: {path}" + (f" (scale {scale:g})" if scale != 1.0 else ""), err=True)
+    return loaded

@@ -422,6 +422,11 @@ class RecordEncoder:
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special=False, parse_special=True)
 
+    def tokenize_render(self, text: str) -> list[int]:
+        """A template's render as its tokens, BOS first as :meth:`encode` adds it: what a prompt is fed as."""
+        ids = self._tokenize(text)
+        return [self.tokenizer.bos_id, *ids] if self.add_bos and (not ids or ids[0] != self.tokenizer.bos_id) else ids
+
     def chat_render(self, example: Example) -> tuple[str, list[Span]]:
         """A chat example's whole render and its answers' spans in it."""
         if self.template is None:

@@ -7,6 +7,7 @@ softmax of the raw logits, then temperature, then a draw. Perplexity is llama.cp
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -53,6 +54,20 @@ class SamplingParams:
         if self.seed is not None and (not _is_whole(self.seed) or not 0 <= self.seed <= SEED_MAX):
             raise BadFlag(f"-s: seed {self.seed!r} must be in [0, {SEED_MAX}], a whole number (-1 on the command "
                           "line, None in Python, picks one at random)")
+
+
+@contextlib.contextmanager
+def computing(model: Transformer, autocast: torch.dtype | None = None) -> Iterator[None]:
+    """Eval mode (no dropout) and ``autocast`` (a bf16 or f16 run's compute dtype; None: the model's own dtypes)
+    while a model generates or is evaluated; its training mode as it was after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.autocast(model.output_norm.weight.device.type, dtype=autocast or torch.float32,
+                            enabled=autocast is not None):
+            yield
+    finally:
+        model.train(was_training)
 
 
 def check_n_tokens(n_tokens: int) -> None:
