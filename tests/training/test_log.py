@@ -10,7 +10,7 @@ import numpy as np
 from tensorboard.backend.event_processing import event_accumulator
 
 import ggtorch
-from ggtorch.training.log import read_log, scalars
+from ggtorch.training.log import TrainLog, read_log, scalars
 from tests.helpers import run_cli
 
 TAGS = {"train/loss": ("iter", "loss"), "train/lr": ("iter", "lr"),
@@ -73,3 +73,18 @@ def test_a_preference_runs_metrics_keep_trls_names() -> None:
     assert scalars("iter", record) == {"train/loss": 0.5, "train/rewards/chosen": 1.5, "train/logps/rejected": -3.0}
     assert scalars("eval", record) == {"eval/loss": 0.5, "eval/rewards/chosen": 1.5, "eval/logps/rejected": -3.0}
     assert scalars("save", {"iteration": 7, "files": ["a.gguf"]}) == {}
+
+
+def test_a_closed_log_holds_every_scalar_and_a_later_record_is_written_too(tmp_path: Path) -> None:
+    """What a notebook reads once a run returns: every record's scalars (the writer's thread may still hold the last
+    ones until close drains it), and a record after close (a notebook's evaluate()) reopens the writer."""
+    log = TrainLog(tmp_path / "log.jsonl", tensorboard=tmp_path / "board")
+    log.write("start", iteration=0)
+    losses = [3.0 - 0.01 * i for i in range(1, 41)]
+    for i, loss in enumerate(losses, 1):
+        log.write("iter", iteration=i, loss=loss, lr=1e-3)
+    log.close()
+    assert events(tmp_path / "board")["train/loss"] == [(i, float(np.float32(v))) for i, v in enumerate(losses, 1)]
+    log.write("eval", iteration=40, loss=2.5)
+    log.close()
+    assert events(tmp_path / "board")["eval/loss"] == [(40, 2.5)]
