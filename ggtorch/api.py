@@ -62,7 +62,7 @@ from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.ops import policy
 from ggtorch.ops.dtypes import DTYPES
 from ggtorch.training.config import FinetuneConfig, RunConfig, TrainConfig
-from ggtorch.training.log import LoggedRun, draw_runs, plot_loss
+from ggtorch.training.log import LoggedRun, draw_runs, plot_loss, pyplot
 from ggtorch.training.trainer import Callback, StepResult, Trainer, resolve_device
 
 __all__ = ["Checkpoint", "GGUFModel", "LoraAdapter", "ProgressBar", "export_peft", "finetune", "import_peft",
@@ -396,10 +396,8 @@ def plot_losses(run: Trainer | str | os.PathLike[str], ax: Any = None) -> Any:
     In a notebook the figure shows inline. A Trainer is drawn from its log file when it has one
     (every iteration since the first run), else from the steps it ran in this process.
     """
-    import matplotlib.pyplot as plt
-
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 4))
+        _, ax = pyplot().subplots(figsize=(7, 4))
     if isinstance(run, Trainer):
         log_path = run.log.path
         if log_path is not None and Path(log_path).is_file():

@@ -4,6 +4,9 @@ Every message names the problem and the fix. The CLI prints ``str(error)`` on on
 exits non-zero; nothing below the CLI prints or exits.
 """
 
+import importlib
+from types import ModuleType
+
 
 class GGTorchError(Exception):
     """Base of every error ggtorch raises on purpose."""
@@ -31,6 +34,23 @@ class NonFiniteValues(GGTorchError):
 
 class OutOfMemory(GGTorchError):
     """A step needed more memory than the machine (or the device, or a limit set on the process) gave."""
+
+
+class MissingExtra(GGTorchError):
+    """A feature's optional package is not installed; the message names the ggtorch extra that installs it."""
+
+
+def optional_module(name: str, extra: str, feature: str, package: str | None = None) -> ModuleType:
+    """Module ``name``, which ``feature`` needs and the extra ``ggtorch[extra]`` installs; MissingExtra (one line,
+    the install command) when it cannot be imported. ``package``: the distribution a user lacks when that is not
+    ``name``'s top package (``torch.utils.tensorboard`` needs ``tensorboard``)."""
+    package = package or name.partition(".")[0]
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        missing = e.name is not None and (e.name == package or e.name.startswith(package + "."))
+        why = "is not installed" if missing else f"cannot be imported ({e})"
+        raise MissingExtra(f"{feature} needs {package}, which {why}: pip install 'ggtorch[{extra}]'") from None
 
 
 def flag(option: str) -> str:

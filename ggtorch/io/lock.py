@@ -40,9 +40,11 @@ def _owner(fd: int) -> str:
 
 
 def _acquire(path: Path, output: Output) -> int:
-    """Lock ``path`` (created if needed) for this process; BadFlag naming the process that holds it."""
+    """Lock ``path`` (created if needed) for this process; BadFlag naming the process that holds it. A folder output
+    is made with its parents, so its lock file's folder (the output's parent) is made here."""
     while True:
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise failure(path, e, "nothing was written") from None
@@ -116,9 +118,6 @@ def writing(inputs: Sequence[Input], outputs: Sequence[Output]) -> Iterator[Outp
     them, as a training run's are: a second command writing the same output is refused, naming this process,
     instead of both exiting 0 and one silently replacing the other's file."""
     check_files(inputs, outputs)
-    for out in outputs:  # a folder output is made with its parents; its lock file goes beside it, in its parent
-        if out.folder and str(out.path):
-            Path(os.path.realpath(out.path)).parent.mkdir(parents=True, exist_ok=True)
     lock = OutputLock(outputs).acquire()
     try:
         yield lock

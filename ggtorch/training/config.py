@@ -267,6 +267,10 @@ class RunConfig:
                             OUTPUTS)
     save_every: int = option(10, "Save every N iterations (<= 0: only at the end).", OUTPUTS)
     log_file: str | None = option(None, "JSON-lines training log.", OUTPUTS, default_text="beside the outputs")
+    tensorboard: str | None = option(
+        None, "Also write the log's numbers (training loss, learning rate, tokens/s, validation loss, ...) per "
+        "iteration as TensorBoard event files into this folder; needs pip install 'ggtorch[tensorboard]'.", OUTPUTS,
+        default_text="none")
     overwrite: bool = option(False, "Start a new run where another run's checkpoints or outputs are (they are "
                              "replaced as this run saves); without it such a run refuses to start.", OUTPUTS)
 

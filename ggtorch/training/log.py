@@ -5,31 +5,84 @@ plotted while a run is still going. Records carry a ``kind``: ``start`` (the run
 options), ``iter`` (one per optimizer step), ``eval`` (validation loss), ``save`` (files
 written) and ``end`` (summary), and the ``run`` they belong to: a log the runs of one output
 folder share (a resumed run appends to it) keeps them apart, and ``plot`` draws each.
+
+With ``--tensorboard DIR`` the same records feed torch's ``SummaryWriter`` too: every number of an ``iter`` record
+as ``train/<name>`` and of an ``eval`` record as ``eval/<name>`` (a preference run's metrics under TRL's names,
+``train/rewards/chosen``), at the record's iteration. The JSON lines stay the source of truth: the event files hold
+nothing they do not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 import uuid
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ggtorch.errors import BadData
+from ggtorch.errors import BadData, flag, optional_module
 from ggtorch.io.atomic import append_line, atomic_path, failure
+
+SCALAR_KINDS = {"iter": "train", "eval": "eval"}
+"""The records whose numbers --tensorboard writes, each kind under its tag prefix (``train/loss``, ``eval/loss``)."""
+
+FLUSHED_KINDS = ("eval", "save", "end")
+"""Records after which the event files are flushed: what TensorBoard shows is never older than the last of these."""
+
+PLOTTING = "drawing the loss curves"
+"""What needs matplotlib, as the message that asks for it says (ggtorch plot, plot_losses)."""
+
+TENSORBOARD_FLUSH_SECONDS = 10
+"""How often the writer's thread flushes between those: TensorBoard reloads every 5 seconds."""
+
+
+def summary_writer() -> type:
+    """torch's ``SummaryWriter``; MissingExtra naming ``ggtorch[tensorboard]`` when tensorboard is not installed. A run
+    with --tensorboard calls it before its model loads, so it is refused at once."""
+    tensorboard = optional_module("torch.utils.tensorboard", "tensorboard", flag("tensorboard"), package="tensorboard")
+    return tensorboard.SummaryWriter
+
+
+def scalars(kind: str, fields: Mapping[str, Any]) -> dict[str, float]:
+    """The TensorBoard scalars of one log record: its numbers but the iteration (its step), under the kind's prefix;
+    a dict of numbers (a preference run's ``metrics``) adds its own names. Other kinds have none."""
+    prefix = SCALAR_KINDS.get(kind)
+    if prefix is None:
+        return {}
+    found: dict[str, float] = {}
+    for name, value in fields.items():
+        if isinstance(value, Mapping):
+            found |= {f"{prefix}/{k}": v for k, v in value.items() if _is_number(v)}
+        elif name != "iteration" and _is_number(value):
+            found[f"{prefix}/{name}"] = value
+    return found
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class TrainLog:
-    """Append-only JSON-lines writer; a no-op when ``path`` is None (e.g. non-zero DDP ranks)."""
+    """Append-only JSON-lines writer; a no-op when ``path`` is None (e.g. non-zero DDP ranks).
 
-    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+    ``tensorboard``: a folder that every record's scalars (:func:`scalars`) also go to, as TensorBoard event files.
+    Each ``start`` record opens a writer whose purge step is the run's first iteration: a run resumed from an
+    earlier checkpoint than the last one logged hides the steps it trains again from TensorBoard, so every step is
+    shown once, from the run that trained it last (the JSON lines keep both)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, tensorboard: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path) if path else None
+        self.tensorboard = Path(tensorboard) if tensorboard else None
         self.run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         """What every record of this run carries as ``run``: when it started, its process, and a random part (runs of
         one notebook share a process)."""
         self._fd: int | None = None
+        self._writer: Any = None
+        """The SummaryWriter of ``tensorboard``, opened by the first record with scalars (or ``start``)."""
         if self.path is not None:
             self._open()
 
@@ -42,18 +95,53 @@ class TrainLog:
             raise failure(self.path, e, "no line of this run was logged") from None
 
     def write(self, kind: str, **fields: Any) -> None:
-        """Append one record, whole or not at all; a closed log reopens (a notebook trains the same run again)."""
-        if self.path is None:
-            return
-        if self._fd is None:
-            self._open()
-        assert self._fd is not None
-        append_line(self._fd, self.path, json.dumps({"kind": kind, "run": self.run_id, **fields}, default=str) + "\n")
+        """Append one record, whole or not at all, then give its scalars to TensorBoard; a closed log reopens (a
+        notebook trains the same run again)."""
+        if self.path is not None:
+            if self._fd is None:
+                self._open()
+            assert self._fd is not None
+            append_line(self._fd, self.path,
+                        json.dumps({"kind": kind, "run": self.run_id, **fields}, default=str) + "\n")
+        if self.tensorboard is not None:
+            self._write_scalars(kind, fields)
+
+    def _write_scalars(self, kind: str, fields: Mapping[str, Any]) -> None:
+        with self._tensorboard_errors():
+            if kind == "start":  # a new writer: its purge step hides what an earlier run logged from here on
+                self._close_writer()
+                self._writer = summary_writer()(str(self.tensorboard), purge_step=fields["iteration"] + 1,
+                                                flush_secs=TENSORBOARD_FLUSH_SECONDS)
+            values = scalars(kind, fields)
+            if values and self._writer is None:
+                self._writer = summary_writer()(str(self.tensorboard), flush_secs=TENSORBOARD_FLUSH_SECONDS)
+            for tag, value in values.items():
+                self._writer.add_scalar(tag, value, fields["iteration"])
+            if kind in FLUSHED_KINDS and self._writer is not None:
+                self._writer.flush()
+
+    @contextlib.contextmanager
+    def _tensorboard_errors(self) -> Iterator[None]:
+        """A failed write of the event files (their writer's thread raises it at the next call) as ggtorch's one
+        message of a failed write."""
+        try:
+            yield
+        except OSError as e:
+            assert self.tensorboard is not None
+            raise failure(self.tensorboard, e, f"the log {self.path} has every record") from None
+
+    def _close_writer(self) -> None:
+        if self._writer is not None:
+            writer, self._writer = self._writer, None
+            writer.close()  # flushes what is queued
 
     def close(self) -> None:
+        """Close the log and flush and close the TensorBoard writer (a later record reopens both)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        with self._tensorboard_errors():
+            self._close_writer()
 
 
 def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -125,11 +213,10 @@ def plot_loss(log_path: str | os.PathLike[str], png_path: str | os.PathLike[str]
               ax: Any = None) -> Path | None:
     """Draw training (and validation) loss per iteration, each run of the log labelled; save a PNG, or draw into
     ``ax`` (notebooks)."""
-    import matplotlib
-
+    matplotlib = optional_module("matplotlib", "plot", PLOTTING)
     if ax is None:
         matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     runs = logged_runs(read_log(log_path), log_path)
     if not runs:
@@ -152,6 +239,12 @@ def plot_loss(log_path: str | os.PathLike[str], png_path: str | os.PathLike[str]
     finally:
         plt.close(fig)
     return out
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot``; MissingExtra naming ``ggtorch[plot]`` when matplotlib is not installed (it is not a
+    dependency of ggtorch: only the plots need it)."""
+    return optional_module("matplotlib.pyplot", "plot", PLOTTING)
 
 
 def draw_runs(ax: Any, runs: list[LoggedRun]) -> None:

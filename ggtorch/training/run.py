@@ -51,6 +51,7 @@ from ggtorch.quant.autograd import keeping_dequantized
 from ggtorch.quant.modules import QuantEmbedding, QuantExperts, QuantLinear
 from ggtorch.training.config import DEFAULT_CHECKPOINT_IN, RunConfig
 from ggtorch.training.distributed import setup
+from ggtorch.training.log import summary_writer
 from ggtorch.training.memory import GIB, MemoryEstimate, available_bytes, estimate_memory, ways_to_lower
 from ggtorch.training.optim import AdamConfig, GGMLAdamW
 from ggtorch.training.preference import OBJECTIVE_OPTIONS, REFERENCE_OBJECTIVES, PreferenceObjective
@@ -191,6 +192,8 @@ class Run:
         """Everything that can fail on one rank. No collective runs in here, so a rank that fails
         early meets the others in :meth:`Distributed.agree_on_errors`."""
         c = self.config
+        if c.tensorboard and self.dist.is_main:
+            summary_writer()  # tensorboard is installed: else refused before any file or model
         kind = weights_kind(c)
         inputs, outputs = self._files(kind.output_field, records is not None)
         writes = outputs if self.dist.is_main else []  # only rank 0 writes
@@ -447,7 +450,8 @@ class Run:
     # --- files ---------------------------------------------------------------------------------
     def _files(self, output_field: str, records_given: bool) -> tuple[list[Input], list[Output]]:
         """What the run reads (but the checkpoint it resumes) and writes, named by their flags: checked, and the
-        outputs locked, before any work. The outputs come in this order: checkpoint, adapter or model, log."""
+        outputs locked, before any work. The outputs come in this order: checkpoint, adapter or model, log, then
+        --tensorboard's folder when given."""
         c = self.config
         base_flags = ("model_base", "vocab_model")
         inputs = [Input(flag(name), getattr(c, name)) for name in base_flags if getattr(c, name, "")]
@@ -460,6 +464,7 @@ class Run:
         outputs = [Output(flag("checkpoint_out"), c.checkpoint_out, **templated),
                    Output(flag(output_field), getattr(c, output_field), **templated),
                    Output(flag("log_file"), self.log_path(output_field))]
+        outputs += [Output(flag("tensorboard"), c.tensorboard, folder=True)] if c.tensorboard else []
         return inputs, outputs
 
     def _resume_path(self) -> Path | None:

@@ -159,7 +159,8 @@ class Trainer:
         self.forward_model = self.dist.wrap(self.model, self.device)
         """What the training step calls: ``self.model`` itself, or its DDP wrapper under torchrun."""
 
-        self.log = TrainLog(run.log_path() if log_records and self.dist.is_main else None)
+        main = log_records and self.dist.is_main  # only rank 0 writes
+        self.log = TrainLog(run.log_path() if main else None, config.tensorboard if main else None)
         self.history: list[StepResult] = []
         self.skipped_steps = 0
         """Steps whose update was dropped in this process: by --on-nan skip, or by f16's loss scaler."""
@@ -564,9 +565,10 @@ class Trainer:
                 f"training stopped and {self._kept()}. Lower --adam-alpha, or use --dtype f32")
 
     def close(self) -> None:
-        """Close the log and leave the process group, the DDP wrapper dropped first: left to the interpreter's
-        exit, its reducer would free the gloo group (joining the group's threads) during finalization, where that
-        can abort a run that succeeded ("terminate called without an active exception")."""
+        """Close the log (flushing --tensorboard's event files) and leave the process group, the DDP wrapper dropped
+        first: left to the interpreter's exit, its reducer would free the gloo group (joining the group's threads)
+        during finalization, where that can abort a run that succeeded ("terminate called without an active
+        exception")."""
         self.log.close()
         if self.manage_process:
             threads.stop_following()

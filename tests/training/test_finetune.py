@@ -302,7 +302,8 @@ def test_ctrl_c_saves_and_a_second_ctrl_c_exits_at_once(stories260k: Path, texts
     import time
 
     cmd = [sys.executable, "-m", "ggtorch", "finetune", "--model-base", str(stories260k), "--train-data",
-           str(texts["train"]), "-n", "100000", "-c", "16", "-b", "2", "--save-every", "0", "-t", "1"]
+           str(texts["train"]), "-n", "100000", "-c", "16", "-b", "2", "--save-every", "0", "-t", "1",
+           "--tensorboard", "board"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = tmp_path / "checkpoint-log.jsonl"
     deadline = time.time() + 120
@@ -316,6 +317,10 @@ def test_ctrl_c_saves_and_a_second_ctrl_c_exits_at_once(stories260k: Path, texts
 
     latest = load_checkpoint(tmp_path / "checkpoint-LATEST.gguf")
     assert latest.iteration == len(losses(log)) >= 3
+    from tests.training.test_log import events
+
+    # --tensorboard's writer was flushed and closed on the way out: it holds every iteration the log does
+    assert [value for _, value in events(tmp_path / "board")["train/loss"]] == pytest.approx(losses(log), rel=1e-6)
 
     # A second Ctrl-C while the first is being handled: out at once, LATEST still the good one.
     proc = subprocess.Popen(cmd + ["--checkpoint-in", "checkpoint-LATEST.gguf"], cwd=tmp_path,
