@@ -23,6 +23,7 @@ from ggtorch.data.chat import Prompt
 from ggtorch.errors import BadData, BadFlag, flag
 from ggtorch.models.config import ModelConfig
 from ggtorch.models.generate import iter_tokens
+from ggtorch.models.model import Transformer
 from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.ops import policy
 
@@ -76,12 +77,12 @@ def sample_prompts(texts: Sequence[str], n_tokens: int, data: DataStream, tokeni
     the chat template and its generation prompt, a prompt/response record's instruction in the prompt template,
     else the text after BOS (as ``generate`` does). Refused here, before training, when one cannot be generated
     within the model's context."""
+    records = answer_data(data)
     prompts = []
     for text in texts:
-        example = _user_example(text, data)
-        if example is not None:
-            prompt = data.encoder.prompt(example)  # type: ignore[attr-defined]  # a RecordData's (_user_example)
-            assert prompt is not None
+        if records is not None:
+            prompt = records.encoder.prompt(_user_example(text, records.format))
+            assert prompt is not None  # a user message or an instruction always has one
             tokens = prompt.tokens
         else:
             tokens = tokenizer.encode(text, add_special=True)
@@ -98,12 +99,9 @@ def sample_prompts(texts: Sequence[str], n_tokens: int, data: DataStream, tokeni
     return prompts
 
 
-def _user_example(text: str, data: DataStream) -> Example | None:
-    """``text`` as a record of the run's answer format (a user message, an instruction); None for other data."""
-    records = answer_data(data)
-    if records is None:
-        return None
-    if records.format == "chat":
+def _user_example(text: str, format: str) -> Example:
+    """``text`` as a record of an answer format: a user message, or an instruction."""
+    if format == "chat":
         return Example("chat", flag("sample_prompt"), messages=(("user", text), ("assistant", "")))
     return Example("prompt-response", flag("sample_prompt"), instruction=text)
 
@@ -127,13 +125,13 @@ def answer_prompts(data: DataStream, n_records: int, config: ModelConfig) -> lis
 
 
 @torch.no_grad()
-def greedy_text(model: torch.nn.Module, tokenizer: Tokenizer, prompt_tokens: Sequence[int], n_tokens: int,
+def greedy_text(model: Transformer, tokenizer: Tokenizer, prompt_tokens: Sequence[int], n_tokens: int,
                 end_texts: Collection[str] = ()) -> str:
     """The greedy continuation of ``prompt_tokens``, decoded as ``generate`` decodes it: up to ``n_tokens``, ended
     by an end-of-generation token, or (``end_texts``) cut at the first end-of-turn text a template writes (a
     vocabulary without its special token writes ``<|im_end|>`` as pieces)."""
     new: list[int] = []
-    for token in iter_tokens(model, prompt_tokens, n_tokens, stop_ids=tokenizer.eog_ids):  # type: ignore[arg-type]
+    for token in iter_tokens(model, prompt_tokens, n_tokens, stop_ids=tokenizer.eog_ids):
         if token in tokenizer.eog_ids:
             break
         new.append(token)
@@ -150,13 +148,13 @@ def _cut(text: str, end_texts: Collection[str]) -> int | None:
     return min(found) if found else None
 
 
-def answer_matches(model: torch.nn.Module, tokenizer: Tokenizer, prompt: Prompt, end_texts: Collection[str]) -> bool:
+def answer_matches(model: Transformer, tokenizer: Tokenizer, prompt: Prompt, end_texts: Collection[str]) -> bool:
     """Whether the model's greedy answer to ``prompt``, stripped, is the reference answer, stripped."""
     n_tokens = prompt.n_answer + EXACT_MATCH_SLACK
     return greedy_text(model, tokenizer, prompt.tokens, n_tokens, end_texts).strip() == prompt.answer.strip()
 
 
-def answer_hits(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> int:
+def answer_hits(model: Transformer, hidden: torch.Tensor, targets: torch.Tensor) -> int:
     """How many counted targets (not IGNORE_INDEX) are the greedy prediction: the argmax of the logits of the
     model's normed hidden states (B, T, C) at the position before. The head runs a few rows at a time, as
     perplexity's, so the (N, n_vocab) logits never exist whole."""

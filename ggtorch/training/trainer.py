@@ -532,8 +532,8 @@ class Trainer:
                 samples.append(Sample(self.iteration, p.text, text, base))
         self._sampled_at = self.iteration
         for s in samples:
-            base = {"base_text": s.base_text} if s.base_text is not None else {}
-            self.log.write("sample", iteration=s.iteration, prompt=s.prompt, text=s.text, **base)
+            beside = {"base_text": s.base_text} if s.base_text is not None else {}
+            self.log.write("sample", iteration=s.iteration, prompt=s.prompt, text=s.text, **beside)
         self._notify("on_sample", samples)
         return samples
 
