@@ -63,7 +63,7 @@ from ggtorch.ops import policy
 from ggtorch.ops.dtypes import DTYPES
 from ggtorch.training.config import FinetuneConfig, RunConfig, TrainConfig
 from ggtorch.training.log import LoggedRun, draw_runs, plot_loss, pyplot
-from ggtorch.training.trainer import Callback, StepResult, Trainer, resolve_device
+from ggtorch.training.trainer import Callback, Sample, StepResult, Trainer, resolve_device
 
 __all__ = ["Checkpoint", "GGUFModel", "LoraAdapter", "ProgressBar", "export_peft", "finetune", "import_peft",
            "load_checkpoint", "load_model", "merge_adapters", "new_model", "plot_losses", "read_adapter", "train",
@@ -279,8 +279,8 @@ def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "au
 class ProgressBar(Callback):
     """A tqdm progress bar over the run's iterations (a widget in Jupyter, text in a terminal).
 
-    The bar shows the loss, throughput and the latest validation loss; pass it in ``callbacks``
-    or let :func:`finetune` add one.
+    The bar shows the loss, throughput and the latest validation loss (and answer accuracy), with --sample-prompt's
+    samples written above it; pass it in ``callbacks`` or let :func:`finetune` add one.
     """
 
     def __init__(self, total: int | None = None, leave: bool = True) -> None:
@@ -291,6 +291,7 @@ class ProgressBar(Callback):
         self.leave = leave
         self.bar: Any = None
         self.last_eval: float | None = None
+        self.last_accuracy: float | None = None
 
     def on_step(self, trainer: Trainer, result: StepResult) -> None:
         if self.bar is None:
@@ -300,11 +301,20 @@ class ProgressBar(Callback):
         postfix = {"loss": f"{result.loss:.4f}", "tok/s": f"{result.tokens_per_second:.0f}"}
         if self.last_eval is not None:
             postfix["val"] = f"{self.last_eval:.4f}"
+        if self.last_accuracy is not None:
+            postfix["val acc"] = f"{self.last_accuracy:.3f}"
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
 
     def on_eval(self, trainer: Trainer, iteration: int, loss: float) -> None:
         self.last_eval = loss
+        self.last_accuracy = (trainer.last_eval_metrics or {}).get("answer_accuracy")
+
+    def on_sample(self, trainer: Trainer, samples: list[Sample]) -> None:
+        """Each sample above the bar (tqdm.write keeps the bar whole)."""
+        for sample in samples:
+            for line in sample.lines():
+                self._tqdm.write(line)
 
     def close(self) -> None:
         if self.bar is not None:

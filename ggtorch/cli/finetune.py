@@ -22,6 +22,7 @@ from ggtorch.cli.options import config_command, config_from_cli
 from ggtorch.errors import BadFlag
 from ggtorch.training.config import (
     FILES,
+    GENERATIONS,
     LORA,
     OPTIMIZER,
     OUTPUTS,
@@ -35,9 +36,9 @@ from ggtorch.training.config import (
     flag,
 )
 from ggtorch.training.distributed import env_rank
-from ggtorch.training.trainer import Callback, Interrupted, StepResult, Trainer
+from ggtorch.training.trainer import Callback, Interrupted, Sample, StepResult, Trainer
 
-GROUPS = (FILES, RECORDS, PREFERENCE, OUTPUTS, TRAINING, LORA, OPTIMIZER, SAMPLES, OVERRIDES)
+GROUPS = (FILES, RECORDS, PREFERENCE, OUTPUTS, TRAINING, LORA, OPTIMIZER, SAMPLES, GENERATIONS, OVERRIDES)
 """``finetune --help``'s headings, in order."""
 
 
@@ -61,7 +62,21 @@ class ProgressPrinter(Callback):
                    f"eta={_hms(r.eta_seconds)} |{bar}")
 
     def on_eval(self, trainer: Trainer, iteration: int, loss: float) -> None:
-        click.echo(f"eval: iter={iteration} validation loss={loss:.6f}")
+        click.echo(f"eval: iter={iteration} validation loss={loss:.6f}{answer_scores(trainer.last_eval_metrics)}")
+
+    def on_sample(self, trainer: Trainer, samples: list[Sample]) -> None:
+        for sample in samples:
+            for line in sample.lines():
+                click.echo(line)
+
+
+def answer_scores(metrics: dict[str, float] | None) -> str:
+    """An evaluation's answer scores as its progress line ends with them (nothing when it has none)."""
+    if not metrics or "answer_accuracy" not in metrics:
+        return ""
+    exact = (f" exact match={metrics['exact_match']:.4f} ({metrics['exact_match_records']} records)"
+             if "exact_match" in metrics else "")
+    return f" answer accuracy={metrics['answer_accuracy']:.4f}{exact}"
 
     def on_save(self, trainer: Trainer, paths: list[Any]) -> None:
         click.echo("saved: " + ", ".join(str(p) for p in paths))

@@ -91,9 +91,11 @@ def field_option(config_cls: type[RunConfig], f: dataclasses.Field[Any]) -> Grou
     allowed = choices(config_cls, f)
     if kind is bool:
         typed: dict[str, Any] = {} if info.off else {"is_flag": True}
+    elif kind is tuple:  # repeatable: each use adds one text
+        typed = {"type": str, "multiple": True}
     else:
         typed = {"type": click.Choice(allowed) if allowed else kind}
-    show_default = info.default_text if f.default is None and info.default_text else True
+    show_default = info.default_text if f.default is None and info.default_text else f.default != ()
     return GroupedOption([*decls, f.name], info.group, default=f.default, show_default=show_default,
                          help=help_text(info), **typed)
 

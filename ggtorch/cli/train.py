@@ -17,6 +17,7 @@ from ggtorch.cli.finetune import _echo, compute_dtype, run_trainer, start_traine
 from ggtorch.cli.options import config_command, config_from_cli
 from ggtorch.training.config import (
     FILES,
+    GENERATIONS,
     OPTIMIZER,
     OUTPUTS,
     OVERRIDES,
@@ -27,7 +28,7 @@ from ggtorch.training.config import (
     TrainConfig,
 )
 
-GROUPS = (FILES, SHAPE, OUTPUTS, RECORDS, TRAINING, OPTIMIZER, SAMPLES, OVERRIDES)
+GROUPS = (FILES, SHAPE, OUTPUTS, RECORDS, TRAINING, OPTIMIZER, SAMPLES, GENERATIONS, OVERRIDES)
 """``train --help``'s headings, in order."""
 
 

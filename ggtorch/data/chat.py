@@ -74,6 +74,20 @@ PLACEHOLDER = "\ue000<content {}>\ue001"
 """Message i's content in the probe render that shows where the template writes each content."""
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """What a model answers a record from, as the record trains: its render up to the last answer (a chat record's
+    up to and including the generation prompt of its last assistant turn; a prompt/response record's prompt), BOS as
+    :meth:`RecordEncoder.encode` adds it."""
+
+    tokens: list[int]
+    answer: str
+    """The record's last answer as written (the reference a generated answer is compared to)."""
+    n_answer: int
+    """Tokens of the record's encoding after the prompt: the answer with its end of turn (a bound for generating
+    it)."""
+
+
 class ChatTemplate:
     """A compiled jinja chat template: ``render(messages, add_generation_prompt) -> str``."""
 
@@ -451,6 +465,29 @@ class RecordEncoder:
         if example.format == "completion":  # a preference record's text form: the prompt as written
             return [(example.instruction, False), (example.response, True)]
         return [(example.text, True)]
+
+    def prompt(self, example: Example) -> Prompt | None:
+        """The prompt of ``example``'s last answer and that answer; None for a record with no text answer to
+        compare (a text record, or a last answer of tool calls only)."""
+        if example.format == "chat":
+            last = max(i for i, (role, _) in enumerate(example.messages) if role == "assistant")
+            answer = example.messages[last][1]
+            if answer is None or self.template is None:
+                return None
+            fields = example.fields or ({},) * len(example.messages)
+            messages = [{**extra, "role": role, **({"content": content} if content is not None else {})}
+                        for (role, content), extra in zip(example.messages[:last], fields[:last], strict=True)]
+            ids = self._tokenize(self.template.render(messages, True, example.where, example.tools))
+        elif example.format in ("prompt-response", "completion"):
+            answer = example.response
+            ids = self._tokenize(default_prompt(example) if example.format == "prompt-response"
+                                 else example.instruction)
+        else:
+            return None
+        if self.add_bos and (not ids or ids[0] != self.tokenizer.bos_id):
+            ids.insert(0, self.tokenizer.bos_id)
+        n_answer = len(self.encode(example)) - len(ids) if answer else 0
+        return Prompt(ids, answer, max(n_answer, 0))
 
     def _encode_chat(self, example: Example) -> tuple[list[int], np.ndarray]:
         """The render tokenized once; a token is trained when it starts inside an answer span."""

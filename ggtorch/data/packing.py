@@ -285,12 +285,15 @@ class RecordData(OrderedStream):
         self.pad_id = max(tokenizer.eos_id, 0)
         self.template_source = "default prompt template" if self.format == "prompt-response" else (
             template_name if self.format == "chat" else "none")
-        self.encoded = self._encode(records, name)
+        self.examples, self.encoded = self._encode(records, name)
+        self.held_out: list[Example] = []
+        """The validation records (``split_validation``, ``held_out_batches``), as written: what a generated answer
+        is compared to."""
         self.samples_used = 0
         self.last_used = 0
         self._set_pieces(self.encoded)
 
-    def _encode(self, records: Sequence[Record], name: str) -> list[Encoded]:
+    def _encode(self, records: Sequence[Record], name: str) -> tuple[list[Example], list[Encoded]]:
         examples: list[Example] = [to_example(r, self.format, name) for r in records]
         out = []
         for ex in examples:
@@ -299,7 +302,7 @@ class RecordData(OrderedStream):
             except BadData as e:
                 msg = str(e)
                 raise BadData(msg if msg.startswith(name) else f"{name} {msg}") from None
-        return out
+        return examples, out
 
     def _set_pieces(self, encoded: Sequence[Encoded]) -> None:
         self.pieces, self.counts = fit_to_context(encoded, self.n_ctx, self.options.long_records)
@@ -379,7 +382,8 @@ class RecordData(OrderedStream):
         n = len(self.encoded)
         n_val = held_out_count(n, fraction, self.name, "records")
         held = fit_to_context(self.encoded[n - n_val:], self.n_ctx, self.options.long_records)[0]
-        self.encoded = self.encoded[:n - n_val]
+        self.held_out = self.examples[n - n_val:]
+        self.examples, self.encoded = self.examples[:n - n_val], self.encoded[:n - n_val]
         self._set_pieces(self.encoded)
         if not held:
             raise BadData(f"{self.name}: the held-out records have no answer token within the context")
@@ -388,8 +392,8 @@ class RecordData(OrderedStream):
     def held_out_batches(self, source: HeldOutSource, n_batch: int, name: str = "--val-data") -> list[Batch]:
         """``--val-data`` / ``val_records``: held-out batches of other records, in this dataset's format
         and template."""
-        records = load_records(source, name)
-        held = fit_to_context(self._encode(records, name), self.n_ctx, self.options.long_records)[0]
+        self.held_out, encoded = self._encode(load_records(source, name), name)
+        held = fit_to_context(encoded, self.n_ctx, self.options.long_records)[0]
         if not held:
             raise BadData(f"{name}: no record has an answer token within the context of {self.n_ctx}")
         return self.eval_batches(held, n_batch)

@@ -76,6 +76,10 @@ OPTIMIZER = "Optimizer (ggml AdamW)"
 SAMPLES = "Samples (as the old finetune built them)"
 OVERRIDES = "Model overrides"
 PREFERENCE = "Preference training (docs/preference.md)"
+GENERATIONS = "Generated samples and answer metrics (docs/chat-data.md)"
+
+SAMPLE_TOKENS = 48
+"""--sample-tokens' default: a sentence or two of each sample."""
 
 
 @dataclass(frozen=True)
@@ -164,10 +168,11 @@ def value_type(cls: type, f: dataclasses.Field[Any]) -> type:
     tp = _hints(cls)[f.name]
     if get_origin(tp) in (Union, types.UnionType):
         tp = next(arg for arg in get_args(tp) if arg is not type(None))
-    return str if get_origin(tp) is Literal else tp
+    return str if get_origin(tp) is Literal else tuple if get_origin(tp) is tuple else tp
 
 
-EXPECTED = {bool: "true or false", int: "a whole number", float: "a number", str: "text"}
+EXPECTED = {bool: "true or false", int: "a whole number", float: "a number", str: "text",
+            tuple: "a list of texts"}
 """How a message names the values of each option type."""
 
 
@@ -220,6 +225,8 @@ def value_problem(cls: type, f: dataclasses.Field[Any], value: Any) -> str | Non
         ok = finite_in_f32(value)  # every float option ends up in f32 (optimizer state, LoRA scales, rope, norms)
         if not ok:
             return f"a finite number within f32's range (±{F32_MAX:.4g})"
+    elif kind is tuple:  # a repeatable option's texts (--sample-prompt)
+        ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
     else:
         ok = isinstance(value, str)
     return None if ok else EXPECTED[kind]
@@ -343,6 +350,23 @@ class RunConfig:
     force_reshuffle: bool = option(DataOptions.force_reshuffle, "Reshuffle at start instead of resuming the order.",
                                    SAMPLES)
 
+    # --- generated samples and answer metrics (docs/chat-data.md) ---------------------------------------
+    sample_prompt: tuple[str, ...] = option(
+        (), "Log the model's greedy continuation of TEXT as it trains (repeatable): for chat records TEXT is a user "
+        "message, rendered with the chat template and its generation prompt; for prompt/response records the "
+        "instruction; otherwise text continued after BOS. A finetune's first sample also shows the base's (the "
+        "adapter off).", GENERATIONS)
+    sample_every: int | None = option(None, "Sample every N iterations and at the end of the run (0: never).",
+                                      GENERATIONS, minimum=0,
+                                      default_text="with --sample-prompt, every --save-every iterations (<= 0: at "
+                                      "the end)")
+    sample_tokens: int = option(SAMPLE_TOKENS, "New tokens per sample, at most (it stops at an end-of-generation "
+                                "token).", GENERATIONS, minimum=1)
+    eval_generate: int = option(0, "Each evaluation of chat or prompt/response records also generates the answers "
+                                "of the first N validation records greedily and logs the share equal to the "
+                                "reference (exact match; 0: off). The answer-token accuracy is always logged.",
+                                GENERATIONS, minimum=0)
+
     # --- model overrides ---------------------------------------------------------------------------------
     norm_rms_eps: float | None = option(None, "RMSNorm epsilon.", OVERRIDES, above=0.0,
                                         default_text="the model's value")
@@ -359,6 +383,15 @@ class RunConfig:
             raise BadFlag(f"{flag('val_split')} and {flag('val_data')} exclude each other; pass one of them")
         AdamConfig.from_finetune(self)  # the optimizer's own rules
         check_latest_name(self.pattern_fn_it, self.fn_latest, self.checkpoint_out)  # names that collide
+        self._check_samples()
+
+    def _check_samples(self) -> None:
+        """--sample-every and --sample-tokens configure --sample-prompt's samples: without one they would change
+        nothing, so they are refused rather than silently ignored."""
+        for name in ("sample_every", "sample_tokens"):
+            if self.given(name) and not self.sample_prompt:
+                raise BadFlag(f"{flag(name)} applies to the samples of {flag('sample_prompt')}, and none is given; "
+                              f"add {flag('sample_prompt')} TEXT or drop it")
 
     def _check_fields(self) -> None:
         """The rules every option may declare: its type, its choices and its range."""
@@ -366,6 +399,9 @@ class RunConfig:
             value = getattr(self, f.name)
             if isinstance(value, os.PathLike) and value_type(type(self), f) is str:  # a notebook's Path: a file name
                 value = os.fspath(value)
+                setattr(self, f.name, value)
+            if isinstance(value, str | list) and value_type(type(self), f) is tuple:  # a lone text is one of them
+                value = (value,) if isinstance(value, str) else tuple(value)
                 setattr(self, f.name, value)
             check_value(type(self), f, value)
 

@@ -31,6 +31,7 @@ from ggtorch.data import (
     load_records,
     read_text_file,
 )
+from ggtorch.data.chat import Prompt
 from ggtorch.errors import BadData, BadFlag, GGTorchError, flag
 from ggtorch.io.checkpoint import Checkpoint, base_identity, load_checkpoint
 from ggtorch.io.gguf import GGUFFile, read_gguf
@@ -51,6 +52,7 @@ from ggtorch.quant.autograd import keeping_dequantized
 from ggtorch.quant.modules import QuantEmbedding, QuantExperts, QuantLinear
 from ggtorch.training.config import DEFAULT_CHECKPOINT_IN, RunConfig
 from ggtorch.training.distributed import setup
+from ggtorch.training.generation import SamplePrompt, answer_data, answer_prompts, sample_prompts
 from ggtorch.training.log import summary_writer
 from ggtorch.training.memory import GIB, MemoryEstimate, available_bytes, estimate_memory, ways_to_lower
 from ggtorch.training.optim import AdamConfig, GGMLAdamW
@@ -155,6 +157,10 @@ class Run:
     counters: dict[str, int]
     """Samples, tokens and epochs trained, checkpointed with the optimizer state."""
     resumed_from: Path | None
+    sample_prompts: list[SamplePrompt]
+    """--sample-prompt's texts and the tokens each is continued from."""
+    answer_prompts: list[Prompt]
+    """--eval-generate's validation records: each one's prompt and reference answer."""
     objective: PreferenceObjective | None
     """The preference objective of --objective dpo, ipo or orpo; None for the cross-entropy."""
     reference: torch.nn.Module | None
@@ -227,6 +233,7 @@ class Run:
         if c.given("eval_every") and not self.val_batches:  # said, not refused: what is trained does not change
             self.warnings.append(f"{flag('eval_every')} {c.eval_every} has no validation data to evaluate, so it "
                                  f"does nothing; give {flag('val_data')} or {flag('val_split')}")
+        self._generations()
         matrix_dtype, embedding_dtype, keep_quantized = kind.base_dtypes(c)
         check_tensor_names(self.base, self.model_config)  # the estimate reads them: a bad file fails here, named
         rows = 2 * c.batch if self.objective is not None else c.batch  # a pair is two sequences
@@ -270,6 +277,20 @@ class Run:
             self._resume(load_checkpoint(resume))
         if c.use_checkpointing:
             enable_block_checkpointing(self.model)
+
+    def _generations(self) -> None:
+        """--sample-prompt's prompts (refused here when one does not fit the model's context) and --eval-generate's
+        prompts of validation records with their answers."""
+        c = self.config
+        self.sample_prompts = sample_prompts(c.sample_prompt, c.sample_tokens, self.data, self.tokenizer,
+                                             self.model_config)
+        self.answer_data = answer_data(self.data) if self.val_batches and self.objective is None else None
+        """The records whose validation answers an evaluation scores (chat or prompt/response); None: no score."""
+        self.answer_prompts = answer_prompts(self.data, c.eval_generate, self.model_config) if self.answer_data else []
+        if c.eval_generate and not self.answer_prompts:  # said, not refused, as --eval-every's
+            self.warnings.append(f"{flag('eval_generate')} {c.eval_generate} has no validation records of chat or "
+                                 "prompt/response kind whose answers fit the model's context, so it does nothing; "
+                                 f"give {flag('val_data')} or {flag('val_split')} with such records")
 
     def _reference_model(self, matrix_dtype: torch.dtype, embedding_dtype: torch.dtype | None,
                          keep_quantized: bool) -> torch.nn.Module:

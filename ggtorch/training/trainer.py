@@ -36,6 +36,7 @@ from ggtorch.ops.dtypes import DTYPES
 from ggtorch.quant.autograd import keeping_dequantized
 from ggtorch.training.config import NAN_SKIP_LIMIT, RunConfig
 from ggtorch.training.distributed import RankFailed
+from ggtorch.training.generation import Sample, answer_hits, answer_matches, greedy_text
 from ggtorch.training.log import TrainLog
 from ggtorch.training.loss import model_cross_entropy
 from ggtorch.training.memory import ways_to_lower
@@ -49,7 +50,7 @@ from ggtorch.training.run import (
 )
 from ggtorch.training.weights import FullWeights
 
-__all__ = ["DTYPES", "Callback", "Interrupted", "NonFiniteLoss", "StepResult", "Trainer",
+__all__ = ["DTYPES", "Callback", "Interrupted", "NonFiniteLoss", "Sample", "StepResult", "Trainer",
            "disable_block_checkpointing", "enable_block_checkpointing", "output_name", "resolve_device"]
 
 
@@ -120,6 +121,9 @@ class Callback:
     def on_save(self, trainer: Trainer, paths: list[Path]) -> None:
         """After each save, with the files written."""
 
+    def on_sample(self, trainer: Trainer, samples: list[Sample]) -> None:
+        """After each sample of --sample-prompt's texts (rank 0 only), with one Sample per prompt."""
+
 
 class Trainer:
     """A training run's loop; ``train()`` runs ``adam_iter`` steps, stoppable and resumable.
@@ -176,7 +180,11 @@ class Trainer:
         self._interrupted = False
         self._kept_matrices: list[torch.Tensor] = []  # --keep-dequantized-mib: reused from step to step
         self.last_eval_metrics: dict[str, float] | None = None
-        """A preference objective's metric means over the held-out pairs at the last evaluation."""
+        """The metrics of the last evaluation besides its loss: a preference objective's means over the held-out
+        pairs, or for chat and prompt/response records the answer tokens' accuracy (and with --eval-generate the
+        exact match and the records it compared)."""
+        self._sampled_at: int | None = None
+        """The iteration of this Trainer's last sample (None: none yet, so the next shows the base too)."""
 
     @property
     def iteration(self) -> int:
@@ -445,8 +453,9 @@ class Trainer:
 
     def _evaluate(self) -> float:
         self.model.eval()
-        total, count = 0.0, 0
+        total, count, hits = 0.0, 0, 0
         metric_totals = [0.0] * len(METRICS) if self.objective is not None else []
+        scored = self.run.answer_data is not None  # chat or prompt/response records: their answers are scored
         for batch in self.val_batches[self.dist.rank::self.dist.world_size]:  # ranks share the work
             n = self._count(batch)
             if n:
@@ -456,18 +465,87 @@ class Trainer:
                     hidden = self._forward(self.model, batch, hidden_only=True)
                     if self.objective is None:
                         total += float(model_cross_entropy(self.model, hidden, batch.targets, "sum"))
+                        hits += answer_hits(self.model, hidden, batch.targets) if scored else 0
                     else:
                         loss, sums = self._loss(hidden, batch, n, reference)
                         total += float(loss) * n
                         metric_totals = [a + b for a, b in zip(metric_totals, sums, strict=True)]
                 count += n
-        total, count, *metric_totals = self.dist.reduce_sum([total, float(count), *metric_totals], self.device)
+        matches, compared = self._exact_matches()
+        total, count, hits, matches, compared, *metric_totals = self.dist.reduce_sum(
+            [total, float(count), float(hits), float(matches), float(compared), *metric_totals], self.device)
         loss = total / count
         metrics = self._metrics(metric_totals, count)
+        if scored:
+            metrics = {"answer_accuracy": hits / count}
+            if compared:
+                metrics |= {"exact_match": matches / compared, "exact_match_records": int(compared)}
         self.log.write("eval", iteration=self.iteration, loss=loss, **({"metrics": metrics} if metrics else {}))
         self.last_eval_metrics = metrics
         self._notify("on_eval", self.iteration, loss)
         return loss
+
+    def _exact_matches(self) -> tuple[int, int]:
+        """--eval-generate: of this rank's share of the validation records it compares, how many answers generated
+        greedily equal their reference; and that share's size."""
+        prompts = self.run.answer_prompts[self.dist.rank::self.dist.world_size]
+        if not prompts:
+            return 0, 0
+        data = self.run.answer_data
+        assert data is not None
+        with self._generating():
+            matches = sum(answer_matches(self.model, self.tokenizer, p, data.encoder.end_texts) for p in prompts)
+        return matches, len(prompts)
+
+    # --- samples -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _generating(self) -> Iterator[None]:
+        """Greedy generation inside a run: eval mode (no dropout), the run's autocast and kernels, no gradients, and
+        the random state as it was after, so a run that samples trains the same numbers; the mode is restored."""
+        was_training = self.model.training
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        self.model.eval()
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), policy.using(self.run.policy), \
+                    self._autocast():
+                yield
+        finally:
+            self.model.train(was_training)
+
+    def sample(self) -> list[Sample]:
+        """Greedy continuations of --sample-prompt's texts by the model as it is now, logged (``sample`` records)
+        and passed to ``on_sample``; this Trainer's first also with the adapter off (the base's, beside them). Rank
+        0 alone samples; the others return [] at once."""
+        prompts = self.run.sample_prompts
+        if not prompts or not self.dist.is_main:
+            return []
+        end_texts = self.run.answer_data.encoder.end_texts if self.run.answer_data is not None else ()
+        with_base = self._sampled_at is None and self.lora_config is not None
+        n = self.config.sample_tokens
+        samples = []
+        with self._generating():
+            for p in prompts:
+                text = greedy_text(self.model, self.tokenizer, p.tokens, n, end_texts)
+                base = None
+                if with_base:
+                    with adapters_off(self.model):
+                        base = greedy_text(self.model, self.tokenizer, p.tokens, n, end_texts)
+                samples.append(Sample(self.iteration, p.text, text, base))
+        self._sampled_at = self.iteration
+        for s in samples:
+            beside = {"base_text": s.base_text} if s.base_text is not None else {}
+            self.log.write("sample", iteration=s.iteration, prompt=s.prompt, text=s.text, **beside)
+        self._notify("on_sample", samples)
+        return samples
+
+    def _sample_every(self) -> int | None:
+        """Iterations between samples: --sample-every, by default --save-every's (0 or less: at the end of a run
+        only); None: no samples."""
+        c = self.config
+        if not c.sample_prompt or c.sample_every == 0:
+            return None
+        every = c.sample_every if c.sample_every is not None else c.save_every
+        return max(every, 0)
 
     def request_stop(self) -> None:
         """Stop after the current step and save; ``train()`` then returns (call it again to go on).
@@ -493,6 +571,7 @@ class Trainer:
                        trainable_parameters=sum(p.numel() for _, p, _ in self.params),
                        resumed_from=str(self.resumed_from) if self.resumed_from else None)
         results = []
+        sample_every = self._sample_every()
         self.run.hold_outputs()  # the outputs stay this run's while it trains; between train() calls, nobody's
         with self._outputs_held(), _sigint_requests_stop(self):
             while self.iteration < self._target_iteration and not self._stopping():
@@ -515,12 +594,16 @@ class Trainer:
                     self.save()
                 if c.eval_every > 0 and self.iteration % c.eval_every == 0:
                     self.evaluate()
+                if sample_every and self.iteration % sample_every == 0:
+                    self.sample()
                 if c.epochs > 0 and self.data.epoch - first_epoch >= c.epochs:
                     break
                 if self.optimizer.should_stop(results[-1].loss):
                     break
             if self.iteration != self._last_save_iteration:
                 self.save()
+            if sample_every is not None and self._sampled_at != self.iteration:
+                self.sample()
             self.log.write("end", iteration=self.iteration, steps=len(results),
                            loss=results[-1].loss if results else None,
                            seconds=sum(r.seconds for r in results), skipped_steps=self.skipped_steps,

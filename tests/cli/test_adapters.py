@@ -99,8 +99,9 @@ def test_a_peft_folder_and_a_checkpoint_serve_as_adapters(stories260k: Path, tex
     """A run's checkpoint (norm-gain adapters included) applies as the model merged with it does; its adapter file
     as a PEFT folder applies as the file does."""
     result = run_cli(["finetune", "--model-base", stories260k, "--train-data", texts["train"], "-c", "32", "-b", "2",
-                      "--adam-iter", "4", "--adam-alpha", "0.01", "--rank-att-norm", "1", "--drop-norms", "--save-every", "0",
-                      "--checkpoint-out", "ck.gguf", "--lora-out", "lora.gguf", "--threads", "2"], cwd=tmp_path)
+                      "--adam-iter", "4", "--adam-alpha", "0.01", "--rank-att-norm", "1", "--drop-norms",
+                      "--save-every", "0", "--checkpoint-out", "ck.gguf", "--lora-out", "lora.gguf", "--threads", "2"],
+                     cwd=tmp_path)
     assert result.exit_code == 0, result.output
     result = run_cli(["export-peft", tmp_path / "lora.gguf", "-m", stories260k, "-o", tmp_path / "peft"])
     assert result.exit_code == 0, result.output

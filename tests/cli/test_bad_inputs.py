@@ -121,6 +121,16 @@ ROWS: list[tuple[str, str]] = [
     ("finetune --model-base {S} --train-data {text} --val-data {chat}", "holds records but --train-data is plain"),
     ("finetune --model-base {S} --train-data {empty_dir}", "holds no .jsonl or .parquet files"),
     ("finetune --model-base {S} --train-data {chat} --batching zip", "Invalid value for '--batching'"),
+    # finetune: samples and answer metrics
+    ("finetune --model-base {S} --train-data {text} --sample-prompt Once --sample-every -1",
+     "--sample-every must be at least 0, got -1"),
+    ("finetune --model-base {S} --train-data {text} --sample-every 2",
+     "--sample-every applies to the samples of --sample-prompt, and none is given"),
+    ("finetune --model-base {S} --train-data {text} --sample-prompt " + "x" * 3000,
+     "exceeds the model's context of 512; shorten it or lower --sample-tokens"),
+    ("finetune --model-base {S} --train-data {text} --sample-prompt Once --sample-tokens 511",
+     "with --sample-tokens 511 new ones it exceeds the model's context of 512"),
+    ("finetune --model-base {S} --train-data {text} --eval-generate -1", "--eval-generate must be at least 0"),
     # demo
     ("demo --base-iterations 0", "Invalid value for '--base-iterations'"),
     ("demo --lora-iterations x", "'x' is not a valid integer"),

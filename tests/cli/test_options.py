@@ -69,6 +69,8 @@ def _expected_default(f: dataclasses.Field[Any]) -> str | None:
     info = f.metadata["option"]
     if f.default is None:
         return f"({info.default_text})" if info.default_text else None
+    if f.default == ():
+        return None  # a repeatable option given no times: nothing to show
     if isinstance(f.default, bool):
         if not info.off:
             return None  # a switch that is off unless given
