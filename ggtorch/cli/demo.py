@@ -224,8 +224,8 @@ def next_steps(result: DemoResult) -> list[str]:
     """The command lines a user runs next, on the demo's files and then on their own model."""
     f = result.files
     return [
-        "# run the demo's model and adapter in llama.cpp",
-        f"llama-cli -m {f['base model (Q8_0)']} --lora {f['adapter']} -p {LORA_PROMPT!r} -n 48 --temp 0",
+        "# run the demo's model with its adapter (llama-cli takes the same --lora flag)",
+        f"ggtorch generate -m {f['base model (Q8_0)']} --lora {f['adapter']} -p {LORA_PROMPT!r} -n 48",
         "# the same finetune from the command line (the old llama.cpp flags)",
         f"ggtorch finetune --model-base {f['base model (Q8_0)']} --train-data {f['finetune text']} "
         f"--lora-r 16 -c 64 -b 8 --adam-iter 60 --adam-alpha 0.003 "
@@ -233,7 +233,7 @@ def next_steps(result: DemoResult) -> list[str]:
         f"--lora-out {result.out_dir / 'lora-ITERATION.gguf'}",
         "# your own model: LoRA on a GGUF of any family in the README (quantized bases stay quantized)",
         "ggtorch finetune --model-base YOUR-MODEL.gguf --train-data YOUR-TEXT.txt -c 256 -b 4 --adam-iter 200",
-        "llama-cli -m YOUR-MODEL.gguf --lora ggml-lora-LATEST-f32.gguf",
+        "ggtorch chat -m YOUR-MODEL.gguf --lora ggml-lora-LATEST-f32.gguf",
         "# or merge it into a new GGUF",
         "ggtorch export-lora -m YOUR-MODEL.gguf --lora ggml-lora-LATEST-f32.gguf -o merged.gguf",
     ]

@@ -56,7 +56,7 @@ def test_demo_command_runs_offline_within_two_minutes(demo: DemoRun) -> None:
     assert demo.seconds < 120, f"the demo took {demo.seconds:.0f} s"
     out = demo.proc.stdout
     assert "4/4" in out and str(demo.out.resolve()) in out
-    assert "llama-cli -m" in out and "ggtorch finetune --model-base" in out
+    assert "ggtorch generate -m" in out and "ggtorch finetune --model-base" in out
     assert {p.name for p in demo.out.iterdir()} >= {"vocab.gguf", "base-f32.gguf", "base-q8_0.gguf", "lora-zen.gguf",
                                                     "lora-checkpoint.gguf"}
 
