@@ -39,7 +39,7 @@ from ggtorch.training.distributed import RankFailed
 from ggtorch.training.generation import Sample, answer_hits, answer_matches, greedy_text
 from ggtorch.training.log import TrainLog
 from ggtorch.training.loss import model_cross_entropy
-from ggtorch.training.memory import ways_to_lower
+from ggtorch.training.memory import GIB, current_rss, ways_to_lower
 from ggtorch.training.preference import METRICS, AnswerLogps, adapters_off, answer_logps, metric_sums
 from ggtorch.training.run import (
     Run,
@@ -77,6 +77,8 @@ class StepResult:
     seconds: float
     tokens_per_second: float
     eta_seconds: float
+    memory_gib: float = 0.0
+    """The process's memory after the step: resident GiB on a CPU, GiB torch holds on a CUDA device."""
     skipped: bool = False
     """f16's loss scaler found inf/NaN gradients: no update (the iteration did not advance), the scale was halved."""
     metrics: dict[str, float] | None = None
@@ -402,7 +404,13 @@ class Trainer:
         """The StepResult of the step just run, where the run and its data stand now."""
         return StepResult(iteration=self.iteration, loss=loss, sched=sched, lr=lr,
                           samples=min(self.data.next_sample + 1, self.data.n_samples), n_samples=self.data.n_samples,
-                          epoch=self.data.epoch, tokens=self.counters["tokens"], seconds=seconds, **rest)
+                          epoch=self.data.epoch, tokens=self.counters["tokens"], seconds=seconds,
+                          memory_gib=self._memory_bytes() / GIB, **rest)
+
+    def _memory_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return current_rss()
 
     def _count(self, batch: Batch) -> int:
         """What a micro-batch's loss is a mean over: its counted targets, or its pairs for a preference objective."""

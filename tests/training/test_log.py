@@ -14,7 +14,8 @@ from ggtorch.training.log import TrainLog, read_log, scalars
 from tests.helpers import run_cli
 
 TAGS = {"train/loss": ("iter", "loss"), "train/lr": ("iter", "lr"),
-        "train/tokens_per_second": ("iter", "tokens_per_second"), "eval/loss": ("eval", "loss")}
+        "train/tokens_per_second": ("iter", "tokens_per_second"), "train/memory_gib": ("iter", "memory_gib"),
+        "eval/loss": ("eval", "loss")}
 """TensorBoard tag -> the log records and field it copies."""
 
 
@@ -52,6 +53,9 @@ def test_tensorboard_holds_the_logs_scalars_and_a_resumed_run_continues_its_step
     for tag, (kind, name) in TAGS.items():
         assert shown[tag] == expected(first, kind, name), tag
     assert shown["train/loss"][0][0] == 1
+    peak_gib = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                    if line.startswith("VmHWM:")) / 2**20  # this process ran the command: its peak resident KiB
+    assert all(0.05 < r["memory_gib"] <= peak_gib for r in first if r["kind"] == "iter")
 
     # the Python API's keyword, resumed from iteration 2: iterations 3 to 5 again, and the first run's eval at 3 goes
     ggtorch.finetune(**common, adam_iter=3, checkpoint_in=str(tmp_path / "ck-2.gguf"), tensorboard=board,
