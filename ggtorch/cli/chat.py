@@ -16,7 +16,14 @@ from collections.abc import Callable, Iterable
 import click
 
 from ggtorch.api import GGUFModel
-from ggtorch.cli.options import RunLoraArgsCommand, load_with_adapters, model_options, run_lora_options
+from ggtorch.cli.options import (
+    RunLoraArgsCommand,
+    load_with_adapters,
+    model_options,
+    run_lora_options,
+    sampling_options,
+    sampling_params,
+)
 from ggtorch.data.conversation import Conversation, Reply
 from ggtorch.models.generate import SamplingParams, check_n_tokens
 from ggtorch.ops.threads import pin_threads
@@ -111,10 +118,7 @@ def _scripted(conversation: Conversation, lines: Iterable[str], params: Sampling
               help="Jinja chat template file to use instead of the model's tokenizer.chat_template.")
 @click.option("-n", "--n-predict", "n_predict", type=int, default=1024, show_default=True,
               help="Most tokens an answer may have (it ends earlier at the template's end of turn).")
-@click.option("--temp", type=float, default=0.0, show_default=True, help="Temperature; 0 is greedy (argmax).")
-@click.option("--top-k", type=int, default=40, show_default=True, help="Top-k (0 disables); used when --temp > 0.")
-@click.option("--top-p", type=float, default=0.95, show_default=True, help="Top-p (1 disables); used when --temp > 0.")
-@click.option("-s", "--seed", type=int, default=-1, show_default=True, help="Sampling seed; -1 picks one at random.")
+@sampling_options
 @click.option("--hide-thinking", is_flag=True, help="Leave a reasoning model's <think> block out (else it is "
               "written to stderr, apart from the answer).")
 @run_lora_options
@@ -124,7 +128,7 @@ def chat(model_path: str, device: str, dtype: str, keep_quantized: bool, threads
     """Chat with a model through its chat template, streaming the answers (KV cache kept across turns)."""
     if threads:
         pin_threads(threads)
-    params = SamplingParams(temp, top_k, top_p, None if seed == -1 else seed)  # the API's checks, before the load
+    params = sampling_params(temp, top_k, top_p, seed)  # the API's checks, before the load
     check_n_tokens(n_predict)
     loaded: GGUFModel = load_with_adapters(model_path, device, dtype, keep_quantized, lora_scaled)
     conversation = loaded.conversation(system, chat_template)

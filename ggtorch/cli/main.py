@@ -20,14 +20,21 @@ from ggtorch.cli.chat import chat
 from ggtorch.cli.demo import demo
 from ggtorch.cli.export import convert_old_lora, export_lora
 from ggtorch.cli.finetune import finetune, plot
-from ggtorch.cli.options import RunLoraArgsCommand, load_with_adapters, model_options, run_lora_options
+from ggtorch.cli.options import (
+    RunLoraArgsCommand,
+    load_with_adapters,
+    model_options,
+    run_lora_options,
+    sampling_options,
+    sampling_params,
+)
 from ggtorch.cli.peft import convert_lora, export_peft_cmd
 from ggtorch.cli.train import train
 from ggtorch.errors import BadData, GGTorchError
 from ggtorch.io.gguf import read_gguf
 from ggtorch.io.paths import Input, check_input
 from ggtorch.models.config import ModelConfig
-from ggtorch.models.generate import SamplingParams, check_fits, check_n_tokens, iter_tokens
+from ggtorch.models.generate import check_fits, check_n_tokens, iter_tokens
 from ggtorch.ops.threads import follow_free_cores, pin_threads, start_following
 from ggtorch.training.distributed import env_rank, env_world_size
 
@@ -115,10 +122,7 @@ def info(model_path: str) -> None:
 @click.option("-p", "--prompt", default="", show_default=True, help="Text to continue (BOS is added).")
 @click.option("-n", "--n-predict", "n_predict", type=int, default=64, show_default=True,
               help="Number of tokens to generate.")
-@click.option("--temp", type=float, default=0.0, show_default=True, help="Temperature; 0 is greedy (argmax).")
-@click.option("--top-k", type=int, default=40, show_default=True, help="Top-k (0 disables); used when --temp > 0.")
-@click.option("--top-p", type=float, default=0.95, show_default=True, help="Top-p (1 disables); used when --temp > 0.")
-@click.option("-s", "--seed", type=int, default=-1, show_default=True, help="Sampling seed; -1 picks one at random.")
+@sampling_options
 @click.option("--ignore-eos", is_flag=True, help="Keep generating after an end-of-generation token (EOS, EOT).")
 @run_lora_options
 def generate(model_path: str, device: str, dtype: str, keep_quantized: bool, threads: int | None, prompt: str,
@@ -127,7 +131,7 @@ def generate(model_path: str, device: str, dtype: str, keep_quantized: bool, thr
     """Continue a prompt, printing the text as it is generated."""
     if threads:
         pin_threads(threads)
-    params = SamplingParams(temp, top_k, top_p, None if seed == -1 else seed)  # the API's checks, before the load
+    params = sampling_params(temp, top_k, top_p, seed)  # the API's checks, before the load
     check_n_tokens(n_predict)
     loaded = load_with_adapters(model_path, device, dtype, keep_quantized, lora_scaled)
     tok = loaded.tokenizer

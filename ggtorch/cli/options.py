@@ -19,6 +19,7 @@ from click.core import ParameterSource
 
 from ggtorch.api import GGUFModel, load_model
 from ggtorch.errors import BadFlag, flag
+from ggtorch.models.generate import SamplingParams
 from ggtorch.ops.dtypes import DTYPES
 from ggtorch.training.config import (
     FILES,
@@ -261,3 +262,21 @@ def load_with_adapters(model_path: str, device: str, dtype: str, keep_quantized:
     for path, scale in specs:
         click.echo(f"adapter: {path}" + (f" (scale {scale:g})" if scale != 1.0 else ""), err=True)
     return loaded
+
+
+def sampling_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--temp``, ``--top-k``, ``--top-p`` and ``-s`` of the commands that write text, as llama.cpp's tools
+    spell them; :func:`sampling_params` checks them (the API's one check) before a model loads."""
+    fn = click.option("-s", "--seed", type=int, default=-1, show_default=True,
+                      help="Sampling seed; -1 picks one at random.")(fn)
+    fn = click.option("--top-p", type=float, default=0.95, show_default=True,
+                      help="Top-p (1 disables); used when --temp > 0.")(fn)
+    fn = click.option("--top-k", type=int, default=40, show_default=True,
+                      help="Top-k (0 disables); used when --temp > 0.")(fn)
+    return click.option("--temp", type=float, default=0.0, show_default=True,
+                        help="Temperature; 0 is greedy (argmax).")(fn)
+
+
+def sampling_params(temp: float, top_k: int, top_p: float, seed: int) -> SamplingParams:
+    """The sampling flags as the API's :class:`SamplingParams` (its checks); a seed of -1 picks one at random."""
+    return SamplingParams(temp, top_k, top_p, None if seed == -1 else seed)

@@ -16,28 +16,11 @@ from ggtorch.models.generate import generate_tokens
 from ggtorch.models.tokenizer import Tokenizer
 from ggtorch.training.config import FinetuneConfig
 from ggtorch.training.trainer import Callback, Sample, Trainer
-from tests.data.test_chat import CONVERSATIONS, TEMPLATE, reference_render
+from tests.data.test_chat import CONVERSATIONS, TEMPLATE, chat_model, one_thread, reference_render  # noqa: F401
 from tests.helpers import losses, read_log
-from tests.llama_models import rewrite_gguf
 from tests.training.test_finetune import SMALL, run
 
 END = "<|im_end|>"  # TEMPLATE's end of turn: stories260K writes it as pieces, so a generated answer is cut there
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread is faster than two fighting other processes (and sums in one order)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def chat_model(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """stories260K with TEMPLATE (ChatML) as its tokenizer.chat_template."""
-    return rewrite_gguf(stories260k, tmp_path_factory.mktemp("chat") / "chat.gguf",
-                        set_keys={"tokenizer.chat_template": TEMPLATE})
 
 
 def records() -> list[dict[str, Any]]:
@@ -74,7 +57,8 @@ def answer_positions(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> tu
     return ids, positions
 
 
-def test_answer_accuracy_and_exact_match_are_the_shares_computed_apart(chat_model: Path, tmp_path: Path) -> None:
+def test_answer_accuracy_and_exact_match_are_the_shares_computed_apart(chat_model: Path,  # noqa: F811
+                                                                       tmp_path: Path) -> None:
     """The evaluation's answer accuracy is the share of answer tokens (the template's answers, found in its jinja2
     render; ctx holds each conversation whole) that the argmax of the model's logits at the position before
     predicts; its exact match the share of conversations whose greedy answer, cut at the end of turn, is the
@@ -174,7 +158,8 @@ def test_samples_are_logged_at_their_iterations_and_the_first_shows_the_base(
         assert all(line in shown for line in s.lines())
 
 
-def test_a_chat_sample_prompt_is_a_user_message_in_the_template(chat_model: Path, tmp_path: Path) -> None:
+def test_a_chat_sample_prompt_is_a_user_message_in_the_template(chat_model: Path,  # noqa: F811
+                                                                tmp_path: Path) -> None:
     """Chat records: the prompt is rendered as a user message with the generation prompt (plain jinja2 here), and
     the continuation ends at the end of turn; the base's is the model's without any adapter (loaded apart)."""
     prompt = "Where is Tom?"
