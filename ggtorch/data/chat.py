@@ -410,6 +410,14 @@ def token_starts(tokenizer: TokenizerLike, text: bytes, ids: Sequence[int]) -> n
     return starts if not text[pos:].strip(_WHITESPACE) else None
 
 
+def _message_dicts(example: Example) -> list[dict[str, Any]]:
+    """A chat example's messages as a template reads them, each with its extra fields (tool calls ...); a null
+    content (an assistant's tool calls) is an absent one, as every null field and as TRL writes them."""
+    fields = example.fields or ({},) * len(example.messages)
+    return [{**extra, "role": role, **({"content": content} if content is not None else {})}
+            for (role, content), extra in zip(example.messages, fields, strict=True)]
+
+
 class RecordEncoder:
     """Examples -> :class:`Encoded`, with the model's tokenizer and chat template.
 
@@ -449,10 +457,7 @@ class RecordEncoder:
         if not self._prompt_checked:  # once, on the first chat record: the template, not a record, is at fault
             check_generation_prompt(self.template, example.where)
             self._prompt_checked = True
-        fields = example.fields or ({},) * len(example.messages)
-        # a null content (an assistant's tool calls) is an absent one, as every null field and as TRL writes them
-        messages = [{**extra, "role": role, **({"content": content} if content is not None else {})}
-                    for (role, content), extra in zip(example.messages, fields, strict=True)]
+        messages = _message_dicts(example)
         check_tool_support(self.template, messages, example.tools, example.where)
         return answer_spans(self.template, messages, example.where, self.end_texts, example.tools)
 
@@ -474,18 +479,13 @@ class RecordEncoder:
             answer = example.messages[last][1]
             if answer is None or self.template is None:
                 return None
-            fields = example.fields or ({},) * len(example.messages)
-            messages = [{**extra, "role": role, **({"content": content} if content is not None else {})}
-                        for (role, content), extra in zip(example.messages[:last], fields[:last], strict=True)]
-            ids = self._tokenize(self.template.render(messages, True, example.where, example.tools))
+            text = self.template.render(_message_dicts(example)[:last], True, example.where, example.tools)
         elif example.format in ("prompt-response", "completion"):
             answer = example.response
-            ids = self._tokenize(default_prompt(example) if example.format == "prompt-response"
-                                 else example.instruction)
+            text = default_prompt(example) if example.format == "prompt-response" else example.instruction
         else:
             return None
-        if self.add_bos and (not ids or ids[0] != self.tokenizer.bos_id):
-            ids.insert(0, self.tokenizer.bos_id)
+        ids = self.tokenize_render(text)
         n_answer = len(self.encode(example)) - len(ids) if answer else 0
         return Prompt(ids, answer, max(n_answer, 0))
 
