@@ -31,6 +31,7 @@ import torch
 from ggtorch.data import Batch
 from ggtorch.errors import GGTorchError, NonFiniteValues, OutOfMemory
 from ggtorch.io.checkpoint import save_checkpoint
+from ggtorch.models.generate import computing
 from ggtorch.ops import fused, malloc, policy, threads
 from ggtorch.ops.dtypes import DTYPES
 from ggtorch.quant.autograd import keeping_dequantized
@@ -510,15 +511,11 @@ class Trainer:
     def _generating(self) -> Iterator[None]:
         """Greedy generation inside a run: eval mode (no dropout), the run's autocast and kernels, no gradients, and
         the random state as it was after, so a run that samples trains the same numbers; the mode is restored."""
-        was_training = self.model.training
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        self.model.eval()
-        try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad(), policy.using(self.run.policy), \
-                    self._autocast():
-                yield
-        finally:
-            self.model.train(was_training)
+        compute = DTYPES[self.config.dtype]
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), policy.using(self.run.policy), \
+                computing(self.model, compute if compute != torch.float32 else None):
+            yield
 
     def sample(self) -> list[Sample]:
         """Greedy continuations of --sample-prompt's texts by the model as it is now, logged (``sample`` records)
