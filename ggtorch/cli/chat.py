@@ -124,7 +124,7 @@ def _scripted(conversation: Conversation, lines: Iterable[str], params: Sampling
 @run_lora_options
 def chat(model_path: str, device: str, dtype: str, keep_quantized: bool, threads: int | None, prompt: str | None,
          system: str | None, chat_template: str | None, n_predict: int, temp: float, top_k: int, top_p: float,
-         seed: int, hide_thinking: bool, lora_plain: tuple[str, ...], lora_scaled: tuple[str, ...]) -> None:
+         seed: int, hide_thinking: bool, lora_scaled: tuple[str, ...]) -> None:
     """Chat with a model through its chat template, streaming the answers (KV cache kept across turns)."""
     if threads:
         pin_threads(threads)

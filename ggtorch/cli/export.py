@@ -26,7 +26,7 @@ from ggtorch.ops.threads import pin_threads
 @click.command(name="export-lora", cls=LoraArgsCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-m", "--model", "--model-base", "model_path", required=True, help="Base GGUF model.")
 @click.option("-o", "--output", "--model-out", "out_path", required=True, help="Merged GGUF model to write.")
-@click.option("--lora", "-l", "lora_plain", multiple=True, metavar="FILE[,FILE...]",
+@click.option("--lora", "-l", multiple=True, metavar="FILE[,FILE...]", expose_value=False,  # as --lora-scaled F:1
               help="Adapter to merge with scale 1: GGUF LoRA, ggtorch checkpoint, or old lora-*.bin/checkpoint.")
 @click.option("--lora-scaled", "-s", "lora_scaled", multiple=True, metavar="FILE:SCALE",
               help="Adapter with a user scale (also FILE SCALE, as the old export-lora took it).")
@@ -34,7 +34,7 @@ from ggtorch.ops.threads import pin_threads
               help="Type of the merged tensors; untouched tensors are copied as they are. 'same' keeps each base "
                    "type where ggtorch quantizes it exactly like llama.cpp, else Q8_0 (K-quants, IQ types).")
 @threads_option
-def export_lora(model_path: str, out_path: str, lora_plain: tuple[str, ...], lora_scaled: tuple[str, ...],
+def export_lora(model_path: str, out_path: str, lora_scaled: tuple[str, ...],
                 outtype: str, threads: int | None) -> None:
     """Merge LoRA adapters into a GGUF model: W + Σ scale·(alpha/r)·B·A (llama.cpp's export-lora)."""
     if threads:

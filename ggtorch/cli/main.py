@@ -127,7 +127,7 @@ def info(model_path: str) -> None:
 @run_lora_options
 def generate(model_path: str, device: str, dtype: str, keep_quantized: bool, threads: int | None, prompt: str,
              n_predict: int, temp: float, top_k: int, top_p: float, seed: int, ignore_eos: bool,
-             lora_plain: tuple[str, ...], lora_scaled: tuple[str, ...]) -> None:
+             lora_scaled: tuple[str, ...]) -> None:
     """Continue a prompt, printing the text as it is generated."""
     if threads:
         pin_threads(threads)
@@ -166,7 +166,7 @@ def generate(model_path: str, device: str, dtype: str, keep_quantized: bool, thr
               help="Chunks evaluated per forward.")
 @run_lora_options
 def perplexity_cmd(model_path: str, device: str, dtype: str, keep_quantized: bool, threads: int | None, text_file: str,
-                   n_ctx: int, batch_size: int, lora_plain: tuple[str, ...], lora_scaled: tuple[str, ...]) -> None:
+                   n_ctx: int, batch_size: int, lora_scaled: tuple[str, ...]) -> None:
     """Perplexity of a text, as llama.cpp's llama-perplexity computes it."""
     if threads:
         pin_threads(threads)

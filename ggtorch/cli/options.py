@@ -222,7 +222,7 @@ def run_lora_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = click.option(_SCALED, "lora_scaled", multiple=True, metavar="FILE SCALE",
                       help="An adapter with a user scale (also FILE:SCALE; 1 applies it as trained, -1 "
                       "removes it).")(fn)
-    return click.option("--lora", "lora_plain", multiple=True, metavar="FILE",
+    return click.option("--lora", multiple=True, metavar="FILE", expose_value=False,  # arrives as --lora-scaled F:1
                         help="Apply a LoRA adapter (repeatable, summed): a GGUF adapter, a PEFT folder or a training "
                         "checkpoint.")(fn)
 
